@@ -1,0 +1,166 @@
+"""Engines: what runs one optimizer step. ``engine: {type: local}`` in a config picks one.
+
+An engine owns the training state and the compiled step; the runner (``train`` kind) owns data,
+evaluation, logging and checkpoints. ``local`` (one device, ``jax.jit``) is built in; other
+packages register theirs (``pipeline``, ``stream``) with :func:`register_engine` from their own
+modules, which :func:`jaxstream.experiment.registry.load_plugins` imports.
+
+An engine's ``build`` is called as::
+
+    build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches) -> Engine
+
+with ``stack`` the model (a :class:`jaxstream.models.Stack`, itself a ``loss_fn``), ``estimator``
+the built estimator (``estimator(loss_fn, params, batch, key) -> (loss, grads)``), ``optimizer``
+an ``optax.GradientTransformation``, ``config`` the whole train config, ``arm`` the arm being run
+(its ``estimator`` section says which variant) and ``micro_batches`` the number N of micro-batches
+a hybrid estimator needs (1 otherwise). Accept ``**kwargs`` to stay compatible with later
+additions.
+
+Example:
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class MyEngineConfig:
+    ...     stages: int = 2
+    >>> register_engine("mine", MyEngineConfig, lambda cfg, **kw: MyEngine(cfg, **kw))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxstream.experiment.config import choices, register_choice
+
+Metrics = dict[str, Any]
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One optimizer step at a time over a state pytree that orbax can save.
+
+    Optional: ``estimate(state, batch, key) -> (loss, grads)`` returns the gradient estimate the
+    step would use (without updating); the runner then logs its cosine to the exact gradient.
+    """
+
+    def init(self, params: Any, key: jax.Array) -> Any:
+        """Initial state from initial params."""
+
+    def step(self, state: Any, batch: dict, key: jax.Array) -> tuple[Any, Metrics]:
+        """One optimizer step on ``batch`` (leaves (B, ...)); returns (new state, scalar metrics)."""
+
+    def params(self, state: Any) -> Any:
+        """The current params, for evaluation and diagnostics."""
+
+
+class EngineConfig:
+    """Base of the polymorphic ``engine:`` section; variants come from :func:`register_engine`."""
+
+
+class EngineEntry(NamedTuple):
+    """A registered engine."""
+
+    name: str
+    config_cls: type
+    build: Callable[..., Engine]
+
+
+_ENGINES: dict[str, EngineEntry] = {}
+
+
+def register_engine(name: str, config_cls: type, build: Callable[..., Engine]) -> None:
+    """Register engine ``name``: config ``engine: {type: name, ...}`` -> ``build(cfg, **kw)``.
+
+    Args:
+      name: the ``type:`` value in YAML.
+      config_cls: a frozen dataclass with the engine's options (need not subclass EngineConfig).
+      build: ``build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches)``.
+    """
+    register_choice(EngineConfig, name, config_cls)
+    _ENGINES[name] = EngineEntry(name, config_cls, build)
+
+
+def engine_names() -> list[str]:
+    """Names of the registered engines."""
+    return sorted(_ENGINES)
+
+
+def build_engine(engine_cfg: Any, **kwargs: Any) -> Engine:
+    """Build the engine registered for ``engine_cfg``'s class."""
+    for entry in _ENGINES.values():
+        if type(engine_cfg) is entry.config_cls:
+            return entry.build(engine_cfg, **kwargs)
+    raise ValueError(f"engine: {type(engine_cfg).__name__} is not a registered engine config; "
+                     f"registered: {sorted(choices(EngineConfig))}")
+
+
+def split_micro_batches(batch: dict, n: int) -> dict:
+    """Reshape every leaf (B, ...) -> (n, B // n, ...) (consecutive examples per micro-batch)."""
+    if n == 1:
+        return batch
+
+    def cut(a):
+        if a.shape[0] % n:
+            raise ValueError(f"batch_size: {a.shape[0]} is not divisible by micro_batches={n}")
+        return a.reshape((n, a.shape[0] // n) + a.shape[1:])
+
+    return jax.tree.map(cut, batch)
+
+
+# ----------------------------------------------------------------------------- local engine
+@dataclasses.dataclass(frozen=True)
+class LocalEngineConfig:
+    """One device, one jit-compiled step (no options)."""
+
+
+class LocalState(NamedTuple):
+    """State of the local engine."""
+
+    params: Any
+    opt_state: Any
+
+
+class LocalEngine:
+    """Single-device engine: ``step = jit(estimator -> optax update)``.
+
+    For a hybrid estimator the batch is cut into ``micro_batches`` micro-batches inside the step.
+    """
+
+    def __init__(self, cfg: LocalEngineConfig, *, stack: Any, estimator: Callable,
+                 optimizer: optax.GradientTransformation, micro_batches: int = 1, **_: Any):
+        self.cfg = cfg
+        self.stack = stack
+        self.estimator = estimator
+        self.optimizer = optimizer
+        self.micro_batches = micro_batches
+        self.step = jax.jit(self._step)
+        self.estimate = jax.jit(self._estimate)
+
+    def init(self, params: Any, key: jax.Array) -> LocalState:
+        del key
+        return LocalState(params, self.optimizer.init(params))
+
+    def params(self, state: LocalState) -> Any:
+        return state.params
+
+    def _estimate(self, state: LocalState, batch: dict, key: jax.Array):
+        batch = split_micro_batches(batch, self.micro_batches)
+        return self.estimator(self.stack, state.params, batch, key)
+
+    def _step(self, state: LocalState, batch: dict, key: jax.Array):
+        loss, grads = self._estimate(state, batch, key)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return LocalState(params, opt_state), metrics
+
+
+register_engine("local", LocalEngineConfig, lambda cfg, **kw: LocalEngine(cfg, **kw))
+
+
+def tree_cosine(a: Any, b: Any) -> jax.Array:
+    """Cosine similarity of two pytrees seen as flat vectors."""
+    dot = sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return dot / (optax.global_norm(a) * optax.global_norm(b) + 1e-30)

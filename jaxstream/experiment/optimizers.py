@@ -1,0 +1,106 @@
+"""Optimizers by name: ``optimizer: {name: adam, ...}`` in a config -> an optax transformation.
+
+Built in: ``adam``, ``adamw``, ``sgd`` (``momentum``/``nesterov`` options), ``adabelief``. Other
+packages add theirs with :func:`register_optimizer` (e.g. ``max_adabelief`` from
+:mod:`jaxstream.optim`).
+
+Example:
+    >>> register_optimizer("my_sgd", lambda learning_rate, **kw: optax.sgd(learning_rate, **kw))
+    >>> tx = build_optimizer(OptimizerConfig(name="my_sgd"), learning_rate=0.1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable, Literal
+
+import optax
+
+OptimizerFactory = Callable[..., optax.GradientTransformation]
+
+_OPTIMIZERS: dict[str, OptimizerFactory] = {}
+
+
+def register_optimizer(name: str, factory: OptimizerFactory) -> None:
+    """Register ``factory(learning_rate, **options) -> optax.GradientTransformation`` as ``name``."""
+    _OPTIMIZERS[name] = factory
+
+
+def optimizer_names() -> list[str]:
+    """Names of the registered optimizers."""
+    return sorted(_OPTIMIZERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optax optimizer to use.
+
+    Attributes:
+      name: a registered optimizer name (see :func:`optimizer_names`).
+      options: extra keyword arguments for the factory (e.g. ``{b1: 0.9}``, ``{momentum: 0.9}``).
+      clip_norm: if set, clip the gradient's global norm before the optimizer.
+      warmup_steps: linear learning-rate warm-up from 0 over this many steps (0: none).
+      schedule: ``constant`` or ``cosine`` decay to 0 at the end of training.
+    """
+
+    name: str = "adam"
+    options: dict[str, float | int | bool | str] = dataclasses.field(default_factory=dict)
+    clip_norm: float | None = None
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+
+    def __post_init__(self):
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule: {self.schedule!r} is not allowed; choose one of "
+                             "'constant', 'cosine'")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+
+
+def check_optimizer(cfg: OptimizerConfig, path: str = "optimizer") -> None:
+    """Raise a ValueError naming ``path`` if the optimizer name or its options are unknown."""
+    if cfg.name not in _OPTIMIZERS:
+        raise ValueError(f"{path}.name: {cfg.name!r} is not a registered optimizer; choose one "
+                         f"of {optimizer_names()}")
+    factory = _OPTIMIZERS[cfg.name]
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key in cfg.options:
+        if key not in params or key == "learning_rate":
+            allowed = [p for p in params if p != "learning_rate"]
+            raise ValueError(f"{path}.options.{key}: unknown option for {cfg.name!r}; "
+                             f"allowed: {allowed}")
+
+
+def build_optimizer(
+    cfg: OptimizerConfig, learning_rate: float, total_steps: int | None = None
+) -> optax.GradientTransformation:
+    """The optax transformation for ``cfg`` with base ``learning_rate``."""
+    check_optimizer(cfg)
+    lr: Any = learning_rate
+    if cfg.schedule == "cosine" or cfg.warmup_steps:
+        decay = max(1, (total_steps or 1) - cfg.warmup_steps)
+        if cfg.schedule == "cosine":
+            main = optax.cosine_decay_schedule(learning_rate, decay)
+        else:
+            main = optax.constant_schedule(learning_rate)
+        if cfg.warmup_steps:
+            warm = optax.linear_schedule(0.0, learning_rate, cfg.warmup_steps)
+            lr = optax.join_schedules([warm, main], [cfg.warmup_steps])
+        else:
+            lr = main
+    tx = _OPTIMIZERS[cfg.name](lr, **cfg.options)
+    if cfg.clip_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
+    return tx
+
+
+register_optimizer("adam", optax.adam)
+register_optimizer("adamw", optax.adamw)
+register_optimizer("sgd", optax.sgd)
+register_optimizer("adabelief", optax.adabelief)

@@ -1,0 +1,117 @@
+"""Experiment kinds: the top-level ``kind:`` of a YAML file picks what runs.
+
+A kind pairs a frozen config dataclass with a ``run(config, run_dir) -> summary`` function.
+``train`` is built in (:mod:`jaxstream.experiment.train`); other packages register theirs from
+their own modules, which :func:`load_plugins` imports (a module that is not installed is
+skipped; any other import error is raised).
+
+Example:
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class StudyConfig:
+    ...     seed: int = 0
+    >>> def run_study(cfg: StudyConfig, run_dir: Path) -> dict:
+    ...     return {"seed": cfg.seed}
+    >>> register_experiment("study", StudyConfig, run_study)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
+
+#: Modules imported by :func:`load_plugins`; each registers kinds and/or engines when present.
+PLUGIN_MODULES: tuple[str, ...] = (
+    "jaxstream.experiment.train",
+    "jaxstream.quality.study",
+    "jaxstream.pipeline.engine",
+    "jaxstream.stream.engine",
+    "jaxstream.optim",
+)
+
+DEFAULT_KIND = "train"
+
+
+class Experiment(NamedTuple):
+    """A registered experiment kind."""
+
+    kind: str
+    config_cls: type
+    run: Callable[[Any, Path], dict]
+
+
+_EXPERIMENTS: dict[str, Experiment] = {}
+
+
+def register_experiment(kind: str, config_cls: type, run: Callable[[Any, Path], dict]) -> None:
+    """Register experiment ``kind`` (the YAML's top-level ``kind:``).
+
+    Args:
+      kind: the name used in YAML files.
+      config_cls: a frozen dataclass holding every other top-level key of the YAML.
+      run: ``run(config, run_dir) -> summary dict``; writes its results under ``run_dir``
+        (a directory that exists and already holds ``config.yaml`` and ``env.json``). It may
+        accept the keyword ``resume: bool`` to continue from checkpoints in ``run_dir``.
+    """
+    if not (dataclasses.is_dataclass(config_cls) and isinstance(config_cls, type)):
+        raise TypeError(f"register_experiment({kind!r}): config_cls must be a dataclass class")
+    old = _EXPERIMENTS.get(kind)
+    if old is not None and (old.config_cls is not config_cls or old.run is not run):
+        # Re-registering the same objects (module re-import) is fine; a clash is not.
+        if old.config_cls.__qualname__ != config_cls.__qualname__:
+            raise ConfigError(f"experiment kind {kind!r} is already registered")
+    _EXPERIMENTS[kind] = Experiment(kind, config_cls, run)
+
+
+def experiment_kinds() -> list[str]:
+    """Names of the registered kinds (after :func:`load_plugins`)."""
+    load_plugins()
+    return sorted(_EXPERIMENTS)
+
+
+def get_experiment(kind: str) -> Experiment:
+    """The registered kind ``kind``; a ValueError lists the known kinds otherwise."""
+    load_plugins()
+    if kind not in _EXPERIMENTS:
+        raise ConfigError(f"kind: {kind!r} is not a registered experiment kind; choose one of "
+                         f"{sorted(_EXPERIMENTS)}")
+    return _EXPERIMENTS[kind]
+
+
+_LOADED = False
+
+
+def load_plugins(modules: Iterable[str] = PLUGIN_MODULES) -> None:
+    """Import the modules that register kinds, engines and optimizers (once)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            # Skip only when the plugin module itself (or its package) is absent.
+            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+                _LOADED = False
+                raise
+
+
+def load_experiment(
+    source: str | Path | Mapping[str, Any], overrides: Iterable[str] = ()
+) -> tuple[str, Any]:
+    """Parse an experiment YAML (or mapping) + dotted overrides into ``(kind, config)``.
+
+    ``kind`` defaults to ``train``; it can itself be overridden (``kind=grad_quality``).
+    Raises ValueError naming the field on unknown keys or bad values, before any compute.
+    """
+    data = dict(source) if isinstance(source, Mapping) else read_yaml(source)
+    data = apply_overrides(data, overrides)
+    kind = data.pop("kind", DEFAULT_KIND)
+    if not isinstance(kind, str):
+        raise ConfigError(f"kind: expected a string, got {kind!r}")
+    exp = get_experiment(kind)
+    return kind, from_dict(exp.config_cls, data)

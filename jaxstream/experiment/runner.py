@@ -1,0 +1,74 @@
+"""Run an experiment file: parse and check the config, make the run directory, dispatch on kind.
+
+Example:
+    >>> run_dir, summary = run_experiment("experiments/quickstart.yaml", ["steps=50"])
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Iterable
+
+from jaxstream.experiment.config import ConfigError, diff_configs, dump_yaml
+from jaxstream.experiment.registry import get_experiment, load_experiment
+from jaxstream.experiment.rundir import environment, latest_run_dir, new_run_dir, write_json
+
+#: Fields that may change between a run and its ``--resume`` (they do not change any metric).
+RESUMABLE_CHANGES = ("max_steps", "progress", "plots")
+
+
+def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: bool) -> Path:
+    """Where a run writes (created if new).
+
+    Without ``out``: ``runs/<config stem>``, or ``runs/<stem>_2``, ... if taken (nothing is
+    overwritten); with ``resume`` the latest of those. With ``out``: that directory, which must
+    be empty or absent unless resuming.
+    """
+    base = Path(out) if out is not None else Path("runs") / Path(config_path).stem
+    if resume:
+        found = base if (base / "config.yaml").exists() else (
+            latest_run_dir(base) if out is None else None)
+        if found is None:
+            raise ConfigError(f"--resume: no run directory with a config.yaml at {base}")
+        return found
+    if out is not None:
+        if base.exists() and any(base.iterdir()):
+            raise ConfigError(f"--out: {base} already holds files; pass --resume to continue that "
+                             "run or choose another directory")
+        base.mkdir(parents=True, exist_ok=True)
+        return base
+    return new_run_dir(base)
+
+
+def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
+                   out: str | Path | None = None, resume: bool = False) -> tuple[Path, dict]:
+    """Load ``config_path`` + overrides, check them, run, and write the run directory.
+
+    Returns ``(run_dir, summary)``. Config errors (ValueError naming the field) are raised
+    before anything is written or computed.
+    """
+    overrides = list(overrides)
+    kind, cfg = load_experiment(config_path, overrides)
+    exp = get_experiment(kind)
+    run_dir = resolve_run_dir(config_path, out, resume)
+    if resume:
+        saved_kind, saved = load_experiment(run_dir / "config.yaml")
+        if saved_kind != kind:
+            raise ConfigError(f"--resume: kind {kind!r} differs from {saved_kind!r} in "
+                             f"{run_dir / 'config.yaml'}")
+        diff = diff_configs(saved, cfg, ignore=RESUMABLE_CHANGES)
+        if diff:
+            raise ConfigError(f"--resume: the config differs from {run_dir / 'config.yaml'} in "
+                             f"{', '.join(diff)}; only {', '.join(RESUMABLE_CHANGES)} may change")
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
+    write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
+                                      "overrides": overrides, "resume": resume})
+    kwargs: dict[str, Any] = {}
+    if "resume" in inspect.signature(exp.run).parameters:
+        kwargs["resume"] = resume
+    elif resume:
+        raise ConfigError(f"--resume: experiments of kind {kind!r} cannot be resumed")
+    summary = exp.run(cfg, run_dir, **kwargs)
+    write_json(run_dir / "summary.json", summary)
+    return run_dir, summary

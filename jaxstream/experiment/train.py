@@ -1,0 +1,193 @@
+"""``kind: train``: train each arm of a :class:`TrainConfig` and log, checkpoint, summarise.
+
+Every arm starts from the same initial params and sees the same batches (batch ``s`` is a pure
+function of (seed, s)); the tangent key of step ``s`` is ``fold_in(key, s)``. So a run is a pure
+function of its config, and a run resumed from a checkpoint at step k writes the same metrics as
+an uninterrupted one (wall-clock fields ``*_time`` aside).
+
+``train_time`` counts only the optimizer steps (compiled ahead of time, so compilation is
+excluded; evaluation and diagnostics are excluded too).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from jaxstream.data.batches import batch_at
+from jaxstream.experiment.checkpoints import ArmCheckpointer
+from jaxstream.experiment.engines import build_engine, tree_cosine
+from jaxstream.experiment.estimators import describe, family
+from jaxstream.experiment.optimizers import build_optimizer
+from jaxstream.experiment.plots import write_plots
+from jaxstream.experiment.registry import register_experiment
+from jaxstream.experiment.rundir import MetricsLog
+from jaxstream.experiment.summary import compare_families, format_table, summarize_arm
+from jaxstream.experiment.train_config import ArmConfig, TrainConfig
+
+
+def _evaluator(stack: Any) -> Callable:
+    def evaluate(params, batch):
+        logits = stack.apply(params, batch["x"])
+        loss = jnp.mean(stack.example_loss(logits, batch))
+        acc = jnp.mean(jnp.argmax(logits, axis=-1) == batch["y"])
+        return loss, acc
+
+    return jax.jit(evaluate)
+
+
+def _eval_record(evaluate: Callable, params: Any, train: dict, test: dict) -> dict[str, float]:
+    test_loss, test_acc = jax.device_get(evaluate(params, test))
+    train_loss, train_acc = jax.device_get(evaluate(params, train))
+    return {"test_loss": float(test_loss), "test_accuracy": float(test_acc),
+            "train_loss": float(train_loss), "train_accuracy": float(train_acc)}
+
+
+def _diagnostics(engine: Any, stack: Any) -> Callable | None:
+    """Cosine and norm ratio of the step's estimate to the exact gradient of the same batch."""
+    estimate = getattr(engine, "estimate", None)
+    if estimate is None:
+        return None
+    exact = jax.jit(jax.grad(stack))
+
+    def diag(state, batch, key):
+        _, g = estimate(state, batch, key)
+        ge = exact(engine.params(state), batch)
+        cos = tree_cosine(g, ge)
+        ratio = optax.global_norm(g) / (optax.global_norm(ge) + 1e-30)
+        return {"cosine": float(cos), "norm_ratio": float(ratio)}
+
+    return diag
+
+
+def _compiled_step(engine: Any, state: Any, batch: dict, key: jax.Array) -> tuple[Callable, float]:
+    """The engine's step compiled ahead of time when it is a jitted function (+ compile seconds)."""
+    t0 = time.perf_counter()
+    step = engine.step
+    if hasattr(step, "lower"):
+        step = step.lower(state, batch, key).compile()
+    return step, time.perf_counter() - t0
+
+
+def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_params: Any,
+              run_dir: Path, log: MetricsLog, kept: list[dict], resume: bool,
+              on_start: Callable[[list[dict]], None]) -> dict[str, Any]:
+    """Train one arm from its last checkpoint (if resuming) to ``min(steps, max_steps)``.
+
+    ``kept`` are the arm's records from an earlier session; those up to the restored step are
+    kept and handed to ``on_start`` (which puts them in the log) before training goes on.
+    Returns the arm's records (kept + new) and run facts (compile time, divergence).
+    """
+    tx = build_optimizer(cfg.arm_optimizer(arm), arm.lr, cfg.steps)
+    n_micro = getattr(arm.estimator, "micro_batches", 1)
+    engine = build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(), optimizer=tx,
+                          config=cfg, arm=arm, micro_batches=n_micro)
+    root = jax.random.key(cfg.seed)
+    state = engine.init(init_params, jax.random.fold_in(root, 0))
+    step_root = jax.random.fold_in(root, 1)
+    ckpt = ArmCheckpointer(run_dir / "checkpoints" / arm.name)
+    stop = min(cfg.steps, cfg.max_steps or cfg.steps)
+    evaluate = _evaluator(stack)
+    diag = _diagnostics(engine, stack) if cfg.diag_every else None
+
+    start, meta = 0, {}
+    if resume:
+        step, state, meta = ckpt.restore_latest(state)
+        start = step or 0
+    records = [r for r in kept if r["step"] <= start] if start else []
+    if start == 0:
+        records = [{"arm": arm.name, "step": 0,
+                    **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
+    on_start(records)
+    diverged = bool(meta.get("diverged", False))
+    train_time = float(meta.get("train_time", 0.0))
+    if diverged or start >= stop:
+        ckpt.close()
+        return {"records": records, "compile_time": None, "diverged": diverged}
+
+    first = batch_at(data.train, cfg.batch_size, cfg.seed, start)
+    step_fn, compile_time = _compiled_step(engine, state, first, jax.random.fold_in(step_root, 0))
+    bar = tqdm(range(start, stop), desc=arm.name, initial=start, total=stop,
+               disable=None if cfg.progress else True, leave=False)
+    s = start
+    for s in bar:
+        batch = batch_at(data.train, cfg.batch_size, cfg.seed, s)
+        key = jax.random.fold_in(step_root, s)
+        rec: dict[str, Any] = {"arm": arm.name, "step": s + 1}
+        if diag is not None and (s + 1) % cfg.diag_every == 0:
+            rec.update(diag(state, batch, key))
+        t0 = time.perf_counter()
+        state, metrics = step_fn(state, batch, key)
+        metrics = jax.device_get(metrics)
+        dt = time.perf_counter() - t0
+        train_time += dt
+        rec.update({k: float(np.asarray(v)) for k, v in metrics.items()})
+        rec["step_time"], rec["train_time"] = dt, train_time
+        diverged = not math.isfinite(rec.get("loss", 0.0))
+        if (s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps:
+            rec.update(_eval_record(evaluate, engine.params(state), data.train, data.test))
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", test_acc=f"{rec['test_accuracy']:.3f}")
+        records.append(rec)
+        log.append(rec)
+        last = s + 1 == stop or diverged
+        if last or (cfg.checkpoint_every and (s + 1) % cfg.checkpoint_every == 0):
+            ckpt.save(s + 1, state, {"train_time": train_time, "diverged": diverged})
+        if diverged:
+            break
+    bar.close()
+    ckpt.close()
+    return {"records": records, "compile_time": compile_time, "diverged": diverged}
+
+
+def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
+    """Train every arm; write metrics.jsonl, plots; print and return the summary."""
+    run_dir = Path(run_dir)
+    data = cfg.data.load(cfg.seed)
+    stack = cfg.model.build(data.info)
+    init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    old = log.read() if resume else []
+    names = [a.name for a in cfg.arms]
+
+    results: dict[str, dict] = {}
+    for i, arm in enumerate(cfg.arms):
+        done = [r for a in names[:i] for r in results[a]["records"]]
+        later = [r for r in old if r.get("arm") in names[i + 1:]]
+
+        def on_start(records: list[dict], done=done, later=later) -> None:
+            # Canonical order (arm by arm, step by step); nothing from other arms is dropped.
+            log.rewrite(done + records + later)
+
+        kept = [r for r in old if r.get("arm") == arm.name]
+        results[arm.name] = train_arm(cfg, arm, stack=stack, data=data, init_params=init_params,
+                                      run_dir=run_dir, log=log, kept=kept, resume=resume,
+                                      on_start=on_start)
+    # New records of an arm were appended after the later arms' old ones: restore the order.
+    log.rewrite([r for a in names for r in results[a]["records"]])
+
+    records = [r for a in cfg.arms for r in results[a.name]["records"]]
+    arms, families = {}, {}
+    for arm in cfg.arms:
+        a = summarize_arm(results[arm.name]["records"], cfg.target_accuracy)
+        a.update(estimator=describe(arm.estimator), family=family(arm.estimator), lr=arm.lr,
+                 compile_time=results[arm.name]["compile_time"],
+                 diverged=results[arm.name]["diverged"])
+        arms[arm.name], families[arm.name] = a, a["family"]
+    finished = all(a["steps"] >= cfg.steps or a["diverged"] for a in arms.values())
+    summary = {"finished": finished, "target_accuracy": cfg.target_accuracy, "arms": arms,
+               "comparison": compare_families(arms, families)}
+    if cfg.plots:
+        write_plots(records, [a.name for a in cfg.arms], run_dir, cfg.target_accuracy)
+    print(format_table(arms, cfg.target_accuracy))
+    return summary
+
+
+register_experiment("train", TrainConfig, run_train)

@@ -1,0 +1,169 @@
+"""Corrections that mix forward estimates with exact gradients of a subset of micro-batches.
+
+A step has N micro-batches, each with K directional derivatives ``d[n, k] = ∇L_n·v_nk``.
+A selected subset also has exact gradients. Groups are per *segment*: for a stack, the embed,
+each block l and the head are segments, and segment s has its own group G_s (the micro-batches
+whose exact gradient reaches it: nested G_embed = G_0 ⊆ G_1 ⊆ … ⊆ G_head, as a pipeline with
+truncated backward chains produces); any other params pytree is one segment.
+
+Everything here works on a *slice* of a stack too (``first_layer`` = global index of its first
+block), so a pipeline stage applies the same code to its own layers; the only cross-segment
+quantities are the scalars ``c[n, k] = Σ_s h_s·v_nk,s`` (sum ``project`` over stages) and, for
+``weighted``, the scalar ``q``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.grad.tangents import TangentSpec, combine, project
+from jaxstream.models.stack import is_stack_params
+
+CORRECTIONS = ("replace", "control_variate", "weighted", "guess")
+
+
+def _bcast(v: jax.Array, ndim: int) -> jax.Array:
+    return v.reshape(v.shape + (1,) * (ndim - v.ndim))
+
+
+def _per_leaf(seg: dict, like: Any) -> Any:
+    """Spread per-segment values onto the leaves of ``like`` (same structure as ``like``)."""
+    if not is_stack_params(like):
+        return jax.tree.map(lambda _: seg["tree"], like)
+    return {name: jax.tree.map(lambda _, v=seg[name]: v, like[name]) for name in like}
+
+
+def _segment_sum(per_leaf: Any, like: Any) -> dict:
+    """Sum per-leaf values (already reduced to the segment's shape) within each segment."""
+    if not is_stack_params(like):
+        return {"tree": sum(jax.tree.leaves(per_leaf))}
+    return {name: sum(jax.tree.leaves(per_leaf[name])) for name in like}
+
+
+def group_masks(like: Any, depth: jax.Array) -> dict:
+    """Per-segment membership of the k selected micro-batches.
+
+    Args:
+      like: params (or a slice of a stack's params).
+      depth: (k,) int; selected micro-batch i has an exact gradient for blocks with global index
+        ``>= depth[i]`` (0: every segment; ``L``: the head only). For non-stack params every
+        selected micro-batch is in the one group.
+    Returns:
+      ``{"embed": (k,), "blocks": (k, L), "head": (k,)}`` float masks, or ``{"tree": (k,)}``.
+    """
+    if not is_stack_params(like):
+        return {"tree": jnp.ones(depth.shape, jnp.float32)}
+    layers = jnp.arange(jax.tree.leaves(like["blocks"])[0].shape[0])
+    return group_masks_for_layers(depth, layers)
+
+
+def group_masks_for_layers(depth: jax.Array, layers: jax.Array) -> dict:
+    """Masks for blocks with global indices ``layers``; the embed is in block 0's group and the
+    head in the group of every selected micro-batch with ``depth <= L`` (always, here)."""
+    m_blocks = (depth[:, None] <= layers[None, :]).astype(jnp.float32)
+    m_embed = (depth <= 0).astype(jnp.float32)
+    return {"embed": m_embed, "blocks": m_blocks, "head": jnp.ones(depth.shape, jnp.float32)}
+
+
+def group_mean(exact: Any, masks: dict, like: Any) -> tuple[Any, dict]:
+    """h_s = mean of the exact gradients in each segment's group (0 where the group is empty).
+
+    Args:
+      exact: exact gradients of the k selected micro-batches (leaves with a leading k axis).
+      masks: from :func:`group_masks`.
+    Returns:
+      ``(h, counts)``; counts per segment.
+    """
+    counts = {name: m.sum(axis=0) for name, m in masks.items()}
+    m_leaf = _per_leaf(masks, like)
+    c_leaf = _per_leaf(counts, like)
+    h = jax.tree.map(
+        lambda g, m, c: (_bcast(m, g.ndim) * g).sum(0) / _bcast(jnp.maximum(c, 1.0), g.ndim - 1),
+        exact,
+        m_leaf,
+        c_leaf,
+    )
+    return h, counts
+
+
+def group_spread(exact: Any, h: Any, masks: dict, like: Any) -> dict:
+    """Σ_{s∈G} ‖g_s − h‖² per segment (for the weighted correction)."""
+    m_leaf = _per_leaf(masks, like)
+    per_leaf = jax.tree.map(
+        lambda g, hh, m: (_bcast(m, g.ndim) * (g - hh[None]) ** 2).reshape(
+            g.shape[: m.ndim] + (-1,)
+        ).sum(-1).sum(0),
+        exact,
+        h,
+        m_leaf,
+    )
+    return _segment_sum(per_leaf, like)
+
+
+def segment_sizes(like: Any) -> dict:
+    """Number of parameters per segment (blocks: per layer)."""
+    if not is_stack_params(like):
+        return {"tree": jnp.float32(sum(x.size for x in jax.tree.leaves(like)))}
+    num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
+    per_layer = sum(x.size for x in jax.tree.leaves(like["blocks"])) // num_layers
+    return {
+        "embed": jnp.float32(sum(x.size for x in jax.tree.leaves(like["embed"]))),
+        "blocks": jnp.full((num_layers,), per_layer, jnp.float32),
+        "head": jnp.float32(sum(x.size for x in jax.tree.leaves(like["head"]))),
+    }
+
+
+def shrinkage(counts: dict, spread: dict, sizes: dict, q: jax.Array, n: int, k: int) -> dict:
+    """β per segment for the ``weighted`` correction: β = a / (a + b) minimises the expected
+    squared error of h + β·r, where r is the forward residual estimate.
+
+    a ≈ E‖ḡ − h‖² = σ̂² (1/|G| − 1/N) N/(N−1), with σ̂² the sample spread of the group's exact
+    gradients; b ≈ E‖r‖² = P q / (N K), with P the segment's size and q = mean (d − c)² the
+    forward residual scalars. With fewer than 2 exact gradients there is no spread estimate and
+    β = 1 (the unbiased control variate); with the whole batch exact, a = 0 and β = 0.
+    """
+    out = {}
+    for name, c in counts.items():
+        sigma2 = spread[name] / jnp.maximum(c - 1.0, 1.0)
+        a = sigma2 * (1.0 / jnp.maximum(c, 1.0) - 1.0 / n) * n / max(n - 1, 1)
+        b = sizes[name] * q / (n * k)
+        beta = jnp.where(a + b > 0, a / jnp.maximum(a + b, 1e-30), 0.0)
+        out[name] = jnp.where(c >= 2, beta, 1.0)
+    return out
+
+
+def replace(spec: TangentSpec, keys, d, exact, masks, like, first_layer: int = 0,
+            selected_keys=None, selected_d=None) -> Any:
+    """Exact gradient for micro-batches in the group, forward estimate for the others:
+    (1/N)[Σ_{n∈G} g_n + Σ_{n∉G} ĝ_n] per segment. Unbiased."""
+    n = d.shape[0]
+    plain = combine(spec, keys, d / (n * spec.num), like, first_layer)
+    # Forward estimates of the selected micro-batches, to be swapped for their exact gradients.
+    fwd_sel = jax.vmap(
+        lambda kk, dd: combine(spec, kk[None], dd[None] / spec.num, like, first_layer)
+    )(selected_keys, selected_d)
+    m_leaf = _per_leaf(masks, like)
+    return jax.tree.map(
+        lambda p, g, f, m: p + (_bcast(m, g.ndim) * (g - f)).sum(0) / n,
+        plain, exact, fwd_sel, m_leaf,
+    )
+
+
+def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0,
+                    beta: dict | None = None) -> Any:
+    """ĝ = h + β · (1/(N K)) Σ_{n,k} (d_nk − c_nk) v_nk, with c_nk = h·v_nk summed over all
+    segments (β = 1: the unbiased control variate)."""
+    n = d.shape[0]
+    resid = combine(spec, keys, (d - c) / (n * spec.num), like, first_layer)
+    if beta is None:
+        return jax.tree.map(jnp.add, h, resid)
+    b_leaf = _per_leaf(beta, like)
+    return jax.tree.map(lambda hh, r, b: hh + _bcast(b, r.ndim) * r, h, resid, b_leaf)
+
+
+def residual_scalars(spec: TangentSpec, keys, h, like_first_layer: int = 0) -> jax.Array:
+    """c[n, k] = h·v_nk over the segments of ``h`` (sum the result over pipeline stages)."""
+    return project(spec, keys, h, like_first_layer)

@@ -1,0 +1,127 @@
+"""Gradient estimators with one signature: ``estimator(loss_fn, params, batch, key)``.
+
+Each returns ``(loss, grads)`` (``grads`` shaped like ``params``), or ``(loss, grads, diag)``
+with ``diagnostics=True``. Estimators are frozen dataclasses: hashable, so they can be closed
+over or passed as static arguments to ``jax.jit``; the call itself is pure and vmappable over
+``key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.grad.directional import directional, stack_activity
+from jaxstream.grad.tangents import TangentSpec, combine, gram
+from jaxstream.models.stack import Stack
+
+Aggregation = Literal["mean", "projection"]
+Perturb = Literal["weights", "activations"]
+
+
+def _finish(loss, grads, diag, diagnostics: bool):
+    return (loss, grads, diag) if diagnostics else (loss, grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backprop:
+    """Exact gradient by reverse mode (``jax.value_and_grad``): the reference."""
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
+                 *, diagnostics: bool = False):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        return _finish(loss, grads, {}, diagnostics)
+
+
+def aggregate(spec: TangentSpec, aggregation: str, key: jax.Array, params: Any,
+              d: jax.Array) -> Any:
+    """Form the estimate from the directional derivatives ``d`` (K,) of one micro-batch.
+
+    ``mean``: (1/K) Σ_k d_k v_k (unbiased). ``projection``: V (VᵀV)⁻¹ d, the projection of the
+    gradient onto the span of the K tangents (|cos| ≈ √(K/n), norm shrunk by about K/n).
+    """
+    if aggregation == "mean":
+        coeffs = d / spec.num
+    else:
+        coeffs = jnp.linalg.solve(gram(spec, key, params), d)
+    return combine(spec, key[None], coeffs[None], params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """Forward-gradient estimator (see :func:`forward`)."""
+
+    spec: TangentSpec = TangentSpec()
+    perturb: Perturb = "weights"
+    aggregation: Aggregation = "mean"
+    local_losses: bool = False
+
+    def __post_init__(self):
+        if self.perturb not in ("weights", "activations"):
+            raise ValueError(f"perturb must be 'weights' or 'activations', got {self.perturb!r}")
+        if self.aggregation not in ("mean", "projection"):
+            raise ValueError(
+                f"aggregation must be 'mean' or 'projection', got {self.aggregation!r}"
+            )
+        if self.perturb == "activations" and self.aggregation != "mean":
+            raise ValueError("aggregation='projection' needs perturb='weights'")
+        if self.local_losses and self.perturb != "activations":
+            raise ValueError("local_losses=True needs perturb='activations'")
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+                 *, diagnostics: bool = False):
+        if self.perturb == "activations":
+            if not isinstance(loss_fn, Stack):
+                raise TypeError(
+                    "perturb='activations' needs a model Stack as loss_fn (it perturbs each "
+                    f"block's outputs); got {type(loss_fn).__name__}"
+                )
+            loss, grads = stack_activity(loss_fn, self.spec, params, batch, key, self.local_losses)
+            return _finish(loss, grads, {}, diagnostics)
+        loss, d = directional(loss_fn, self.spec, params, batch, key)
+        grads = aggregate(self.spec, self.aggregation, key, params, d)
+        return _finish(loss, grads, {"directional": d}, diagnostics)
+
+
+def backprop() -> Backprop:
+    """The exact gradient by reverse mode, as an estimator.
+
+    Example:
+      >>> loss, grads = backprop()(stack, params, batch, key)
+    """
+    return Backprop()
+
+
+def forward(
+    num_tangents: int = 1,
+    distribution: str = "rademacher",
+    perturb: str = "weights",
+    orthogonal: bool = False,
+    antithetic: bool = False,
+    aggregation: str = "mean",
+    local_losses: bool = False,
+) -> Forward:
+    """Forward-gradient estimator: ĝ = (1/K) Σ_k (∇L·v_k) v_k with E[v vᵀ] = I.
+
+    Args:
+      num_tangents: K, tangents per step.
+      distribution: ``"rademacher"`` or ``"gaussian"``.
+      perturb: ``"weights"`` (tangents on parameters) or ``"activations"`` (tangents on each
+        block's outputs; weight estimates formed locally per block; needs a Stack).
+      orthogonal: orthogonalise the K tangents (per leaf).
+      antithetic: use ±v pairs (even K).
+      aggregation: ``"mean"`` (unbiased) or ``"projection"`` onto the span of the tangents.
+      local_losses: with ``perturb="activations"``, give each block its own loss.
+
+    Returns:
+      An estimator ``(loss_fn, params, batch, key) -> (loss, grads)``.
+
+    Example:
+      >>> est = forward(num_tangents=4, distribution="gaussian")
+      >>> loss, grads = jax.jit(est, static_argnums=0)(stack, params, batch, key)
+    """
+    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
+    return Forward(spec, perturb, aggregation, local_losses)

@@ -1,0 +1,167 @@
+"""Hybrid estimator: forward estimates for every micro-batch, exact gradients for a subset."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstream.grad import corrections as cr
+from jaxstream.grad.directional import directional
+from jaxstream.grad.estimators import _finish
+from jaxstream.grad.tangents import TangentSpec, micro_key
+from jaxstream.models.stack import Stack
+
+SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
+
+
+def num_micro_batches(batch: Any) -> int:
+    """N, the common leading axis of every leaf of ``batch``; a clear error otherwise."""
+    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            "hybrid: every batch leaf needs the same leading micro-batch axis N; got leading "
+            f"sizes {sorted(map(str, sizes))}"
+        )
+    return sizes.pop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Hybrid:
+    """Forward estimates for N micro-batches, corrected by exact gradients (see :func:`hybrid`)."""
+
+    spec: TangentSpec = TangentSpec()
+    correction: str = "control_variate"
+    num_exact: int | None = 1
+    exact_indices: tuple[int, ...] | None = None
+    exact_from: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.correction not in cr.CORRECTIONS:
+            raise ValueError(
+                f"correction must be one of {cr.CORRECTIONS}, got {self.correction!r}"
+            )
+        given = [x is not None for x in (self.num_exact, self.exact_indices, self.exact_from)]
+        if sum(given) != 1:
+            raise ValueError("hybrid: give exactly one of num_exact, exact_indices, exact_from")
+        if self.num_exact is not None and (not isinstance(self.num_exact, int) or self.num_exact < 1):
+            raise ValueError(f"num_exact must be an int >= 1, got {self.num_exact!r}")
+        if self.exact_indices is not None:
+            if len(self.exact_indices) == 0 or len(set(self.exact_indices)) != len(self.exact_indices):
+                raise ValueError(f"exact_indices must be distinct and non-empty, got {self.exact_indices}")
+
+    def _selection(self, loss_fn, n: int, key) -> tuple[jax.Array, jax.Array]:
+        """(indices, depth) of the micro-batches with an exact gradient; checked before compute."""
+        if self.num_exact is not None:
+            if self.num_exact > n:
+                raise ValueError(f"num_exact={self.num_exact} exceeds the N={n} micro-batches")
+            idx = jax.random.choice(jax.random.fold_in(key, SELECT), n, (self.num_exact,), replace=False)
+            return idx, jnp.zeros((self.num_exact,), jnp.int32)
+        if self.exact_indices is not None:
+            bad = [i for i in self.exact_indices if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"exact_indices {bad} out of range for N={n} micro-batches")
+            k = len(self.exact_indices)
+            return jnp.array(self.exact_indices, jnp.int32), jnp.zeros((k,), jnp.int32)
+        if not isinstance(loss_fn, Stack):
+            raise TypeError("exact_from (per-layer groups) needs a model Stack as loss_fn")
+        num_layers = loss_fn.num_layers
+        if len(self.exact_from) != n or not all(0 <= f <= num_layers + 1 for f in self.exact_from):
+            raise ValueError(
+                f"exact_from must give, for each of the N={n} micro-batches, the first block "
+                f"with an exact gradient in 0..{num_layers} (or {num_layers + 1} for none); "
+                f"got {self.exact_from}"
+            )
+        sel = [i for i, f in enumerate(self.exact_from) if f <= num_layers]
+        if not sel:
+            raise ValueError("exact_from selects no micro-batch (every entry is L + 1)")
+        depth = np.array([self.exact_from[i] for i in sel], np.int32)
+        return jnp.array(sel, jnp.int32), jnp.array(depth)
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+                 *, diagnostics: bool = False, guess: Any = None):
+        n = num_micro_batches(batch)
+        idx, depth = self._selection(loss_fn, n, key)
+        spec = self.spec
+        keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+        losses, d = jax.vmap(lambda b, k: directional(loss_fn, spec, params, b, k))(batch, keys)
+        sel_batch = jax.tree.map(lambda x: x[idx], batch)
+        exact = jax.vmap(lambda b: jax.grad(loss_fn)(params, b))(sel_batch)
+        masks = cr.group_masks(params, depth)
+        h, counts = cr.group_mean(exact, masks, params)
+        diag: dict = {"directional": d, "exact_indices": idx}
+
+        if self.correction == "replace":
+            grads = cr.replace(spec, keys, d, exact, masks, params,
+                               selected_keys=keys[idx], selected_d=d[idx])
+        elif self.correction == "guess":
+            direction = h if guess is None else guess
+            grads, diag["guess_directional"] = _guess(loss_fn, params, batch, direction)
+        else:
+            c = cr.residual_scalars(spec, keys, h)
+            beta = None
+            if self.correction == "weighted":
+                q = jnp.mean((d - c) ** 2)
+                spread = cr.group_spread(exact, h, masks, params)
+                beta = cr.shrinkage(counts, spread, cr.segment_sizes(params), q, n, spec.num)
+                diag["beta"] = beta
+            grads = cr.control_variate(spec, keys, d, h, c, params, beta=beta)
+        return _finish(jnp.mean(losses), grads, diag, diagnostics)
+
+
+def _guess(loss_fn, params, batch, direction) -> tuple[Any, jax.Array]:
+    """Project the gradient onto a guessed direction: ĝ = (mean_n ∇L_n·u) u, u = h / ‖h‖.
+    Biased (only the component along u survives) but with no tangent noise."""
+    norm = jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(direction)))
+    u = jax.tree.map(lambda x: x / jnp.maximum(norm, 1e-30), direction)
+    dg = jax.vmap(lambda b: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1])(batch)
+    return jax.tree.map(lambda x: jnp.mean(dg) * x, u), dg
+
+
+def hybrid(
+    num_exact: int | None = None,
+    correction: str = "control_variate",
+    num_tangents: int = 1,
+    distribution: str = "rademacher",
+    *,
+    exact_indices: tuple[int, ...] | None = None,
+    exact_from: tuple[int, ...] | None = None,
+    orthogonal: bool = False,
+    antithetic: bool = False,
+) -> Hybrid:
+    """Forward estimates for all N micro-batches, exact gradients (vjp) for a subset.
+
+    ``batch`` leaves carry a leading micro-batch axis N; ``loss_fn`` sees one micro-batch; the
+    estimate is of the gradient of the mean loss over the N micro-batches. Micro-batch n's
+    tangents use key ``fold_in(key, n)``.
+
+    Args:
+      num_exact: a random subset of this many micro-batches gets exact gradients (default 1).
+      correction: ``"replace"`` (exact where available; unbiased), ``"control_variate"``
+        (ĝ = h + mean_n mean_k (d_nk − h·v_nk) v_nk with h the mean exact gradient; unbiased),
+        ``"weighted"`` (the control variate with its forward part shrunk by β ∈ [0, 1] estimated
+        from the exact gradients' spread and the residual scalars; slightly biased, lowest error)
+        or ``"guess"`` (h, or the ``guess=`` keyword's direction, as the only tangent; biased).
+      num_tangents, distribution, orthogonal, antithetic: tangents (see :func:`forward`).
+      exact_indices: fixed micro-batches with exact gradients instead of a random subset.
+      exact_from: per-layer nested groups, one int per micro-batch: micro-batch n has exact
+        gradients for blocks ``>= exact_from[n]`` (0: all, including the embed; L: head only;
+        L + 1: none). Needs a Stack.
+
+    Example:
+      >>> est = hybrid(num_exact=2, correction="control_variate")
+      >>> micro = jax.tree.map(lambda x: x.reshape(16, -1, *x.shape[1:]), batch)
+      >>> loss, grads = est(stack, params, micro, key)
+    """
+    if num_exact is None and exact_indices is None and exact_from is None:
+        num_exact = 1
+    return Hybrid(
+        TangentSpec(num_tangents, distribution, orthogonal, antithetic),
+        correction,
+        num_exact,
+        None if exact_indices is None else tuple(int(i) for i in exact_indices),
+        None if exact_from is None else tuple(int(i) for i in exact_from),
+    )

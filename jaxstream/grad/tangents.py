@@ -1,0 +1,202 @@
+"""Tangent directions, regenerated from PRNG keys instead of stored.
+
+Every tangent is a pure function of ``(key, segment, leaf)``. The key schedule is the contract
+shared by all engines (in-memory, pipelined, streamed), so that they produce identical
+estimates for the same keys:
+
+* micro-batch ``n`` of a step keyed ``key`` uses ``micro_key(key, n) = fold_in(key, n)``;
+* for a model stack's params ``{"embed", "blocks", "head"}``: embed leaves use
+  ``fold_in(key, 0)``, block ``l`` (global layer index) uses ``fold_in(fold_in(key, 1), l)``,
+  head leaves use ``fold_in(key, 2)``; leaf ``i`` of a segment (in ``jax.tree.leaves`` order)
+  folds in ``i`` once more;
+* any other params pytree is a single segment keyed by ``key``.
+
+A sample holds all ``num`` tangents of a leaf at once (shape ``(num, *leaf.shape)``) so that
+orthogonalisation and antithetic pairs are local to the leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.models.stack import is_stack_params
+
+Distribution = Literal["rademacher", "gaussian"]
+DISTRIBUTIONS = ("rademacher", "gaussian")
+EMBED, BLOCKS, HEAD = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TangentSpec:
+    """How tangents are drawn: ``num`` per micro-batch, with E[v vᵀ] = I.
+
+    Attributes:
+      num: tangents per micro-batch (K >= 1).
+      distribution: ``"rademacher"`` (±1) or ``"gaussian"``.
+      orthogonal: orthogonalise the K tangents within each leaf holding at least K entries
+        (rescaled so each stays on the sphere of radius √n; still E[v vᵀ] = I).
+      antithetic: pair tangent 2j+1 with −(tangent 2j); needs an even ``num``.
+    """
+
+    num: int = 1
+    distribution: Distribution = "rademacher"
+    orthogonal: bool = False
+    antithetic: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.num, int) or self.num < 1:
+            raise ValueError(f"num_tangents must be an int >= 1, got {self.num!r}")
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(
+                f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}"
+            )
+        if self.antithetic and self.num % 2:
+            raise ValueError(f"antithetic tangents need an even num_tangents, got {self.num}")
+
+    def sample(self, key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+        """``num`` tangents of one leaf, shape ``(num, *shape)``."""
+        draws = self.num // 2 if self.antithetic else self.num
+        size = math.prod(shape)
+        if self.distribution == "rademacher":
+            v = jax.random.rademacher(key, (draws, size), dtype=jnp.float32)
+        else:
+            v = jax.random.normal(key, (draws, size), dtype=jnp.float32)
+        if self.orthogonal and draws > 1 and size >= draws:
+            q, r = jnp.linalg.qr(v.T)
+            # Fix QR's sign convention so Q is Haar-distributed (zero-mean columns): without it
+            # independent leaves' tangents share a mean and the estimate is biased.
+            q = q * jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0)
+            v = q.T * jnp.sqrt(jnp.float32(size))
+        if self.antithetic:
+            v = jnp.stack([v, -v], axis=1).reshape(self.num, size)
+        return v.reshape((self.num, *shape)).astype(dtype)
+
+
+def micro_key(key: jax.Array, n: int | jax.Array) -> jax.Array:
+    """Key of micro-batch ``n`` within a step keyed ``key``."""
+    return jax.random.fold_in(key, n)
+
+
+def block_key(key: jax.Array, layer: int | jax.Array) -> jax.Array:
+    """Key of block ``layer`` (global index) of a stack."""
+    return jax.random.fold_in(jax.random.fold_in(key, BLOCKS), layer)
+
+
+def leaf_tangents(spec: TangentSpec, key: jax.Array, tree: Any) -> Any:
+    """Tangents of every leaf of ``tree`` (one segment): leaves ``(num, *leaf.shape)``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [
+        spec.sample(jax.random.fold_in(key, i), jnp.shape(x), jnp.result_type(x))
+        for i, x in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def block_tangents(spec: TangentSpec, key: jax.Array, block_params: Any, layer) -> Any:
+    """Tangents of one block (a slice of ``params["blocks"]``) at global index ``layer``."""
+    return leaf_tangents(spec, block_key(key, layer), block_params)
+
+
+def _blocks_map(fn, blocks: Any, first_layer: int = 0):
+    """``lax.map`` of ``fn(block_params, layer)`` over the stacked blocks."""
+    num_layers = jax.tree.leaves(blocks)[0].shape[0]
+    layers = first_layer + jnp.arange(num_layers)
+    return jax.lax.map(lambda xs: fn(*xs), (blocks, layers))
+
+
+def tangents(spec: TangentSpec, key: jax.Array, params: Any) -> Any:
+    """All tangents of ``params`` materialised (leaves ``(num, *shape)``); for tests and for
+    generic loss functions. Engines that know the layer structure regenerate per layer instead."""
+    if not is_stack_params(params):
+        return leaf_tangents(spec, key, params)
+    blocks = _blocks_map(lambda p, l: block_tangents(spec, key, p, l), params["blocks"])
+    return {
+        "embed": leaf_tangents(spec, jax.random.fold_in(key, EMBED), params["embed"]),
+        # lax.map stacks the layer axis first; tangents are num-leading everywhere.
+        "blocks": jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), blocks),
+        "head": leaf_tangents(spec, jax.random.fold_in(key, HEAD), params["head"]),
+    }
+
+
+def _segment_apply(fn, keys: jax.Array, like: Any, first_layer: int = 0) -> Any:
+    """Apply ``fn(seg_keys, seg_tree)`` per segment, where ``seg_keys`` (N,) are the
+    segment's keys for every micro-batch; blocks are mapped layer by layer."""
+    if not is_stack_params(like):
+        return {"tree": fn(keys, like)}
+    seg = lambda k, s: jax.vmap(lambda kk: jax.random.fold_in(kk, s))(k)  # noqa: E731
+    blocks = _blocks_map(
+        lambda p, l: fn(jax.vmap(lambda kk: block_key(kk, l))(keys), p), like["blocks"], first_layer
+    )
+    return {
+        "embed": fn(seg(keys, EMBED), like["embed"]),
+        "blocks": blocks,
+        "head": fn(seg(keys, HEAD), like["head"]),
+    }
+
+
+def combine(
+    spec: TangentSpec, keys: jax.Array, coeffs: jax.Array, like: Any, first_layer: int = 0
+) -> Any:
+    """Σ_n Σ_k coeffs[n, k] · v_nk, tangents regenerated per segment (never all at once).
+
+    Args:
+      spec: the tangent distribution.
+      keys: (N,) micro-batch keys.
+      coeffs: (N, num) coefficients.
+      like: a params pytree (shapes and dtypes of the result). For a stack's blocks,
+        ``first_layer`` is the global index of ``like["blocks"]``'s first layer.
+    Returns:
+      A pytree shaped like ``like``.
+    """
+
+    def seg(seg_keys, tree):
+        def body(acc, kc):
+            k, c = kc
+            v = leaf_tangents(spec, k, tree)
+            return jax.tree.map(lambda a, vv: a + jnp.tensordot(c, vv, axes=1), acc, v), None
+
+        zero = jax.tree.map(jnp.zeros_like, tree)
+        return jax.lax.scan(body, zero, (seg_keys, coeffs))[0]
+
+    out = _segment_apply(seg, keys, like, first_layer)
+    return out["tree"] if not is_stack_params(like) else out
+
+
+def project(spec: TangentSpec, keys: jax.Array, tree: Any, first_layer: int = 0) -> jax.Array:
+    """⟨tree, v_nk⟩ for every micro-batch n and tangent k: shape (N, num)."""
+
+    def seg(seg_keys, t):
+        def one(k):
+            v = leaf_tangents(spec, k, t)
+            dots = jax.tree.map(
+                lambda a, vv: jnp.tensordot(vv.reshape(vv.shape[0], -1), a.reshape(-1), axes=1),
+                t,
+                v,
+            )
+            return sum(jax.tree.leaves(dots), jnp.zeros((spec.num,), jnp.float32))
+
+        return jax.lax.map(one, seg_keys)
+
+    parts = _segment_apply(seg, keys, tree, first_layer)
+    if not is_stack_params(tree):
+        return parts["tree"]
+    return parts["embed"] + parts["blocks"].sum(axis=0) + parts["head"]
+
+
+def gram(spec: TangentSpec, key: jax.Array, like: Any) -> jax.Array:
+    """The (num, num) Gram matrix Vᵀ V of one micro-batch's tangents."""
+
+    def seg(seg_keys, t):
+        v = leaf_tangents(spec, seg_keys[0], t)
+        flat = [x.reshape(spec.num, -1) for x in jax.tree.leaves(v)]
+        return sum((f @ f.T for f in flat), jnp.zeros((spec.num, spec.num), jnp.float32))
+
+    parts = _segment_apply(seg, key[None], like)
+    if not is_stack_params(like):
+        return parts["tree"]
+    return parts["embed"] + parts["blocks"].sum(axis=0) + parts["head"]

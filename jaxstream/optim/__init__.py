@@ -1,0 +1,13 @@
+"""Optax gradient transformations for jaxstream (Max-AdaBelief).
+
+Importing the package also registers ``max_adabelief`` with the experiment runner.
+"""
+
+from jaxstream.optim import plugin as _plugin  # noqa: F401  (registers "max_adabelief")
+from jaxstream.optim.max_adabelief import (
+    ScaleByMaxBeliefState,
+    max_adabelief,
+    scale_by_max_belief,
+)
+
+__all__ = ["ScaleByMaxBeliefState", "max_adabelief", "scale_by_max_belief"]

@@ -1,0 +1,306 @@
+"""The shard_map executor: runs any valid schedule table over a ``stage`` mesh axis.
+
+Each device holds its stage's slice of the stacked blocks (embed and head are replicated; only
+the first / last stage uses them). A ``lax.scan`` runs the ticks; each device reads its row of the
+lowered table and runs its op under ``lax.switch``; activations + tangents move up and cotangents
+move down with ``ppermute`` *outside* the switch, every tick. B/W ops use explicit ``vjp`` inside
+their branch (never differentiating through the switch). Only the selected micro-batches' stage
+inputs stay in the buffers after their F (the stash). At the end the N x K directional
+derivatives are broadcast once (psum) and each stage forms its estimate with the core's
+correction code (``jaxstream.grad.corrections``) for its own group G_s; the control-variate
+scalars c = sum_s h_s.v_s take one more psum.
+
+The result equals ``jaxstream.grad.hybrid(exact_from=exact_from(schedule, L), ...)`` for the same
+key (forward-only tables: the plain forward estimate over N micro-batches).
+
+Example:
+  >>> pipe = pipeline(stack, complete(4, 8, (0, 1)), correction="control_variate")
+  >>> loss, grads, aux = pipe(params, micro_batches, key)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import shard_map
+from jax.sharding import PartitionSpec as P
+
+from jaxstream.grad import corrections as cr
+from jaxstream.grad.tangents import TangentSpec, combine, micro_key
+from jaxstream.models.stack import Stack
+from jaxstream.pipeline.lowering import FIELDS, Lowered, lower
+from jaxstream.pipeline.stage_ops import StageOps
+from jaxstream.pipeline.table import B, BW, F, FBW, IDLE, W, Schedule
+
+AXIS = "stage"
+CORRECTIONS = ("none", "control_variate", "replace", "weighted")
+_C = {f: i for i, f in enumerate(FIELDS)}
+
+
+class PipelineCarry(NamedTuple):
+    """What a stale (delayed) table needs from the previous step.
+
+    Attributes:
+      params: the previous step's params (the stale exact gradients are taken there).
+      stash: (M * (P+1), b, ...) per stage, the stage inputs of the previous step's selected
+        micro-batches (P of them, plus a scratch slot).
+      micro: the previous step's selected micro-batches (leading axis P+1, last is padding).
+      valid: 0.0 before the first step (no previous step: h = 0), else 1.0.
+    """
+
+    params: Any
+    stash: jax.Array
+    micro: Any
+    valid: jax.Array
+
+
+def _param_specs():
+    return {"embed": P(), "blocks": P(AXIS), "head": P()}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pipeline:
+    """A compiled pipeline gradient for one stack, schedule and correction (see module doc)."""
+
+    stack: Stack
+    schedule: Schedule
+    spec: TangentSpec
+    correction: str
+    mesh: jax.sharding.Mesh
+    lowered: Lowered
+    _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def stale(self) -> bool:
+        return self.lowered.stale
+
+    def check_batch(self, batch: dict) -> None:
+        """Raises ValueError unless every leaf has the leading micro-batch axis N."""
+        n = self.schedule.num_microbatches
+        for name, leaf in batch.items():
+            if jnp.ndim(leaf) < 2 or jnp.shape(leaf)[0] != n:
+                raise ValueError(f"batch[{name!r}] has shape {jnp.shape(leaf)}; expected a leading "
+                                 f"micro-batch axis of num_microbatches={n}, then the examples")
+
+    def init_carry(self, params: dict, batch: dict) -> PipelineCarry | None:
+        """The carry before the first step (stale tables only; None otherwise)."""
+        if not self.stale:
+            return None
+        self.check_batch(batch)
+        m, p = self.schedule.num_stages, len(self.lowered.prev_selected)
+        x0 = jax.tree.map(lambda a: a[0], batch)["x"]
+        h = jax.eval_shape(self.stack.embed, params["embed"], x0)
+        stash = jnp.zeros((m * (p + 1), *h.shape), h.dtype)
+        micro = jax.tree.map(lambda a: jnp.zeros((p + 1, *a.shape[1:]), a.dtype), batch)
+        return PipelineCarry(params, stash, micro, jnp.zeros((), jnp.float32))
+
+    def __call__(self, params: dict, batch: dict, key: jax.Array,
+                 carry: PipelineCarry | None = None):
+        """(loss, grads, aux): aux has "directional" (N, K) and, for stale tables, "carry"."""
+        self.check_batch(batch)
+        if self.stale and carry is None:
+            raise ValueError(f"schedule {self.schedule.name!r} corrects the previous step: pass "
+                             "carry=pipe.init_carry(params, batch) (then the returned aux['carry'])")
+        return _run(self, params, batch, key, carry)
+
+
+def pipeline(stack: Stack, schedule: Schedule, *, num_tangents: int = 1,
+             distribution: str = "rademacher", correction: str = "control_variate",
+             orthogonal: bool = False, antithetic: bool = False, devices=None) -> Pipeline:
+    """Builds the pipeline gradient of ``stack`` for ``schedule``; checks everything first.
+
+    Args:
+      stack: the model; its ``num_layers`` must divide evenly into the schedule's stages.
+      schedule: any table that validates (see ``jaxstream.pipeline.validate``).
+      num_tangents, distribution, orthogonal, antithetic: the tangents (as ``jaxstream.grad``).
+      correction: "none" (plain forward estimate), "control_variate", "replace" or "weighted".
+      devices: devices for the ``stage`` axis (default ``jax.devices()``, the first M used).
+
+    Returns:
+      A Pipeline: ``pipe(params, batch, key[, carry]) -> (loss, grads, aux)``; batch leaves
+      have a leading micro-batch axis N.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    if correction not in CORRECTIONS:
+        raise ValueError(f"correction={correction!r}; allowed: {CORRECTIONS}")
+    m = schedule.num_stages
+    devices = list(jax.devices() if devices is None else devices)
+    if m > len(devices):
+        raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
+                         f"available (one stage per device)")
+    if stack.num_layers % m:
+        raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
+                         f"equal stages")
+    lowered = lower(schedule)  # raises ScheduleError before anything is compiled
+    if lowered.stale and correction not in ("control_variate", "weighted", "none"):
+        raise ValueError(f"schedule {schedule.name!r} has stale exact gradients (previous step): "
+                         f"correction={correction!r} is not allowed; use 'control_variate' "
+                         f"(still unbiased with a stale h) or 'weighted'")
+    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
+    mesh = jax.sharding.Mesh(np.array(devices[:m]), (AXIS,))
+    return Pipeline(stack, schedule, spec, correction, mesh, lowered)
+
+
+def _branches(pipe: Pipeline, ops: StageOps, params, prev_params):
+    """One function per (kind, position, stale) used by the table; all return the same tuple."""
+    K = pipe.spec.num
+
+    def build(kind, pos, stale):
+        def fn(x):
+            h_in, t_in, c_in, bj, kj, sbj, sh = x
+            hz = jnp.zeros_like(h_in)
+            out = dict(h=hz, t=jnp.zeros_like(t_in), c=hz,
+                       g=jax.tree.map(jnp.zeros_like, params),
+                       loss=jnp.zeros((), jnp.float32), d=jnp.zeros((K,), jnp.float32))
+            if kind in (F, FBW):
+                if pos == "first":
+                    out["h"], out["t"] = ops.forward_first(params, bj["x"], kj)
+                elif pos == "mid":
+                    out["h"], out["t"] = ops.forward_mid(params, h_in, t_in, kj)
+                elif pos == "last":
+                    out["loss"], out["d"] = ops.forward_last(params, h_in, t_in, kj, bj)
+                else:
+                    out["loss"], out["d"] = ops.forward_only(params, bj["x"], kj, bj)
+            if kind in (B, W, BW, FBW):
+                p = prev_params if stale else params
+                data = sbj if stale else bj
+                inp = data["x"] if pos in ("first", "only") else (sh if stale else h_in)
+                gi, gp = ops.backward(pos, p, inp, c_in, data, want_input=kind in (B, BW, FBW),
+                                      want_weights=kind in (W, BW, FBW))
+                if gi is not None and pos != "first":
+                    out["c"] = gi.astype(hz.dtype)
+                out["g"] = gp
+            out["loss"] = jnp.asarray(out["loss"], jnp.float32)
+            out["d"] = jnp.asarray(out["d"], jnp.float32)
+            return out["h"], out["t"], out["c"], out["g"], out["loss"], out["d"]
+
+        return fn
+
+    return [build(*b) if b[0] != IDLE else build(IDLE, "any", False) for b in pipe.lowered.branches]
+
+
+def _run(pipe: Pipeline, params, batch, key, carry):
+    low, m = pipe.lowered, pipe.schedule.num_stages
+    if carry is None:  # a dummy, so that one body serves every table
+        x0 = jax.tree.map(lambda a: a[0], batch)["x"]
+        hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
+        carry = PipelineCarry(
+            params, jnp.zeros((m, *hsd.shape), hsd.dtype),
+            jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), batch),
+            jnp.zeros((), jnp.float32))
+    if "fn" not in pipe._compiled:
+        pipe._compiled["fn"] = _build(pipe)
+    groups = jnp.asarray(low.groups.astype(np.float32).reshape(m, len(low.selected)))
+    loss, grads, d, ns = pipe._compiled["fn"](params, batch, key, jnp.asarray(low.tables),
+                                              groups, carry)
+    aux = {"directional": d, "exact_indices": low.selected, "stale": low.stale}
+    if low.stale:
+        prev_idx = np.array(low.prev_selected, np.int32)
+        micro = jax.tree.map(
+            lambda a: jnp.concatenate([a[prev_idx], jnp.zeros_like(a[:1])]), batch)
+        aux["carry"] = PipelineCarry(params, ns, micro, jnp.ones((), jnp.float32))
+    return loss, grads, aux
+
+
+def _build(pipe: Pipeline):
+    """The jitted shard_map'd step of a pipeline (built once, traced per input shapes)."""
+    low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
+    m, n, kt = sched.num_stages, sched.num_microbatches, spec.num
+    per = pipe.stack.num_layers // m
+    n_sel, n_prev = len(low.selected), len(low.prev_selected)
+
+    def body(params, batch, key, tables, groups, carry):
+        x0 = jax.tree.map(lambda a: a[0], batch)["x"]
+        hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
+        hshape, hdtype = hsd.shape, hsd.dtype
+        s = jax.lax.axis_index(AXIS)
+        ops = StageOps(pipe.stack, spec, s * per)
+        fns = _branches(pipe, ops, params, carry.params)
+        up = [(i, i + 1) for i in range(m - 1)]
+        down = [(i + 1, i) for i in range(m - 1)]
+
+        def tick(c, row):
+            hbuf, tbuf, cbuf, ns, gacc, dacc, lacc, hr, tr, cr_ = c
+            hbuf = hbuf.at[row[_C["h_w"]]].set(hr)
+            tbuf = tbuf.at[row[_C["t_w"]]].set(tr)
+            cbuf = cbuf.at[row[_C["c_w"]]].set(cr_)
+            h_in, t_in, c_in = hbuf[row[_C["h_r"]]], tbuf[row[_C["t_r"]]], cbuf[row[_C["c_r"]]]
+            mb, pm = row[_C["mb"]], row[_C["pm_r"]]
+            bj = jax.tree.map(lambda a: a[mb], batch)
+            sbj = jax.tree.map(lambda a: a[pm], carry.micro)
+            sh = carry.stash[pm]
+            h_o, t_o, c_o, g, loss, d = jax.lax.switch(
+                row[_C["branch"]], fns, (h_in, t_in, c_in, bj, micro_key(key, mb), sbj, sh))
+            ns = ns.at[row[_C["ns_w"]]].set(h_in)
+            dacc = dacc.at[row[_C["d_w"]]].set(d)
+            lacc = lacc.at[row[_C["d_w"]]].set(loss)
+            if low.backward:
+                gacc = jax.tree.map(lambda a, x: a.at[row[_C["g_w"]]].add(x), gacc, g)
+                cr_ = jax.lax.ppermute(c_o, AXIS, down)
+            hr = jax.lax.ppermute(h_o, AXIS, up)
+            tr = jax.lax.ppermute(t_o, AXIS, up)
+            return (hbuf, tbuf, cbuf, ns, gacc, dacc, lacc, hr, tr, cr_), None
+
+        hz = jnp.zeros(hshape, hdtype)
+        tz = jnp.zeros((kt, *hshape), hdtype)
+        init = (
+            jnp.zeros((low.h_slots + 1, *hshape), hdtype),
+            jnp.zeros((low.t_slots + 1, kt, *hshape), hdtype),
+            jnp.zeros((low.c_slots + 1, *hshape), hdtype),
+            jnp.zeros((n_prev + 1, *hshape), hdtype),
+            jax.tree.map(lambda a: jnp.zeros((n_sel + 1, *a.shape), a.dtype), params),
+            jnp.zeros((n + 1, kt), jnp.float32),
+            jnp.zeros((n + 1,), jnp.float32),
+            hz, tz, hz,
+        )
+        out, _ = jax.lax.scan(tick, init, tables[:, 0])
+        _, _, _, ns, gacc, dacc, lacc, _, _, _ = out
+        last = (s == m - 1).astype(jnp.float32)
+        d = jax.lax.psum(dacc[:n] * last, AXIS)
+        losses = jax.lax.psum(lacc[:n] * last, AXIS)
+        keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+        grads = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid)
+        on = {"embed": (s == 0), "head": (s == m - 1)}
+        grads = {
+            "embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), grads["embed"]),
+            "blocks": grads["blocks"],
+            "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), grads["head"]),
+        }
+        return jnp.mean(losses), grads, d, ns
+
+    pspec = _param_specs()
+    carry_spec = PipelineCarry(pspec, P(AXIS), P(), P())
+    fn = shard_map(body, mesh=pipe.mesh,
+                   in_specs=(pspec, P(), P(), P(None, AXIS), P(AXIS), carry_spec),
+                   out_specs=(P(), pspec, P(), P(AXIS)), check_vma=False)
+    return jax.jit(fn)
+
+
+def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, valid):
+    """This stage's estimate from the directional derivatives and its exact gradients."""
+    spec, n, kt = pipe.spec, d.shape[0], pipe.spec.num
+    n_sel = len(pipe.lowered.selected)
+    like = params
+    if n_sel == 0 or pipe.correction == "none":
+        return combine(spec, keys, d / (n * kt), like, first_layer)
+    exact = jax.tree.map(lambda a: a[:n_sel] * valid, gacc)
+    num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
+    masks = {"embed": group_row, "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local)),
+             "head": group_row}
+    h, counts = cr.group_mean(exact, masks, like)
+    if pipe.correction == "replace":
+        sel = jnp.array(pipe.lowered.selected, jnp.int32)
+        return cr.replace(spec, keys, d, exact, masks, like, first_layer,
+                          selected_keys=keys[sel], selected_d=d[sel])
+    c = jax.lax.psum(cr.residual_scalars(spec, keys, h, first_layer), AXIS)
+    beta = None
+    if pipe.correction == "weighted":
+        q = jnp.mean((d - c) ** 2)
+        spread = cr.group_spread(exact, h, masks, like)
+        beta = cr.shrinkage(counts, spread, cr.segment_sizes(like), q, n, kt)
+    return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta)

@@ -1,0 +1,401 @@
+"""Streamed layer-to-layer execution of one training step over a :class:`LayerStore`.
+
+For l in the step's layers: wait for layer l (prefetched ``p`` ahead), cast it to the compute
+dtype, put it on the device, apply it to *all* micro-batches (primal and tangents via jvp),
+release it. Device memory holds (p + 1) layers plus the micro-batches' activations, whatever
+the depth. The optimizer runs on the host in fp32 on the fp32 master copy:
+
+* forward estimator: an eager update sweep re-streams the layers and forms each update from
+  (key, scalars); or, lazily, the (key, scalars) record is committed with the step and applied
+  when the layer is next read (see :mod:`jaxstream.stream.lazy`);
+* hybrid: the selected micro-batches' layer inputs are stashed on the host, then a reverse
+  sweep re-streams the layers and runs vjp for them; ``replace`` updates during that sweep,
+  ``control_variate`` keeps each layer's exact mean gradient in the store's scratch space
+  until the cross-layer scalars c_nk are complete, then updates in a third sweep;
+* backprop: the reverse sweep with every micro-batch exact (the reference).
+
+Every step ends with :meth:`LayerStore.commit`, so its writes become visible together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstream.grad.estimators import Backprop, Forward
+from jaxstream.grad.hybrid import SELECT, Hybrid
+from jaxstream.grad.tangents import TangentSpec, micro_key
+from jaxstream.models.stack import Stack
+from jaxstream.stream import kernels as K
+from jaxstream.stream import lazy
+from jaxstream.stream.depth import DepthPolicy
+from jaxstream.stream.prefetch import Event, Prefetcher
+from jaxstream.stream.store import LayerStore
+
+DTYPES = ("float32", "bfloat16", "float16")
+UPDATES = ("eager", "lazy")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """Options of the streamed executor.
+
+    Attributes:
+      prefetch: p, layers read ahead of the one computing (0: no overlap).
+      compute_dtype: dtype of parameters and activations on the device ("float32",
+        "bfloat16", "float16"); the master copy and the optimizer stay fp32.
+      update: "eager" (update sweep after the step) or "lazy" (forward estimator only: apply
+        each layer's (key, scalars) when it is next read).
+      depth: which layers each step runs (:class:`DepthPolicy`).
+    """
+
+    prefetch: int = 2
+    compute_dtype: str = "bfloat16"
+    update: str = "eager"
+    depth: DepthPolicy = DepthPolicy()
+
+    def __post_init__(self):
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
+        if self.update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+
+
+def _kind(estimator: Any, update: str) -> str:
+    """Checks the estimator is one the streamed step implements; returns its kind."""
+    if isinstance(estimator, Backprop):
+        kind = "backprop"
+    elif isinstance(estimator, Forward):
+        if estimator.perturb != "weights":
+            raise ValueError("stream: estimator.perturb must be 'weights' (activity perturbation "
+                             f"is not streamed), got {estimator.perturb!r}")
+        kind = "forward"
+    elif isinstance(estimator, Hybrid):
+        if estimator.correction not in ("replace", "control_variate"):
+            raise ValueError("stream: hybrid correction must be one of ('replace', "
+                             f"'control_variate'), got {estimator.correction!r}")
+        if estimator.exact_from is not None:
+            raise ValueError("stream: hybrid exact_from (per-layer groups) is not streamed; "
+                             "use num_exact or exact_indices")
+        kind = "hybrid"
+    else:
+        raise ValueError("stream: estimator must be jaxstream.grad backprop(), forward() or "
+                         f"hybrid(), got {type(estimator).__name__}")
+    if update == "lazy" and kind != "forward":
+        raise ValueError(f"stream: update='lazy' needs the forward estimator, got {kind}")
+    return kind
+
+
+class StreamedExecutor:
+    """Runs training steps of ``stack`` whose parameters live in ``store``.
+
+    Args:
+      stack: the model.
+      estimator: ``jaxstream.grad`` backprop(), forward(perturb="weights") or hybrid().
+      optimizer: an element-wise optax transformation (applied per layer on the host).
+      store: a :class:`LayerStore` opened with the same optimizer.
+      config: :class:`StreamConfig`.
+      device: where layers compute (default: the first device); the host optimizer runs on
+        the CPU.
+
+    Example::
+
+        ex = StreamedExecutor(stack, jg.forward(), optax.adam(1e-3), store)
+        metrics = ex.step(micro_batched_batch, key)   # leaves (N, B, ...)
+    """
+
+    def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
+                 config: StreamConfig = StreamConfig(), device: Any = None):
+        if store.num_layers != stack.num_layers:
+            raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
+        self.kind = _kind(estimator, config.update)
+        self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
+            stack, estimator, optimizer, store, config)
+        self.spec: TangentSpec = getattr(estimator, "spec", TangentSpec())
+        self.device = device or jax.devices()[0]
+        self.host = jax.devices("cpu")[0]
+        self.dtype = jnp.dtype(config.compute_dtype)
+        self.events: list[Event] = []
+        self._pending: dict = dict(store.extra.get("pending", {}))
+        self._applied: set = set()
+        self._dry = False
+
+    # ------------------------------------------------------------------ loading
+    def _to_device(self, tree: Any) -> Any:
+        cast = jax.tree.map(lambda a: np.asarray(a).astype(self.dtype) if np.issubdtype(
+            np.asarray(a).dtype, np.floating) else np.asarray(a), tree)
+        return jax.device_put(cast, self.device)
+
+    def _apply_pending(self, unit: Any, params: Any) -> Any:
+        """Applies the lazy records of ``unit`` (host, fp32) and stages the result."""
+        recs = lazy.take(self._pending, unit)
+        if not recs:
+            return params
+        opt = self.store.read_opt(unit).result()
+        with jax.default_device(self.host):
+            for rec in recs:
+                key, coeffs = lazy.decode(rec)
+                g = K.unit_estimate(self.spec, K.seg_keys(key[None], unit), jnp.asarray(coeffs), params)
+                params, opt = K.optax_step(self.optimizer, g, opt, params)
+            params, opt = jax.tree.map(np.asarray, (params, opt))
+        if not self._dry:
+            self.store.write(unit, params, opt)
+            self._applied.add(str(unit))
+        return params
+
+    def _load(self, unit: Any) -> tuple[Any, Any]:
+        host = self.store.read(unit).result()
+        host = self._apply_pending(unit, host)
+        return (host if unit in ("embed", "head") else None), self._to_device(host)
+
+    def _sweep(self, units: Sequence, load: Callable, t0: float, name: str):
+        pf = Prefetcher(load, units, self.cfg.prefetch, t0, name)
+        yield from pf
+        self.events.extend(pf.events)
+
+    def _cast_batch(self, batch: dict) -> dict:
+        def c(a):
+            a = jnp.asarray(a)
+            return a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+        return jax.device_put({k: c(v) for k, v in batch.items()}, self.device)
+
+    # ------------------------------------------------------------------ updates
+    def _update(self, unit: Any, grads: Any, params: Any = None, opt: Any = None) -> None:
+        """fp32 optax update of one unit on the host, then staged into the store."""
+        if params is None:
+            params = self.store.read(unit, staged=True).result()
+        if opt is None:
+            opt = self.store.read_opt(unit, staged=True).result()
+        with jax.default_device(self.host):
+            grads = _f32(grads, self.host)
+            new_p, new_opt = K.optax_step(self.optimizer, grads, opt, params)
+        self.store.write(unit, *jax.tree.map(np.asarray, (new_p, new_opt)))
+
+    # ------------------------------------------------------------------ public
+    def layers(self, step: int) -> tuple[int, ...]:
+        """The layers the step runs (the depth policy)."""
+        return self.cfg.depth.layers(step, self.store.num_layers)
+
+    def step(self, batch: dict, key: jax.Array, step: int | None = None) -> dict:
+        """One optimizer step on ``batch`` (leaves (N, B, ...)); commits it to the store.
+
+        Returns:
+          metrics: loss, step time, stall time, bytes read.
+        """
+        step = self.store.step if step is None else int(step)
+        t0 = time.perf_counter()
+        self.events = []
+        loss, extra = self._run(batch, key, self.layers(step), self._update, t0)
+        self.store.commit(step + 1, extra=extra)
+        dt = time.perf_counter() - t0
+        return {"loss": float(loss), "step_time_s": dt,
+                "stall_s": float(sum(e.stall for e in self.events)),
+                "layers_read": sum(1 for e in self.events if isinstance(e.unit, int))}
+
+    def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
+        """The step's gradient estimate without updating: ``(loss, grads)``, grads shaped like
+        params (skipped layers get zeros). For tests against the in-memory estimators."""
+        out: dict = {}
+        loss, _ = self._run(batch, key, self.layers(step),
+                            lambda u, g, *a, **k: out.__setitem__(u, jax.device_get(g)),
+                            time.perf_counter(), commit_lazy=False)
+        zeros = lambda u: jax.tree.map(np.zeros_like, self.store.read(u).result())  # noqa: E731
+        blocks = [out.get(l) if l in out else zeros(l) for l in range(self.store.num_layers)]
+        grads = {"embed": out["embed"], "head": out["head"],
+                 "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks)}
+        return float(loss), grads
+
+    def flush(self, step: int | None = None) -> None:
+        """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""
+        if not any(self._pending.values()):
+            return
+        self._applied, self._dry = set(), False
+        for unit in [u for u, r in self._pending.items() if r]:
+            u = int(unit) if unit.isdigit() else unit
+            self._apply_pending(u, self.store.read(u).result())
+        self._pending = {}
+        self.store.commit(self.store.step if step is None else step, extra={"pending": {}})
+
+    # ------------------------------------------------------------------ the sweeps
+    def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
+        self._applied = set()
+        self._dry = not commit_lazy
+        if self.kind == "forward":
+            loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
+        else:
+            loss, new = self._run_reverse(batch, key, list(layers), sink, t0)
+        if commit_lazy:
+            # records applied this step are gone; skipped layers keep theirs; new ones appended
+            self._pending = {k: v for k, v in self._pending.items() if k not in self._applied and v}
+            for k, v in new.items():
+                self._pending.setdefault(k, []).extend(v)
+        return loss, {"pending": self._pending}
+
+    def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
+        x = self._cast_batch(batch)
+        stash, hosts = {}, {}
+        for u, (host, dev) in self._sweep(["embed", *layers, "head"], self._load, t0, "forward"):
+            if u == "embed":
+                h, dh = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
+            elif u == "head":
+                losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
+                stash["head"] = None if stash_idx is None else jax.device_get(h[stash_idx])
+            else:
+                if stash_idx is not None:
+                    stash[u] = jax.device_get(h[stash_idx])
+                h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+                h.block_until_ready()
+            if host is not None:
+                hosts[u] = host
+        return jax.device_get(losses), jax.device_get(d).astype(np.float32), hosts, stash, x
+
+    def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
+        n = jax.tree.leaves(batch)[0].shape[0]
+        keys = jnp.stack([key] * n)
+        losses, d, hosts, _, _ = self._forward_sweep(batch, keys, layers, t0)
+        dk = d.mean(axis=0)  # (K,): derivative of the mean loss over all micro-batches
+        units = ["embed", *layers, "head"]
+        if self.estimator.aggregation == "mean":
+            coeffs = dk / self.spec.num
+        else:
+            with jax.default_device(self.host):
+                g = sum(K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts))
+                        for u in units)
+                coeffs = np.asarray(jnp.linalg.solve(g, jnp.asarray(dk)))
+        coeffs = np.asarray(coeffs, np.float32)[None]
+        lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
+        eager_units = [u for u in units if u not in lazy_units]
+
+        def load(u):
+            p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
+            with jax.default_device(self.host):
+                g = K.unit_estimate(self.spec, K.seg_keys(key[None], u), jnp.asarray(coeffs), p)
+            return p, g
+
+        for u, (p, g) in self._sweep(eager_units, load, t0, "update"):
+            sink(u, g, p)
+        new = lazy.add({}, lazy_units, key, coeffs) if lazy_units else {}
+        return float(np.mean(losses)), new
+
+    def _like(self, u, hosts):
+        return hosts[u] if u in hosts else self.store.read(u).result()
+
+    def _run_reverse(self, batch, key, layers, sink, t0):
+        n = jax.tree.leaves(batch)[0].shape[0]
+        hybrid = self.kind == "hybrid"
+        if hybrid:
+            idx = self._selection(key, n)
+            keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+            losses, d, hosts, stash, x = self._forward_sweep(batch, keys, layers, t0, idx)
+        else:
+            idx, keys, d = np.arange(n), None, None
+            losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
+        sel = jax.tree.map(lambda a: a[idx], x)
+        s = len(idx)
+        h_in = jax.device_put(stash["head"], self.device)
+        cv = hybrid and self.estimator.correction == "control_variate"
+        c_parts: dict = {}
+        scratch: list = []
+
+        def finish(u, g, p):
+            """g: per selected micro-batch gradients (hybrid) or the mean gradient (backprop)."""
+            if not hybrid:
+                return sink(u, _f32(g, self.host), p)
+            g = _f32(g, self.host)
+            if not cv:
+                return sink(u, self._replace(u, keys, d, idx, g, p), p)
+            h_u = jax.tree.map(lambda a: a.sum(0) / s, g)
+            scratch.extend(self.store.write_scratch(u, h_u))  # needed again once c_nk is complete
+            with jax.default_device(self.host):
+                c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
+
+        head_dev = self._to_device(hosts["head"])
+        if hybrid:
+            head_losses, g, ct = K.head_vjp_each(self.stack, head_dev, h_in, sel)
+        else:
+            head_losses, g, ct = K.head_loss_vjp(self.stack, head_dev, h_in, sel,
+                                                 jnp.full((s,), 1.0 / s, jnp.float32))
+            losses = jax.device_get(head_losses)
+        finish("head", g, hosts["head"])
+
+        def rload(u):
+            host = self.store.read(u, staged=True).result()
+            return host, self._to_device(host)
+
+        vjp = K.block_vjp_each if hybrid else K.block_vjp
+        for u, (host, dev) in self._sweep(list(reversed(layers)), rload, t0, "reverse"):
+            g, ct = vjp(self.stack, dev, jax.device_put(stash[u], self.device), ct)
+            finish(u, g, host)
+        embed_dev = self._to_device(hosts["embed"])
+        g = (K.embed_vjp_each if hybrid else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
+        finish("embed", g, hosts["embed"])
+
+        if cv:  # third sweep, now that c_nk = Σ_u h_u·v_nk,u is complete
+            for f in scratch:
+                f.result()
+            blocks = [c_parts[l] for l in layers]
+            c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
+            coeffs = jnp.asarray((d - c) / (n * self.spec.num), jnp.float32)
+
+            def uload(u):
+                p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
+                h_u = self.store.read_scratch(u).result()
+                with jax.default_device(self.host):
+                    r = K.unit_estimate(self.spec, K.seg_keys(keys, u), coeffs, p)
+                    return p, jax.tree.map(jnp.add, h_u, r)
+
+            for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
+                sink(u, g, p)
+        return float(np.mean(losses)), {}
+
+    # ------------------------------------------------------------------ helpers
+    def _selection(self, key, n):
+        est: Hybrid = self.estimator
+        if est.exact_indices is not None:
+            bad = [i for i in est.exact_indices if not 0 <= i < n]
+            if bad:
+                raise ValueError(f"exact_indices {bad} out of range for N={n} micro-batches")
+            return np.asarray(est.exact_indices, np.int32)
+        if est.num_exact > n:
+            raise ValueError(f"num_exact={est.num_exact} exceeds the N={n} micro-batches")
+        return np.asarray(jax.random.choice(jax.random.fold_in(key, SELECT), n, (est.num_exact,),
+                                            replace=False))
+
+    def _replace(self, u, keys, d, idx, g_each, p):
+        """(1/N)[Σ_n ĝ_n] + (1/N) Σ_{s∈S} (g_s − ĝ_s): the exact gradient where available."""
+        n, k = d.shape
+        with jax.default_device(self.host):
+            p = jax.device_put(p, self.host)
+            plain = K.unit_estimate(self.spec, K.seg_keys(keys, u), jnp.asarray(d / (n * k)), p)
+            sk = K.seg_keys(keys[idx], u)
+            fsel = jax.vmap(lambda kk, dd: K.unit_estimate(self.spec, kk[None], dd[None] / k, p))(
+                sk, jnp.asarray(d[idx]))
+            return jax.tree.map(lambda a, g, f: a + (g - f).sum(0) / n, plain, g_each, fsel)
+
+    def _plain_sweep(self, batch, layers, t0):
+        """Forward sweep without tangents, stashing every block's input (backprop)."""
+        x = self._cast_batch(batch)
+        stash, hosts = {}, {}
+        for u, (host, dev) in self._sweep(["embed", *layers, "head"], self._load, t0, "forward"):
+            if u == "embed":
+                h = K.embed_apply(self.stack, dev, x["x"])
+            elif u == "head":
+                stash["head"] = jax.device_get(h)
+            else:
+                stash[u] = jax.device_get(h)
+                h = K.block_apply(self.stack, dev, h)
+            if host is not None:
+                hosts[u] = host
+        return None, hosts, stash, x
+
+
+def _f32(tree: Any, host: Any) -> Any:
+    """A gradient pytree as fp32 on the host (the optimizer's precision)."""
+    return jax.tree.map(lambda a: jax.device_put(a, host).astype(jnp.float32), tree)

@@ -1,0 +1,177 @@
+"""Device and host functions of the streamed step, one model unit (embed/layer/head) at a time.
+
+They reuse the tangent schedule of :mod:`jaxstream.grad.tangents` (embed tangents from
+``fold_in(key, 0)``, block ``l`` from ``block_key(key, l)``, head from ``fold_in(key, 2)``), so a
+streamed step produces the same estimate as the in-memory estimator for the same key.
+Activations are laid out ``(N, B, ...)`` (N micro-batches) and tangents ``(N, K, B, ...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, combine, gram, leaf_tangents, project
+from jaxstream.models.stack import Stack
+
+
+def unit_key(key: jax.Array, unit: Any) -> jax.Array:
+    """Tangent key of a unit ("embed", "head" or a global layer index) for a step key."""
+    if unit == "embed":
+        return jax.random.fold_in(key, EMBED)
+    if unit == "head":
+        return jax.random.fold_in(key, HEAD)
+    return block_key(key, unit)
+
+
+def _jvp_k(fn, primal, tangents_k, dh_k=None):
+    if dh_k is None:
+        return jax.vmap(lambda t: jax.jvp(fn, (primal,), (t,)), out_axes=(None, 0))(tangents_k)
+    return jax.vmap(lambda t, d: jax.jvp(fn, primal, (t, d)), out_axes=(None, 0))(tangents_k, dh_k)
+
+
+# ----------------------------------------------------------------------------- forward (jvp)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, keys: jax.Array):
+    """Per micro-batch n (keys (N,)): ``(h (N,B,..), dh (N,K,B,..))`` of the embed."""
+
+    def one(xn, kn):
+        v = leaf_tangents(spec, unit_key(kn, "embed"), p)
+        return _jvp_k(lambda pp: stack.embed(pp, xn), p, v)
+
+    return jax.vmap(one)(x, keys)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def block_jvp(stack: Stack, spec: TangentSpec, p: Any, layer: jax.Array, keys: jax.Array,
+              h: jax.Array, dh: jax.Array):
+    """One block applied to all micro-batches, primal and K tangents."""
+
+    def one(hn, dhn, kn):
+        v = leaf_tangents(spec, block_key(kn, layer), p)
+        return _jvp_k(stack.block, (p, hn), v, dhn)
+
+    return jax.vmap(one)(h, dh, keys)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
+             batch: dict, keys: jax.Array):
+    """Per micro-batch mean loss (N,) and directional derivatives d (N, K) of it."""
+
+    def one(hn, dhn, bn, kn):
+        v = leaf_tangents(spec, unit_key(kn, "head"), p)
+        logits, dlogits = _jvp_k(stack.head, (p, hn), v, dhn)
+        loss_fn = lambda lg: jnp.mean(stack.example_loss(lg.astype(jnp.float32), bn))  # noqa: E731
+        return _jvp_k(loss_fn, logits, dlogits)
+
+    return jax.vmap(one)(h, dh, batch, keys)
+
+
+# ----------------------------------------------------------------------------- reverse (vjp)
+@functools.partial(jax.jit, static_argnums=(0,))
+def embed_apply(stack: Stack, p: Any, x: jax.Array) -> jax.Array:
+    return jax.vmap(lambda xn: stack.embed(p, xn))(x)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def block_apply(stack: Stack, p: Any, h: jax.Array) -> jax.Array:
+    return jax.vmap(lambda hn: stack.block(p, hn))(h)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def head_loss_vjp(stack: Stack, p: Any, h: jax.Array, batch: dict, weights: jax.Array):
+    """Loss of each micro-batch (N,), and the gradient of Σ_n weights[n]·loss_n w.r.t. the
+    head params and the head input."""
+
+    def total(pp, hh):
+        losses = jax.vmap(lambda hn, bn: jnp.mean(stack.example_loss(
+            stack.head(pp, hn).astype(jnp.float32), bn)))(hh, batch)
+        return jnp.sum(weights * losses), losses
+
+    (_, losses), (gp, gh) = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)(p, h)
+    return losses, gp, gh
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def block_vjp(stack: Stack, p: Any, h: jax.Array, ct: jax.Array):
+    """Parameter gradient (summed over micro-batches) and input cotangent of one block."""
+    out, pull = jax.vjp(lambda pp, hh: jax.vmap(lambda hn: stack.block(pp, hn))(hh), p, h)
+    gp, gh = pull(ct.astype(out.dtype))
+    return gp, gh
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def embed_vjp(stack: Stack, p: Any, x: jax.Array, ct: jax.Array):
+    out, pull = jax.vjp(lambda pp: jax.vmap(lambda xn: stack.embed(pp, xn))(x), p)
+    return pull(ct.astype(out.dtype))[0]
+
+
+# ----------------------------------------------------------------------------- host side
+@functools.partial(jax.jit, static_argnums=(0,))
+def unit_estimate(spec: TangentSpec, seg_keys: jax.Array, coeffs: jax.Array, like: Any) -> Any:
+    """Σ_n Σ_k coeffs[n, k] v_nk of one unit, the tangents regenerated from ``seg_keys`` (N,)."""
+    return combine(spec, seg_keys, coeffs, like)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def unit_project(spec: TangentSpec, seg_keys: jax.Array, tree: Any) -> jax.Array:
+    """⟨tree, v_nk⟩ of one unit: (N, K)."""
+    return project(spec, seg_keys, tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def unit_gram(spec: TangentSpec, seg_key: jax.Array, like: Any) -> jax.Array:
+    """VᵀV of one unit's K tangents."""
+    return gram(spec, seg_key, like)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def optax_step(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any):
+    """One fp32 optax update of one unit (the optimizer must act element-wise per leaf)."""
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def seg_keys(keys: jax.Array, unit: Any) -> jax.Array:
+    """Segment keys (N,) of a unit for micro-batch keys (N,)."""
+    return jax.vmap(lambda k: unit_key(k, unit))(keys)
+
+
+# ----------------------------------------------------------------------------- per micro-batch
+@functools.partial(jax.jit, static_argnums=(0,))
+def head_vjp_each(stack: Stack, p: Any, h: jax.Array, batch: dict):
+    """Per selected micro-batch s: loss_s, ∂loss_s/∂head params (S, ...), ∂loss_s/∂h_s."""
+
+    def one(hn, bn):
+        f = lambda pp, hh: jnp.mean(stack.example_loss(stack.head(pp, hh).astype(jnp.float32), bn))  # noqa: E731
+        loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, hn)
+        return loss, gp, gh
+
+    return jax.vmap(one)(h, batch)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def block_vjp_each(stack: Stack, p: Any, h: jax.Array, ct: jax.Array):
+    """Per micro-batch parameter gradients (S, ...) and input cotangents of one block."""
+
+    def one(hn, cn):
+        out, pull = jax.vjp(stack.block, p, hn)
+        return pull(cn.astype(out.dtype))
+
+    return jax.vmap(one)(h, ct)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def embed_vjp_each(stack: Stack, p: Any, x: jax.Array, ct: jax.Array):
+    """Per micro-batch parameter gradients of the embed."""
+
+    def one(xn, cn):
+        out, pull = jax.vjp(lambda pp: stack.embed(pp, xn), p)
+        return pull(cn.astype(out.dtype))[0]
+
+    return jax.vmap(one)(x, ct)

@@ -1,0 +1,46 @@
+"""Lazy forward-gradient updates: a layer's update is (step key, scalars), applied on next read.
+
+A forward-gradient update of a layer is fully described by the step's key and the K
+coefficients of its tangents, so instead of a second sweep that re-reads every layer after
+the step, the (key, coefficients) record is committed with the step and applied when the
+layer is next read (then written back with that step). :func:`encode`/:func:`decode` turn
+records into JSON committed in the store's manifest, so pending updates survive a crash
+together with the parameters they belong to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+Record = tuple[np.ndarray, np.ndarray]  # (raw key data uint32, coefficients (N, K) float32)
+
+
+def encode(key: jax.Array, coeffs: np.ndarray) -> dict:
+    """JSON form of one update record (exact: float32 values round-trip through repr)."""
+    data = np.asarray(jax.random.key_data(key), np.uint32)
+    return {"key": data.tolist(), "impl": str(jax.random.key_impl(key)),
+            "coeffs": np.asarray(coeffs, np.float32).tolist(), "shape": list(np.shape(coeffs))}
+
+
+def decode(rec: dict) -> tuple[jax.Array, np.ndarray]:
+    """Inverse of :func:`encode`: ``(typed key, coeffs)``."""
+    key = jax.random.wrap_key_data(np.asarray(rec["key"], np.uint32), impl=rec["impl"])
+    coeffs = np.asarray(rec["coeffs"], np.float32).reshape(rec["shape"])
+    return key, coeffs
+
+
+def add(pending: dict, units: list, key: jax.Array, coeffs: np.ndarray) -> dict:
+    """Appends the record to every unit in ``units`` (pending: {str(unit): [records]})."""
+    out = {k: list(v) for k, v in pending.items()}
+    rec = encode(key, coeffs)
+    for u in units:
+        out.setdefault(str(u), []).append(rec)
+    return out
+
+
+def take(pending: dict, unit: Any) -> list[dict]:
+    """Records waiting for ``unit`` (in order)."""
+    return list(pending.get(str(unit), []))

@@ -1,0 +1,91 @@
+"""Prefetcher: loads units (layers) ``depth`` ahead of the one being computed.
+
+Each load runs on a worker thread: the TensorStore read (itself asynchronous), host-side
+preparation (a pending lazy update, the cast to the compute dtype) and the host->device copy.
+The consumer only waits when a load is late; that wait is the *stall* time, recorded per unit
+with the read and compute intervals so a timeline of reads against compute can be drawn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+
+class Event(NamedTuple):
+    """One unit's timeline (seconds since the step began)."""
+
+    unit: Any
+    load_start: float
+    load_end: float
+    compute_start: float
+    stall: float
+    sweep: str
+
+
+class Prefetcher:
+    """Iterates ``(unit, value)`` over ``order``, loading ``depth`` units ahead.
+
+    Args:
+      load: ``unit -> value`` (runs on a worker thread).
+      order: the units in execution order.
+      depth: how many units are in flight beyond the current one (p >= 0; 0 = no overlap).
+      t0: the step's start time (``time.perf_counter()``), for the timeline.
+      sweep: a label for the events ("forward", "reverse", "update").
+
+    Example::
+
+        for l, layer in Prefetcher(lambda l: store.read(l).result(), range(L), 2, t0):
+            h = block(layer, h)
+    """
+
+    def __init__(self, load: Callable[[Any], Any], order: Sequence[Any], depth: int,
+                 t0: float | None = None, sweep: str = "forward"):
+        if depth < 0:
+            raise ValueError(f"prefetch depth must be >= 0, got {depth}")
+        self._load, self._order, self._depth = load, list(order), int(depth)
+        self._t0 = time.perf_counter() if t0 is None else t0
+        self._sweep = sweep
+        self.events: list[Event] = []
+
+    def _timed(self, unit: Any) -> tuple[Any, float, float]:
+        start = time.perf_counter() - self._t0
+        value = self._load(unit)
+        return value, start, time.perf_counter() - self._t0
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        if not self._order:
+            return
+        with ThreadPoolExecutor(max_workers=max(1, self._depth)) as pool:
+            pending: deque[tuple[Any, Future]] = deque()
+            it = iter(self._order)
+
+            def submit() -> None:
+                u = next(it, _END)
+                if u is not _END:
+                    pending.append((u, pool.submit(self._timed, u)))
+
+            for _ in range(max(1, self._depth)):
+                submit()
+            while pending:
+                unit, fut = pending.popleft()
+                wait0 = time.perf_counter()
+                value, start, end = fut.result()
+                stall = time.perf_counter() - wait0
+                if self._depth > 0:
+                    submit()
+                compute_start = time.perf_counter() - self._t0
+                self.events.append(Event(unit, start, end, compute_start, stall, self._sweep))
+                yield unit, value
+                if self._depth == 0:
+                    submit()
+
+    @property
+    def stall(self) -> float:
+        """Total time the consumer waited for loads."""
+        return float(sum(e.stall for e in self.events))
+
+
+_END = object()

@@ -1,0 +1,456 @@
+"""LayerStore: a model's fp32 master parameters and optimizer state in TensorStore.
+
+Layout (under one kvstore root, zarr3 on a local ``file`` kvstore by default)::
+
+    manifest.json              committed state: step, model config, leaf specs, slot table
+    params/{embed,head}/<leaf> shape (2, *leaf)      -- two slots
+    params/blocks/<leaf>       shape (L, 2, *leaf)   -- one chunk per (layer, slot)
+    opt/{embed,head,blocks}/<i> the same for each optimizer-state leaf
+
+Crash safety (shadow paging): every unit (embed, head, each layer) has two slots. The
+manifest names the committed slot of each unit. A step writes updated units only into
+their *other* slot, waits until those writes are durable, then commits by replacing
+``manifest.json`` in one atomic kvstore write (the ``file`` driver writes a temp file,
+fsyncs it and renames it over the old one). A process killed at any moment leaves either
+the old manifest, whose slots were never touched, or the new one, whose slots are all
+written: the writes of a step become visible together, nothing half-written is read.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jaxstream.stream.errors import StoreError, StoreMismatchError, StoreNotFoundError, StoreWriteError
+from jaxstream.stream.layout import KvSpec, leaf_names, make_context, open_array, open_kvstore
+
+FORMAT = "jaxstream.layerstore/1"
+MANIFEST = "manifest.json"
+PARTS = ("embed", "blocks", "head")
+Unit = str | int  # "embed", "head" or a layer index
+
+
+class TreeFuture:
+    """A pending read of one pytree: ``result()`` waits for every leaf's TensorStore future."""
+
+    def __init__(self, treedef: Any, futures: Sequence[Any], post: Callable | None = None):
+        self._treedef, self._futures, self._post = treedef, list(futures), post
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> Any:
+        leaves = [np.asarray(f.result()) for f in self._futures]
+        tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
+        return self._post(tree) if self._post else tree
+
+
+def _leaf_table(tree: Any) -> list[dict]:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return [
+        {"name": n, "shape": list(np.shape(x)), "dtype": str(np.dtype(getattr(x, "dtype", np.float32)))}
+        for n, x in zip(leaf_names(tree), leaves)
+    ]
+
+
+def _master_dtype(x: Any) -> np.dtype:
+    dt = np.dtype(getattr(x, "dtype", np.float32))
+    return np.dtype(np.float32) if np.issubdtype(dt, np.floating) or dt.name == "bfloat16" else dt
+
+
+def _nested_from_names(names: list[str], leaves: list) -> Any:
+    out: dict = {}
+    for name, leaf in zip(names, leaves):
+        d = out
+        parts = name.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = leaf
+    return out
+
+
+def _check_config(found: dict, expected: dict, where: str) -> None:
+    for k in sorted(set(found) | set(expected)):
+        if found.get(k) != expected.get(k):
+            raise StoreMismatchError(
+                f"store at {where} holds another model: model_config field {k!r} is "
+                f"{found.get(k)!r} in the store but {expected.get(k)!r} was expected"
+            )
+
+
+class LayerStore:
+    """Parameters and optimizer state of a model stack, read and written one layer at a time.
+
+    Create with :meth:`create`, reopen with :meth:`open`. ``read(l)`` returns a future of
+    layer ``l`` (a slice of ``params["blocks"]`` as NumPy fp32); ``write(l, p, opt)`` stages
+    the updated layer; ``commit(step)`` makes every staged write of the step visible at once.
+
+    Example::
+
+        store = LayerStore.create("/nvme/run", params, optimizer=optax.adam(1e-3))
+        layer = store.read(0).result()
+        store.write(0, layer)
+        store.commit(step=1)
+    """
+
+    def __init__(self, root: ts.KvStore, context: ts.Context, manifest: dict, where: str,
+                 treedefs: dict, opt_treedefs: dict):
+        self._root, self._ctx, self._m, self._where = root, context, manifest, where
+        self._treedefs, self._opt_treedefs = treedefs, opt_treedefs
+        self._arrays: dict[tuple[str, str, int], ts.TensorStore] = {}
+        self._staged: dict[str, int] = {}
+        self._writes: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        for kind in ("params", "opt"):
+            for part in PARTS:
+                for i, _ in enumerate(self._m["leaves"][kind][part]):
+                    self._arrays[(kind, part, i)] = open_array(root, f"{kind}/{part}/{i}", context)
+        self._scratch_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ creation / opening
+    @classmethod
+    def create(cls, location: KvSpec, params: dict, *, optimizer: Any = None,
+               model_config: dict | None = None, step: int = 0, overwrite: bool = False,
+               file_io_concurrency: int = 64, file_io_sync: bool = True) -> "LayerStore":
+        """Writes a new store from ``params`` = {"embed", "blocks" (leading layer axis), "head"}.
+
+        Args:
+          location: a path (local ``file`` kvstore), a kvstore URL or a kvstore JSON spec.
+          params: the parameters; floating leaves are stored as fp32 masters.
+          optimizer: an optax transformation whose state is kept per unit (per layer).
+          model_config: JSON-able description of the model, checked on :meth:`open`.
+          overwrite: replace an existing committed store (otherwise it is an error).
+        Returns:
+          The open store at ``step``.
+        """
+        if not isinstance(params, dict) or set(params) != set(PARTS):
+            raise StoreError(f"params must be a dict with keys {PARTS}, got "
+                             f"{sorted(params) if isinstance(params, dict) else type(params)}")
+        blocks = jax.tree_util.tree_leaves(params["blocks"])
+        if not blocks:
+            raise StoreError("params['blocks'] has no leaves")
+        num_layers = int(np.shape(blocks[0])[0])
+        for x in blocks:
+            if np.ndim(x) < 1 or np.shape(x)[0] != num_layers:
+                raise StoreError(f"every params['blocks'] leaf needs the leading layer axis {num_layers}, "
+                                 f"got shape {np.shape(x)}")
+        ctx = make_context(file_io_concurrency, file_io_sync)
+        root = open_kvstore(location, ctx)
+        if root.read(MANIFEST).result().state == "value" and not overwrite:
+            raise StoreError(f"a store already exists at {location}; pass overwrite=True to replace it")
+        params = jax.tree.map(lambda x: np.asarray(x, _master_dtype(x)), params)
+        layer0 = jax.tree.map(lambda x: x[0], params["blocks"])
+        templates = {"embed": params["embed"], "blocks": layer0, "head": params["head"]}
+        opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
+        opt_init = jax.tree.map(np.asarray, opt_init)
+        manifest = {
+            "format": FORMAT, "step": int(step), "generation": 0, "num_layers": num_layers,
+            "model_config": dict(model_config or {}),
+            "leaves": {"params": {p: _leaf_table(templates[p]) for p in PARTS},
+                       "opt": {p: _leaf_table(opt_init[p]) for p in PARTS}},
+            "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
+            "extra": {},
+        }
+        for kind, trees in (("params", templates), ("opt", opt_init)):
+            for part in PARTS:
+                for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
+                    shape = tuple(np.shape(leaf))
+                    lead = (num_layers, 2) if part == "blocks" else (2,)
+                    open_array(root, f"{kind}/{part}/{i}", ctx, create=True, shape=lead + shape,
+                               chunk=(1,) * len(lead) + shape, dtype=str(np.asarray(leaf).dtype))
+        futs = []
+        for kind, trees in (("params", params), ("opt", opt_init)):
+            for part in PARTS:
+                for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
+                    arr = open_array(root, f"{kind}/{part}/{i}", ctx)
+                    if part == "blocks" and kind == "params":
+                        futs.append(arr[:, 0].write(leaf))
+                    elif part == "blocks":
+                        futs.append(arr[:, 0].write(np.broadcast_to(leaf, (num_layers,) + np.shape(leaf))))
+                    else:
+                        futs.append(arr[0].write(leaf))
+        for f in futs:
+            f.result()
+        _write_manifest(root, manifest, str(location))
+        return cls.open(location, optimizer=optimizer, model_config=model_config, context=ctx)
+
+    @classmethod
+    def open(cls, location: KvSpec, *, template: dict | None = None, optimizer: Any = None,
+             model_config: dict | None = None, file_io_concurrency: int = 64,
+             file_io_sync: bool = True, context: ts.Context | None = None) -> "LayerStore":
+        """Opens the last committed step of an existing store.
+
+        Args:
+          location: as for :meth:`create`.
+          template: params (or ``jax.eval_shape`` of them) giving the pytree structure; when
+            omitted, nested dicts are rebuilt from the stored leaf names.
+          optimizer: the optax transformation the store was created with (gives the state's
+            structure); without it optimizer state cannot be read.
+          model_config: when given, must equal the stored model config (else an error).
+          context: a TensorStore context to share (e.g. for a ``memory://`` kvstore).
+        Raises:
+          StoreNotFoundError: no committed store at ``location``.
+          StoreMismatchError: the store holds another model.
+        """
+        ctx = context or make_context(file_io_concurrency, file_io_sync)
+        try:
+            root = open_kvstore(location, ctx)
+            res = root.read(MANIFEST).result()
+        except Exception as e:  # noqa: BLE001 - the kvstore's own error is kept as the cause
+            raise StoreNotFoundError(f"no layer store at {location}: {e}") from e
+        if res.state != "value":
+            raise StoreNotFoundError(f"no layer store at {location}: {MANIFEST} is missing "
+                                     "(never created, or creation did not finish)")
+        m = json.loads(bytes(res.value))
+        if m.get("format") != FORMAT:
+            raise StoreMismatchError(f"{location} is not a layer store: format {m.get('format')!r}, "
+                                     f"expected {FORMAT!r}")
+        if model_config is not None:
+            _check_config(m["model_config"], dict(model_config), str(location))
+        treedefs = {}
+        for part in PARTS:
+            table = m["leaves"]["params"][part]
+            if template is not None:
+                t = template[part] if part != "blocks" else jax.tree.map(lambda x: x[0], template[part])
+                found = _leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, _master_dtype(x)), t))
+                for a, b in zip(table, found):
+                    if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
+                        raise StoreMismatchError(
+                            f"store at {location} holds another model: {part} leaf {a['name']!r} has "
+                            f"shape {a['shape']} {a['dtype']}, the model needs {b['shape']} {b['dtype']}")
+                if len(found) != len(table):
+                    raise StoreMismatchError(f"store at {location} holds another model: {part} has "
+                                             f"{len(table)} leaves, the model has {len(found)}")
+                treedefs[part] = jax.tree_util.tree_structure(t)
+            else:
+                names = [e["name"] for e in table]
+                treedefs[part] = jax.tree_util.tree_structure(_nested_from_names(names, [0] * len(names)))
+        if template is not None:
+            nl = jax.tree_util.tree_leaves(template["blocks"])[0].shape[0]
+            if nl != m["num_layers"]:
+                raise StoreMismatchError(f"store at {location} holds another model: num_layers is "
+                                         f"{m['num_layers']} in the store, the model has {nl}")
+        opt_treedefs = {}
+        if optimizer is not None:
+            for part in PARTS:
+                shapes = [jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
+                          for e in m["leaves"]["params"][part]]
+                t = jax.tree_util.tree_unflatten(treedefs[part], shapes)
+                st = jax.eval_shape(optimizer.init, t)
+                if len(jax.tree_util.tree_leaves(st)) != len(m["leaves"]["opt"][part]):
+                    raise StoreMismatchError(f"store at {location}: optimizer state of {part} has "
+                                             f"{len(m['leaves']['opt'][part])} leaves, this optimizer has "
+                                             f"{len(jax.tree_util.tree_leaves(st))}")
+                opt_treedefs[part] = jax.tree_util.tree_structure(st)
+        return cls(root, ctx, m, str(location), treedefs, opt_treedefs)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def step(self) -> int:
+        """The last committed step."""
+        return int(self._m["step"])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._m["num_layers"])
+
+    @property
+    def model_config(self) -> dict:
+        return dict(self._m["model_config"])
+
+    @property
+    def extra(self) -> dict:
+        """JSON metadata committed with the last step (e.g. pending lazy updates)."""
+        return json.loads(json.dumps(self._m.get("extra", {})))
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's fp32 master parameters."""
+        return int(sum(np.prod(e["shape"]) * np.dtype(e["dtype"]).itemsize
+                       for e in self._m["leaves"]["params"]["blocks"]))
+
+    @property
+    def location(self) -> str:
+        return self._where
+
+    def _part(self, unit: Unit) -> tuple[str, int | None]:
+        if isinstance(unit, str):
+            if unit not in ("embed", "head"):
+                raise StoreError(f"unit must be 'embed', 'head' or a layer index, got {unit!r}")
+            return unit, None
+        l = int(unit)
+        if not 0 <= l < self.num_layers:
+            raise StoreError(f"layer index must be in [0, {self.num_layers}), got {l}")
+        return "blocks", l
+
+    def _slot(self, part: str, l: int | None, staged: bool) -> int:
+        key = part if l is None else f"blocks/{l}"
+        if staged and key in self._staged:
+            return self._staged[key]
+        return int(self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l])
+
+    # ------------------------------------------------------------------ reads
+    def read(self, unit: Unit, *, staged: bool = False) -> TreeFuture:
+        """Starts reading the parameters of ``unit`` (a layer index, "embed" or "head").
+
+        Args:
+          staged: read this step's staged (uncommitted) write if there is one.
+        Returns:
+          A :class:`TreeFuture` of a pytree of fp32 NumPy arrays.
+        """
+        return self._read("params", unit, staged)
+
+    def read_opt(self, unit: Unit, *, staged: bool = False) -> TreeFuture:
+        """Starts reading the optimizer state of ``unit`` (needs ``optimizer`` at open)."""
+        return self._read("opt", unit, staged)
+
+    def _read(self, kind: str, unit: Unit, staged: bool) -> TreeFuture:
+        part, l = self._part(unit)
+        slot = self._slot(part, l, staged)
+        n = len(self._m["leaves"][kind][part])
+        idx = (slot,) if l is None else (l, slot)
+        futs = [self._arrays[(kind, part, i)][idx].read() for i in range(n)]
+        if kind == "params":
+            treedef = self._treedefs[part]
+        else:
+            if part not in self._opt_treedefs:
+                raise StoreError("optimizer state needs the optimizer: LayerStore.open(..., optimizer=...)")
+            treedef = self._opt_treedefs[part]
+        return TreeFuture(treedef, futs)
+
+    def read_params(self) -> dict:
+        """Reads the whole committed parameter pytree (for evaluation and tests)."""
+        layers = [self.read(l) for l in range(self.num_layers)]
+        embed, head = self.read("embed").result(), self.read("head").result()
+        blocks = jax.tree.map(lambda *xs: np.stack(xs), *[f.result() for f in layers])
+        return {"embed": embed, "blocks": blocks, "head": head}
+
+    # ------------------------------------------------------------------ scratch
+    def _scratch_array(self, part: str, i: int) -> ts.TensorStore:
+        key = ("scratch", part, i)
+        if key not in self._arrays:
+            e = self._m["leaves"]["params"][part][i]
+            lead = (self.num_layers,) if part == "blocks" else ()
+            self._arrays[key] = open_array(self._root, f"scratch/{part}/{i}", self._ctx, create=True,
+                                           shape=lead + tuple(e["shape"]),
+                                           chunk=(1,) * len(lead) + tuple(e["shape"]), dtype=e["dtype"])
+        return self._arrays[key]
+
+    def write_scratch(self, unit: Unit, tree: Any) -> list:
+        """Writes a params-shaped pytree (e.g. an exact gradient) to the unit's scratch space.
+
+        Scratch is not part of the committed state: it holds values that live within one step
+        (a crash simply redoes the step). Returns the write futures.
+        """
+        part, l = self._part(unit)
+        idx = () if l is None else (l,)
+        return [self._scratch_array(part, i)[idx].write(np.asarray(x, np.float32))
+                for i, x in enumerate(jax.tree_util.tree_leaves(tree))]
+
+    def read_scratch(self, unit: Unit) -> TreeFuture:
+        """Reads what :meth:`write_scratch` wrote for ``unit`` this step."""
+        part, l = self._part(unit)
+        idx = () if l is None else (l,)
+        n = len(self._m["leaves"]["params"][part])
+        return TreeFuture(self._treedefs[part], [self._scratch_array(part, i)[idx].read() for i in range(n)])
+
+    # ------------------------------------------------------------------ writes
+    def write(self, unit: Unit, params: Any, opt_state: Any = None) -> None:
+        """Stages new parameters (and optimizer state) of ``unit`` into its free slot.
+
+        Nothing becomes visible until :meth:`commit`; the committed slot is never touched.
+        """
+        part, l = self._part(unit)
+        key = part if l is None else f"blocks/{l}"
+        with self._lock:
+            slot = 1 - int(self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l])
+            self._staged[key] = slot
+        idx = (slot,) if l is None else (l, slot)
+        for kind, tree in (("params", params), ("opt", opt_state)):
+            if tree is None:
+                if kind == "opt" and self._m["leaves"]["opt"][part]:
+                    # keep the optimizer state: copy it into the new slot as well
+                    tree = self._read("opt", unit, staged=False).result()
+                else:
+                    continue
+            leaves = jax.tree_util.tree_leaves(tree)
+            table = self._m["leaves"][kind][part]
+            if len(leaves) != len(table):
+                raise StoreError(f"{kind} of {key} has {len(leaves)} leaves, the store has {len(table)}")
+            for i, (x, e) in enumerate(zip(leaves, table)):
+                x = np.asarray(x, dtype=e["dtype"])
+                if list(x.shape) != e["shape"]:
+                    raise StoreError(f"{kind} leaf {e['name']!r} of {key}: shape {list(x.shape)}, "
+                                     f"the store has {e['shape']}")
+                try:
+                    fut = self._arrays[(kind, part, i)][idx].write(x)
+                except Exception as err:  # noqa: BLE001
+                    raise self._write_error(key, err) from err
+                with self._lock:
+                    self._writes.append((key, fut))
+
+    def _write_error(self, key: str, err: BaseException) -> StoreWriteError:
+        self.abort()
+        return StoreWriteError(f"writing {key} to the store at {self._where} failed ({err}); the store "
+                               f"is unchanged at its last committed step {self.step}")
+
+    def abort(self) -> None:
+        """Drops the staged writes of this step; the committed step stays as it was."""
+        with self._lock:
+            self._staged.clear()
+            writes, self._writes = self._writes, []
+        for _, f in writes:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - already failing; nothing visible to undo
+                pass
+
+    def commit(self, step: int, extra: dict | None = None) -> None:
+        """Waits for the staged writes, then atomically makes them the committed state.
+
+        Args:
+          step: the step number to record.
+          extra: JSON metadata committed together with the writes (replaces the old one).
+        Raises:
+          StoreWriteError: a staged write or the manifest write failed; the store is left
+            at its previous committed step.
+        """
+        with self._lock:
+            writes, self._writes = self._writes, []
+            staged = dict(self._staged)
+        for key, f in writes:
+            try:
+                f.result()
+            except Exception as err:  # noqa: BLE001
+                raise self._write_error(key, err) from err
+        m = json.loads(json.dumps(self._m))
+        for key, slot in staged.items():
+            if key.startswith("blocks/"):
+                m["slots"]["blocks"][int(key.split("/")[1])] = slot
+            else:
+                m["slots"][key] = slot
+        m["step"], m["generation"] = int(step), int(m["generation"]) + 1
+        if extra is not None:
+            m["extra"] = extra
+        try:
+            _write_manifest(self._root, m, self._where)
+        except StoreWriteError:
+            self.abort()
+            raise
+        with self._lock:
+            self._m = m
+            self._staged.clear()
+
+
+def _write_manifest(root: ts.KvStore, manifest: dict, where: str) -> None:
+    """One atomic kvstore write (file driver: temp file, fsync, rename)."""
+    try:
+        root.write(MANIFEST, json.dumps(manifest, sort_keys=True).encode()).result()
+    except Exception as err:  # noqa: BLE001
+        raise StoreWriteError(f"writing {MANIFEST} to {where} failed ({err}); the store is unchanged "
+                              "at its last committed step") from err

@@ -1,0 +1,59 @@
+"""Digits split and standardisation, seeded batches, synthetic character corpus."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxstream.data import batch_at, batch_indices, load_chars, load_digits
+
+
+def test_digits_split_is_deterministic_and_disjoint():
+    a, b = load_digits(seed=3), load_digits(seed=3)
+    np.testing.assert_array_equal(a.train["x"], b.train["x"])
+    np.testing.assert_array_equal(a.test["y"], b.test["y"])
+    c = load_digits(seed=4)
+    assert not np.array_equal(a.test["y"], c.test["y"])
+    assert len(a.train["y"]) + len(a.test["y"]) == 1797
+    assert a.train["x"].dtype == np.float32 and a.train["y"].dtype == np.int32
+    # No test row appears in the train set.
+    train_rows = {r.tobytes() for r in a.train["x"]}
+    dup = sum(r.tobytes() in train_rows for r in a.test["x"])
+    assert dup <= 2  # digits itself holds a couple of identical images
+
+
+def test_digits_standardised_with_train_statistics():
+    from sklearn.datasets import load_digits as raw_digits
+
+    ds = load_digits(seed=0)
+    x = ds.train["x"].astype(np.float64)
+    np.testing.assert_allclose(x.mean(0), 0.0, atol=1e-5)
+    raw = raw_digits().data
+    std = raw.std(0)
+    varying = std > 2.0  # pixels whose train std is surely above the 1.0 floor
+    np.testing.assert_allclose(x.std(0)[varying], 1.0, rtol=1e-4)
+    assert load_digits(images=True).train["x"].shape[1:] == (8, 8, 1)
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    n, bs = 50, 16
+    np.testing.assert_array_equal(batch_indices(n, bs, 1, 7), batch_indices(n, bs, 1, 7))
+    assert not np.array_equal(batch_indices(n, bs, 1, 7), batch_indices(n, bs, 2, 7))
+    # Consecutive batches walk through epoch-wise permutations: each epoch sees every example once.
+    pos = np.concatenate([batch_indices(n, bs, 1, s) for s in range(25)])  # 400 = 8 epochs
+    for e in range(8):
+        assert sorted(pos[e * n:(e + 1) * n]) == list(range(n))
+    data = {"x": np.arange(n)[:, None] * 1.0, "y": np.arange(n)}
+    b = batch_at(data, bs, 1, 3)
+    np.testing.assert_array_equal(b["y"], batch_indices(n, bs, 1, 3))
+    with pytest.raises(ValueError, match="batch_size"):
+        batch_indices(n, 0, 1, 0)
+
+
+def test_chars_targets_are_next_characters():
+    ds = load_chars(seed=0, seq_len=16, num_train=32, num_test=8)
+    assert ds.train["x"].shape == (32, 16) and ds.test["y"].shape == (8, 16)
+    np.testing.assert_array_equal(ds.train["x"][:, 1:], ds.train["y"][:, :-1])
+    assert ds.train["x"].max() < ds.info["vocab_size"]
+    again = load_chars(seed=0, seq_len=16, num_train=32, num_test=8)
+    np.testing.assert_array_equal(ds.train["x"], again.train["x"])

@@ -1,0 +1,131 @@
+"""Hybrid estimator: corrections, nested groups, equality with backprop when all exact."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstream.grad as jg
+from jaxstream.grad.tangents import micro_key
+from jaxstream.models import mlp
+from tests.grad.helpers import flat, tiny_problem
+
+
+@pytest.mark.parametrize("correction", ["replace", "weighted"])
+def test_every_micro_batch_exact_equals_backprop(correction):
+    stack, params, batch, micro = tiny_problem()
+    _, g = jg.backprop()(stack, params, batch)
+    est = jg.hybrid(exact_indices=(0, 1, 2, 3), correction=correction)
+    _, gh = jax.jit(lambda p: est(stack, p, micro, jax.random.key(0)))(params)
+    chex.assert_trees_all_close(gh, g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("correction", ["replace", "control_variate"])
+def test_unbiased_corrections(correction):
+    stack, params, batch, micro = tiny_problem()
+    est = jg.hybrid(num_exact=1, correction=correction)
+    r = 3000
+    keys = jax.random.split(jax.random.key(3), r)
+    samples = jax.jit(jax.vmap(lambda k: flat(est(stack, params, micro, k)[1])))(keys)
+    exact = flat(jax.grad(stack)(params, batch))
+    z = (samples.mean(0) - exact) / (samples.std(0, ddof=1) / np.sqrt(r) + 1e-12)
+    assert np.max(np.abs(z)) < 4.5
+    assert abs(np.mean(z**2) - 1.0) < 5 * np.sqrt(2.0 / z.size)
+
+
+def _correlated_problem():
+    """Micro-batches that share most of their gradient: same inputs up to small noise."""
+    stack = mlp(in_dim=5, width=8, depth=2, num_classes=3)
+    params = stack.init(jax.random.key(0))
+    base = jax.random.normal(jax.random.key(1), (1, 6, 5))
+    x = base + 0.05 * jax.random.normal(jax.random.key(2), (8, 6, 5))
+    y = jnp.broadcast_to(jnp.arange(6) % 3, (8, 6)).astype(jnp.int32)
+    return stack, params, {"x": x, "y": y}
+
+
+def test_control_variate_has_lower_variance_on_correlated_micro_batches():
+    stack, params, micro = _correlated_problem()
+    exact = flat(jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(micro)))(params))
+    r = 400
+    keys = jax.random.split(jax.random.key(9), r)
+
+    def total_variance(est):
+        s = jax.jit(jax.vmap(lambda k: flat(est(stack, params, micro, k)[1])))(keys)
+        return np.asarray(((s - exact) ** 2).sum(1))
+
+    plain = total_variance(jg.hybrid(num_exact=1, correction="replace"))
+    cv = total_variance(jg.hybrid(num_exact=1, correction="control_variate"))
+    # Compare mean squared errors with their standard errors (fixed seeds).
+    se = np.sqrt(plain.var(ddof=1) / r + cv.var(ddof=1) / r)
+    assert plain.mean() - cv.mean() > 4 * se
+    assert cv.mean() < 0.2 * plain.mean()
+
+
+def test_nested_groups_match_a_per_layer_reference():
+    """exact_from: block l uses the exact gradients of micro-batches with exact_from <= l."""
+    stack, params, batch, micro = tiny_problem(depth=3)
+    exact_from = (0, 2, 3, 4)  # L = 3: 3 = head only, 4 = none
+    key = jax.random.key(5)
+    est = jg.hybrid(exact_from=exact_from, correction="replace")
+    _, got = jax.jit(lambda p: est(stack, p, micro, key))(params)
+    fwd = jax.jit(lambda p, b, k: jg.forward(1)(stack, p, b, k)[1])
+    grad = jax.jit(jax.grad(stack))
+    n = 4
+    per_micro = [jax.tree.map(lambda a: a[i], micro) for i in range(n)]
+    g_exact = [grad(params, b) for b in per_micro]
+    g_fwd = [fwd(params, b, micro_key(key, i)) for i, b in enumerate(per_micro)]
+
+    def pick(i, segment, layer=None):
+        in_group = {
+            "embed": exact_from[i] <= 0,
+            "head": exact_from[i] <= 3,
+            "blocks": layer is not None and exact_from[i] <= layer,
+        }[segment]
+        src = g_exact[i] if in_group else g_fwd[i]
+        part = src[segment]
+        return part if layer is None else jax.tree.map(lambda a: a[layer], part)
+
+    for seg in ("embed", "head"):
+        want = jax.tree.map(lambda *xs: sum(xs) / n, *[pick(i, seg) for i in range(n)])
+        chex.assert_trees_all_close(got[seg], want, rtol=1e-5, atol=1e-6)
+    for layer in range(3):
+        want = jax.tree.map(lambda *xs: sum(xs) / n, *[pick(i, "blocks", layer) for i in range(n)])
+        chex.assert_trees_all_close(jax.tree.map(lambda a: a[layer], got["blocks"]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_groups_are_nested():
+    from jaxstream.grad.corrections import group_masks
+
+    stack, params, _, _ = tiny_problem(depth=3)
+    masks = group_masks(params, jnp.array([0, 2, 1, 3]))
+    blocks = np.asarray(masks["blocks"])  # (k, L)
+    assert np.all(np.asarray(masks["embed"]) <= blocks[:, 0])
+    assert np.all(blocks[:, :-1] <= blocks[:, 1:])
+    assert np.all(blocks[:, -1] <= np.asarray(masks["head"]))
+
+
+def test_guess_projects_onto_the_exact_subset_mean():
+    stack, params, batch, micro = tiny_problem()
+    est = jg.hybrid(exact_indices=(1,), correction="guess")
+    _, g = jax.jit(lambda p: est(stack, p, micro, jax.random.key(0)))(params)
+    h = flat(jax.grad(stack)(params, jax.tree.map(lambda a: a[1], micro)))
+    u = h / jnp.linalg.norm(h)
+    full = flat(jax.grad(stack)(params, batch))
+    np.testing.assert_allclose(flat(g), jnp.vdot(full, u) * u, rtol=1e-4, atol=1e-6)
+
+
+def test_hybrid_bad_arguments_error_before_compute():
+    stack, params, batch, micro = tiny_problem()
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match="exceeds the N=4"):
+        jg.hybrid(num_exact=5)(stack, params, micro, key)
+    with pytest.raises(ValueError, match="out of range"):
+        jg.hybrid(exact_indices=(0, 4))(stack, params, micro, key)
+    with pytest.raises(ValueError, match="correction must be one of"):
+        jg.hybrid(1, correction="magic")
+    with pytest.raises(ValueError, match="exact_from must give"):
+        jg.hybrid(exact_from=(0, 1))(stack, params, micro, key)
+    bad = {"x": micro["x"], "y": batch["y"]}
+    with pytest.raises(ValueError, match="same leading micro-batch axis"):
+        jg.hybrid(1)(stack, params, bad, key)
