@@ -1,5 +1,6 @@
 """Communication: ring all-reduce, compressed symmetric codecs, data parallelism, byte counts."""
 
+from jaxstream.comm.dataparallel import DataParallel, data_parallel, device_keys
 from jaxstream.comm.ring import (
     ring_all_reduce,
     ring_all_reduce_tree,
@@ -21,8 +22,26 @@ from jaxstream.comm.symmetric_reduce import all_reduce_symmetric, send_symmetric
 from jaxstream.comm.traffic import Collective, collectives, traffic_summary
 
 __all__ = [
-    "CODECS", "Collective", "all_reduce_symmetric", "cholesky_decode", "cholesky_encode",
-    "collectives", "decode", "encode", "pack_lower", "packed_size", "ring_all_reduce",
-    "ring_all_reduce_tree", "ring_chunk_size", "ring_wire_bytes", "send_symmetric",
-    "symmetric_traffic", "traffic_summary", "unpack_lower", "validate_symmetric",
+    "CODECS",
+    "Collective",
+    "DataParallel",
+    "all_reduce_symmetric",
+    "cholesky_decode",
+    "cholesky_encode",
+    "collectives",
+    "data_parallel",
+    "decode",
+    "device_keys",
+    "encode",
+    "pack_lower",
+    "packed_size",
+    "ring_all_reduce",
+    "ring_all_reduce_tree",
+    "ring_chunk_size",
+    "ring_wire_bytes",
+    "send_symmetric",
+    "symmetric_traffic",
+    "traffic_summary",
+    "unpack_lower",
+    "validate_symmetric",
 ]  # fmt: skip

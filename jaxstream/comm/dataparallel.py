@@ -23,7 +23,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import shard_map
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.ring import ring_all_reduce_tree
@@ -140,6 +140,12 @@ class DataParallel:
             out_specs=(P(), P()),
             check_vma=False,
         )
+        if any(t == AxisType.Explicit for t in self.mesh.axis_types):
+            # Explicit-sharding meshes (jax.make_mesh's default) need inputs laid out as specced.
+            params, batch, key = (
+                jax.reshard(x, NamedSharding(self.mesh, spec))
+                for x, spec in ((params, P()), (batch, batch_spec), (key, P()))
+            )
         loss, grads = fn(params, batch, key)
         return (loss, grads, {}) if diagnostics else (loss, grads)
 

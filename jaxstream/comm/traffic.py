@@ -4,7 +4,9 @@ The count is taken from what XLA will actually run (after fusion and combining o
 collectives), not from a formula: every ``all-reduce``, ``all-gather``, ``reduce-scatter``,
 ``all-to-all`` and ``collective-permute`` in the compiled module is listed with its payload.
 Collectives inside loops are counted once per appearance in the text, so unroll loops (as
-:func:`~jaxstream.comm.ring.ring_all_reduce` does) when counting.
+:func:`~jaxstream.comm.ring.ring_all_reduce` does) when counting.  Asynchronous
+``*-start`` ops (GPU) print a tuple that may include buffers besides the payload, so counts
+there are upper bounds; on CPU every collective is synchronous and the count is exact.
 """
 
 from __future__ import annotations

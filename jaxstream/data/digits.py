@@ -26,7 +26,7 @@ def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarra
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction: must be in (0, 1), got {test_fraction}")
     perm = np.random.default_rng(seed).permutation(n)
-    n_test = max(1, int(round(n * test_fraction)))
+    n_test = max(1, round(n * test_fraction))
     return np.sort(perm[n_test:]), np.sort(perm[:n_test])
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "register_experiment",
     "register_optimizer",
     "run_experiment",
+    "split_micro_batches",
     "to_dict",
 ]
 

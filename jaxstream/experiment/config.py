@@ -25,8 +25,9 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 
@@ -137,7 +138,7 @@ def _deepcopy(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- dict -> dataclass
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

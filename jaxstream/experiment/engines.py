@@ -26,7 +26,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +154,7 @@ class LocalEngine:
         loss, grads = self._estimate(state, batch, key)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return LocalState(params, opt_state), metrics
 
 
@@ -163,4 +164,4 @@ register_engine("local", LocalEngineConfig, lambda cfg, **kw: LocalEngine(cfg, *
 def tree_cosine(a: Any, b: Any) -> jax.Array:
     """Cosine similarity of two pytrees seen as flat vectors."""
     dot = sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    return dot / (optax.global_norm(a) * optax.global_norm(b) + 1e-30)
+    return dot / (optax.tree.norm(a) * optax.tree.norm(b) + 1e-30)

@@ -12,7 +12,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from jaxstream.experiment.config import register_choice
 

@@ -3,8 +3,8 @@ training time, and the cosine of each estimate to the exact gradient."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from jaxstream.experiment.summary import arm_records
 

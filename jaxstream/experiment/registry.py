@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
 
@@ -59,10 +60,9 @@ def register_experiment(kind: str, config_cls: type, run: Callable[[Any, Path], 
     if not (dataclasses.is_dataclass(config_cls) and isinstance(config_cls, type)):
         raise TypeError(f"register_experiment({kind!r}): config_cls must be a dataclass class")
     old = _EXPERIMENTS.get(kind)
-    if old is not None and (old.config_cls is not config_cls or old.run is not run):
-        # Re-registering the same objects (module re-import) is fine; a clash is not.
-        if old.config_cls.__qualname__ != config_cls.__qualname__:
-            raise ConfigError(f"experiment kind {kind!r} is already registered")
+    # Re-registering the same objects (module re-import) is fine; a clash is not.
+    if old is not None and old.config_cls.__qualname__ != config_cls.__qualname__:
+        raise ConfigError(f"experiment kind {kind!r} is already registered")
     _EXPERIMENTS[kind] = Experiment(kind, config_cls, run)
 
 

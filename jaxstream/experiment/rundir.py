@@ -17,9 +17,10 @@ import json
 import math
 import platform
 import sys
+from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 #: Fields that hold wall-clock measurements; they differ between otherwise identical runs.
 TIME_SUFFIX = "_time"

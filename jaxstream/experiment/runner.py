@@ -7,8 +7,9 @@ Example:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from jaxstream.experiment.config import ConfigError, diff_configs, dump_yaml
 from jaxstream.experiment.registry import get_experiment, load_experiment

@@ -4,7 +4,8 @@ the best arm of each estimator family, and a printable comparison table."""
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def arm_records(records: Sequence[dict], arm: str) -> list[dict]:

@@ -13,35 +13,23 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
 from jaxstream.data.batches import batch_at
 from jaxstream.experiment.checkpoints import ArmCheckpointer
-from jaxstream.experiment.engines import build_engine, tree_cosine
+from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.estimators import describe, family
-from jaxstream.experiment.optimizers import build_optimizer
 from jaxstream.experiment.plots import write_plots
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.summary import compare_families, format_table, summarize_arm
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
-
-
-def _evaluator(stack: Any) -> Callable:
-    def evaluate(params, batch):
-        logits = stack.apply(params, batch["x"])
-        loss = jnp.mean(stack.example_loss(logits, batch))
-        acc = jnp.mean(jnp.argmax(logits, axis=-1) == batch["y"])
-        return loss, acc
-
-    return jax.jit(evaluate)
 
 
 def _eval_record(evaluate: Callable, params: Any, train: dict, test: dict) -> dict[str, float]:
@@ -51,30 +39,16 @@ def _eval_record(evaluate: Callable, params: Any, train: dict, test: dict) -> di
             "train_loss": float(train_loss), "train_accuracy": float(train_acc)}
 
 
-def _diagnostics(engine: Any, stack: Any) -> Callable | None:
-    """Cosine and norm ratio of the step's estimate to the exact gradient of the same batch."""
-    estimate = getattr(engine, "estimate", None)
-    if estimate is None:
-        return None
-    exact = jax.jit(jax.grad(stack))
+def _warm_up(engine: Any, state: Any, batch: dict, key: jax.Array) -> float:
+    """Compile a jitted step by calling it once (result discarded); returns the seconds taken.
 
-    def diag(state, batch, key):
-        _, g = estimate(state, batch, key)
-        ge = exact(engine.params(state), batch)
-        cos = tree_cosine(g, ge)
-        ratio = optax.global_norm(g) / (optax.global_norm(ge) + 1e-30)
-        return {"cosine": float(cos), "norm_ratio": float(ratio)}
-
-    return diag
-
-
-def _compiled_step(engine: Any, state: Any, batch: dict, key: jax.Array) -> tuple[Callable, float]:
-    """The engine's step compiled ahead of time when it is a jitted function (+ compile seconds)."""
+    Engines whose step is not a jitted function (it may write host state) are not called.
+    """
+    if not hasattr(engine.step, "lower"):
+        return 0.0
     t0 = time.perf_counter()
-    step = engine.step
-    if hasattr(step, "lower"):
-        step = step.lower(state, batch, key).compile()
-    return step, time.perf_counter() - t0
+    jax.block_until_ready(engine.step(state, batch, key))
+    return time.perf_counter() - t0
 
 
 def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_params: Any,
@@ -86,17 +60,14 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     kept and handed to ``on_start`` (which puts them in the log) before training goes on.
     Returns the arm's records (kept + new) and run facts (compile time, divergence).
     """
-    tx = build_optimizer(cfg.arm_optimizer(arm), arm.lr, cfg.steps)
-    n_micro = getattr(arm.estimator, "micro_batches", 1)
-    engine = build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(), optimizer=tx,
-                          config=cfg, arm=arm, micro_batches=n_micro)
+    engine = engine_for(cfg, arm, stack)
     root = jax.random.key(cfg.seed)
     state = engine.init(init_params, jax.random.fold_in(root, 0))
     step_root = jax.random.fold_in(root, 1)
     ckpt = ArmCheckpointer(run_dir / "checkpoints" / arm.name)
     stop = min(cfg.steps, cfg.max_steps or cfg.steps)
-    evaluate = _evaluator(stack)
-    diag = _diagnostics(engine, stack) if cfg.diag_every else None
+    evaluate = evaluator_for(stack)
+    diag = diagnostics_for(engine, stack) if cfg.diag_every else None
 
     start, meta = 0, {}
     if resume:
@@ -114,7 +85,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         return {"records": records, "compile_time": None, "diverged": diverged}
 
     first = batch_at(data.train, cfg.batch_size, cfg.seed, start)
-    step_fn, compile_time = _compiled_step(engine, state, first, jax.random.fold_in(step_root, 0))
+    compile_time = _warm_up(engine, state, first, jax.random.fold_in(step_root, 0))
     bar = tqdm(range(start, stop), desc=arm.name, initial=start, total=stop,
                disable=None if cfg.progress else True, leave=False)
     s = start
@@ -125,7 +96,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         if diag is not None and (s + 1) % cfg.diag_every == 0:
             rec.update(diag(state, batch, key))
         t0 = time.perf_counter()
-        state, metrics = step_fn(state, batch, key)
+        state, metrics = engine.step(state, batch, key)
         metrics = jax.device_get(metrics)
         dt = time.perf_counter() - t0
         train_time += dt
@@ -151,7 +122,7 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
     """Train every arm; write metrics.jsonl, plots; print and return the summary."""
     run_dir = Path(run_dir)
     data = cfg.data.load(cfg.seed)
-    stack = cfg.model.build(data.info)
+    stack = model_for(cfg, data.info)
     init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
     log = MetricsLog(run_dir / "metrics.jsonl")
     old = log.read() if resume else []

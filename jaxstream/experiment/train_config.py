@@ -34,7 +34,7 @@ class ArmConfig:
     """
 
     name: str = "backprop"
-    estimator: EstimatorConfig = BackpropConfig()
+    estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
     lr: float = 1e-3
     optimizer: OptimizerConfig | None = None
 
@@ -74,10 +74,10 @@ class TrainConfig:
     diag_every: int = 50
     checkpoint_every: int = 100
     target_accuracy: float = 0.95
-    model: ModelConfig = MLPConfig()
-    data: DataConfig = DigitsDataConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    engine: EngineConfig = LocalEngineConfig()
+    model: ModelConfig = dataclasses.field(default_factory=MLPConfig)
+    data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
     arms: tuple[ArmConfig, ...] = (ArmConfig(),)
     plots: bool = True
     progress: bool = True

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import optax
 from optax._src import numerics
 
-__all__ = ["ScaleByMaxBeliefState", "max_adabelief", "scale_by_max_belief"]
+__all__ = ["MAX_OF", "ScaleByMaxBeliefState", "max_adabelief", "scale_by_max_belief"]
+
+MAX_OF = ("raw", "corrected")
 
 
 class ScaleByMaxBeliefState(NamedTuple):
@@ -39,12 +41,16 @@ def scale_by_max_belief(
     eps_root: float = 1e-16,
     *,
     use_max: bool = True,
+    max_of: str = "raw",
     nesterov: bool = False,
 ) -> optax.GradientTransformation:
     """Rescale updates by Max-AdaBelief (no learning rate; see :func:`max_adabelief`).
 
     m_t = b1 m + (1-b1) g;  s_t = b2 s + (1-b2)(g - m_t)^2 + eps_root;
     s^max_t = max(s^max_{t-1}, s_t);  u = m_t/(1-b1^t) / (sqrt(s^max_t/(1-b2^t)) + eps).
+    With ``max_of="corrected"`` the maximum is taken over the bias-corrected s_t/(1-b2^t)
+    instead (as ``optax.amsgrad`` does): the raw s_t grows from 0 for about 1/(1-b2) steps,
+    so a maximum of raw values rarely binds early in training, a corrected one can.
 
     Args:
       b1: decay of the first moment.
@@ -52,6 +58,8 @@ def scale_by_max_belief(
       eps: added to the denominator, outside the square root.
       eps_root: added to the belief at every step, inside the square root.
       use_max: keep the running maximum of the belief; ``False`` gives AdaBelief.
+      max_of: ``"raw"`` (max of s_t, then bias correction) or ``"corrected"`` (max of the
+        bias-corrected s_t).
       nesterov: Nesterov momentum, as in ``optax.scale_by_belief``.
 
     Returns:
@@ -61,6 +69,10 @@ def scale_by_max_belief(
       >>> tx = scale_by_max_belief()
       >>> state = tx.init({"w": jnp.zeros(3)})
     """
+
+    if max_of not in MAX_OF:
+        raise ValueError(f"max_of: {max_of!r} is not allowed; choose one of {MAX_OF}")
+    corrected = use_max and max_of == "corrected"
 
     def init_fn(params: optax.Params) -> ScaleByMaxBeliefState:
         zeros = optax.tree.zeros_like(params)
@@ -74,8 +86,15 @@ def scale_by_max_belief(
         prediction_error = optax.tree.sub(updates, mu)
         nu = optax.tree.update_moment_per_elem_norm(prediction_error, state.nu, b2, 2)
         nu = jax.tree.map(lambda v: v + eps_root, nu)
-        nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu) if use_max else nu
         count_inc = numerics.safe_increment(state.count)
+        if corrected:
+            nu_max = jax.tree.map(
+                jnp.maximum, state.nu_max, optax.tree.bias_correction(nu, b2, count_inc)
+            )
+        elif use_max:
+            nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
+        else:
+            nu_max = nu
         if nesterov:
             mu_hat = jax.tree.map(
                 lambda m, g: b1 * m + (1 - b1) * g,
@@ -84,7 +103,7 @@ def scale_by_max_belief(
             )
         else:
             mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-        nu_hat = optax.tree.bias_correction(nu_max, b2, count_inc)
+        nu_hat = nu_max if corrected else optax.tree.bias_correction(nu_max, b2, count_inc)
         updates = jax.tree.map(
             lambda m, v: None if m is None else m / (jnp.sqrt(v) + eps),
             mu_hat,
@@ -104,6 +123,7 @@ def max_adabelief(
     eps_root: float = 1e-16,
     *,
     use_max: bool = True,
+    max_of: str = "raw",
     nesterov: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """The Max-AdaBelief optimizer: :func:`scale_by_max_belief` chained with a learning rate.
@@ -115,6 +135,7 @@ def max_adabelief(
       learning_rate: a float or an optax schedule.
       b1, b2, eps, eps_root, nesterov: as in ``optax.adabelief``.
       use_max: keep the running maximum of the belief (the point of this optimizer).
+      max_of: ``"raw"`` or ``"corrected"``: see :func:`scale_by_max_belief`.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -131,7 +152,13 @@ def max_adabelief(
     """
     return optax.chain(
         scale_by_max_belief(
-            b1=b1, b2=b2, eps=eps, eps_root=eps_root, use_max=use_max, nesterov=nesterov
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            eps_root=eps_root,
+            use_max=use_max,
+            max_of=max_of,
+            nesterov=nesterov,
         ),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -192,7 +192,7 @@ def _run(pipe: Pipeline, params, batch, key, carry):
         carry = PipelineCarry(
             params, jnp.zeros((m, *hsd.shape), hsd.dtype),
             jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), batch),
-            jnp.zeros((), jnp.float32))
+            jnp.ones((), jnp.float32))
     if "fn" not in pipe._compiled:
         pipe._compiled["fn"] = _build(pipe)
     groups = jnp.asarray(low.groups.astype(np.float32).reshape(m, len(low.selected)))

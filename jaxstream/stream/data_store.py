@@ -8,7 +8,7 @@ interrupted is reported as missing rather than read half-filled.
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class DataStore:
 
     @classmethod
     def create(cls, location: KvSpec, fields: Mapping[str, np.ndarray], *,
-               chunk_samples: int = 4096, overwrite: bool = False) -> "DataStore":
+               chunk_samples: int = 4096, overwrite: bool = False) -> DataStore:
         """Writes ``fields`` (equal leading sample axis) and returns the open store."""
         if not fields:
             raise StoreError("fields must name at least one array, e.g. {'x': ..., 'y': ...}")
@@ -59,7 +59,7 @@ class DataStore:
         return cls.open(location)
 
     @classmethod
-    def open(cls, location: KvSpec) -> "DataStore":
+    def open(cls, location: KvSpec) -> DataStore:
         """Opens an existing data store; raises StoreNotFoundError when there is none."""
         ctx = make_context()
         root = open_kvstore(location, ctx)

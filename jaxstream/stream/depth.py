@@ -8,6 +8,7 @@ which suits residual blocks).
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
 
@@ -31,7 +32,7 @@ class DepthPolicy:
       (0, 1, 2, 3)
     """
 
-    kind: str = "all"
+    kind: Literal["all", "stochastic", "progressive"] = "all"
     keep_prob: float = 0.8
     start: int = 1
     grow: int = 1

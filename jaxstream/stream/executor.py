@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ class StreamConfig:
     prefetch: int = 2
     compute_dtype: str = "bfloat16"
     update: str = "eager"
-    depth: DepthPolicy = DepthPolicy()
+    depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -86,7 +87,7 @@ def _kind(estimator: Any, update: str) -> str:
                              "use num_exact or exact_indices")
         kind = "hybrid"
     else:
-        raise ValueError("stream: estimator must be jaxstream.grad backprop(), forward() or "
+        raise TypeError("stream: estimator must be jaxstream.grad backprop(), forward() or "
                          f"hybrid(), got {type(estimator).__name__}")
     if update == "lazy" and kind != "forward":
         raise ValueError(f"stream: update='lazy' needs the forward estimator, got {kind}")
@@ -183,8 +184,16 @@ class StreamedExecutor:
         """The layers the step runs (the depth policy)."""
         return self.cfg.depth.layers(step, self.store.num_layers)
 
-    def step(self, batch: dict, key: jax.Array, step: int | None = None) -> dict:
+    def step(self, batch: dict, key: jax.Array, step: int | None = None,
+             extra: dict | Callable[[float], dict] | None = None) -> dict:
         """One optimizer step on ``batch`` (leaves (N, B, ...)); commits it to the store.
+
+        Args:
+          batch: micro-batched batch, leaves (N, B, ...).
+          key: the step's key (tangents, selection), as for the in-memory estimators.
+          step: the step number (default: the store's); picks the layers of the depth policy.
+          extra: JSON metadata committed with the step (merged into the store's), or a
+            function of the step's loss returning it.
 
         Returns:
           metrics: loss, step time, stall time, bytes read.
@@ -192,8 +201,10 @@ class StreamedExecutor:
         step = self.store.step if step is None else int(step)
         t0 = time.perf_counter()
         self.events = []
-        loss, extra = self._run(batch, key, self.layers(step), self._update, t0)
-        self.store.commit(step + 1, extra=extra)
+        loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
+        if callable(extra):
+            extra = extra(float(loss))
+        self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)),
@@ -206,11 +217,21 @@ class StreamedExecutor:
         loss, _ = self._run(batch, key, self.layers(step),
                             lambda u, g, *a, **k: out.__setitem__(u, jax.device_get(g)),
                             time.perf_counter(), commit_lazy=False)
-        zeros = lambda u: jax.tree.map(np.zeros_like, self.store.read(u).result())  # noqa: E731
+        zeros = lambda u: jax.tree.map(np.zeros_like, self.store.read(u).result())
         blocks = [out.get(l) if l in out else zeros(l) for l in range(self.store.num_layers)]
         grads = {"embed": out["embed"], "head": out["head"],
                  "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks)}
         return float(loss), grads
+
+    def forward(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The streamed forward sweep alone (no update): per micro-batch losses (N,) and
+        directional derivatives (N, K) of the estimator's tangents for ``key``."""
+        self._dry = True
+        n = jax.tree.leaves(batch)[0].shape[0]
+        losses, d, *_ = self._forward_sweep(batch, jnp.stack([key] * n), list(self.layers(step)),
+                                            time.perf_counter())
+        self._dry = False
+        return losses, d
 
     def flush(self, step: int | None = None) -> None:
         """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""
@@ -221,10 +242,15 @@ class StreamedExecutor:
             u = int(unit) if unit.isdigit() else unit
             self._apply_pending(u, self.store.read(u).result())
         self._pending = {}
-        self.store.commit(self.store.step if step is None else step, extra={"pending": {}})
+        self.store.commit(self.store.step if step is None else step,
+                          extra={**self.store.extra, "pending": {}})
 
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
+        if self.kind != "hybrid":
+            # one shared tangent / exact gradient of the mean over all samples: the N
+            # micro-batches are computed as one (same device memory, same sums as in memory)
+            batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self._applied = set()
         self._dry = not commit_lazy
         if self.kind == "forward":

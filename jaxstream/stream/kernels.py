@@ -15,7 +15,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, combine, gram, leaf_tangents, project
+from jaxstream.grad.tangents import (
+    EMBED,
+    HEAD,
+    TangentSpec,
+    block_key,
+    combine,
+    gram,
+    leaf_tangents,
+    project,
+)
 from jaxstream.models.stack import Stack
 
 
@@ -66,7 +75,7 @@ def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Arra
     def one(hn, dhn, bn, kn):
         v = leaf_tangents(spec, unit_key(kn, "head"), p)
         logits, dlogits = _jvp_k(stack.head, (p, hn), v, dhn)
-        loss_fn = lambda lg: jnp.mean(stack.example_loss(lg.astype(jnp.float32), bn))  # noqa: E731
+        loss_fn = lambda lg: jnp.mean(stack.example_loss(lg.astype(jnp.float32), bn))
         return _jvp_k(loss_fn, logits, dlogits)
 
     return jax.vmap(one)(h, dh, batch, keys)
@@ -148,7 +157,7 @@ def head_vjp_each(stack: Stack, p: Any, h: jax.Array, batch: dict):
     """Per selected micro-batch s: loss_s, ∂loss_s/∂head params (S, ...), ∂loss_s/∂h_s."""
 
     def one(hn, bn):
-        f = lambda pp, hh: jnp.mean(stack.example_loss(stack.head(pp, hh).astype(jnp.float32), bn))  # noqa: E731
+        f = lambda pp, hh: jnp.mean(stack.example_loss(stack.head(pp, hh).astype(jnp.float32), bn))
         loss, (gp, gh) = jax.value_and_grad(f, argnums=(0, 1))(p, hn)
         return loss, gp, gh
 

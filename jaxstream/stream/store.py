@@ -20,67 +20,32 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxstream.stream.errors import StoreError, StoreMismatchError, StoreNotFoundError, StoreWriteError
-from jaxstream.stream.layout import KvSpec, leaf_names, make_context, open_array, open_kvstore
+from jaxstream.stream.errors import (
+    StoreError,
+    StoreMismatchError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
+from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
+from jaxstream.stream.store_parts import (
+    MANIFEST,
+    TreeFuture,
+    check_config,
+    leaf_table,
+    master_dtype,
+    nested_from_names,
+    write_manifest,
+)
 
 FORMAT = "jaxstream.layerstore/1"
-MANIFEST = "manifest.json"
 PARTS = ("embed", "blocks", "head")
 Unit = str | int  # "embed", "head" or a layer index
-
-
-class TreeFuture:
-    """A pending read of one pytree: ``result()`` waits for every leaf's TensorStore future."""
-
-    def __init__(self, treedef: Any, futures: Sequence[Any], post: Callable | None = None):
-        self._treedef, self._futures, self._post = treedef, list(futures), post
-
-    def done(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def result(self) -> Any:
-        leaves = [np.asarray(f.result()) for f in self._futures]
-        tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
-        return self._post(tree) if self._post else tree
-
-
-def _leaf_table(tree: Any) -> list[dict]:
-    leaves = jax.tree_util.tree_leaves(tree)
-    return [
-        {"name": n, "shape": list(np.shape(x)), "dtype": str(np.dtype(getattr(x, "dtype", np.float32)))}
-        for n, x in zip(leaf_names(tree), leaves)
-    ]
-
-
-def _master_dtype(x: Any) -> np.dtype:
-    dt = np.dtype(getattr(x, "dtype", np.float32))
-    return np.dtype(np.float32) if np.issubdtype(dt, np.floating) or dt.name == "bfloat16" else dt
-
-
-def _nested_from_names(names: list[str], leaves: list) -> Any:
-    out: dict = {}
-    for name, leaf in zip(names, leaves):
-        d = out
-        parts = name.split(".")
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1]] = leaf
-    return out
-
-
-def _check_config(found: dict, expected: dict, where: str) -> None:
-    for k in sorted(set(found) | set(expected)):
-        if found.get(k) != expected.get(k):
-            raise StoreMismatchError(
-                f"store at {where} holds another model: model_config field {k!r} is "
-                f"{found.get(k)!r} in the store but {expected.get(k)!r} was expected"
-            )
 
 
 class LayerStore:
@@ -116,12 +81,14 @@ class LayerStore:
     @classmethod
     def create(cls, location: KvSpec, params: dict, *, optimizer: Any = None,
                model_config: dict | None = None, step: int = 0, overwrite: bool = False,
-               file_io_concurrency: int = 64, file_io_sync: bool = True) -> "LayerStore":
+               file_io_concurrency: int = 64, file_io_sync: bool = True) -> LayerStore:
         """Writes a new store from ``params`` = {"embed", "blocks" (leading layer axis), "head"}.
 
         Args:
           location: a path (local ``file`` kvstore), a kvstore URL or a kvstore JSON spec.
-          params: the parameters; floating leaves are stored as fp32 masters.
+          params: the parameters; floating leaves are stored as fp32 masters. Leaves given as
+            ``jax.ShapeDtypeStruct`` only allocate (zeros): a model larger than host memory
+            is then initialised layer by layer with :meth:`write` and :meth:`commit`.
           optimizer: an optax transformation whose state is kept per unit (per layer).
           model_config: JSON-able description of the model, checked on :meth:`open`.
           overwrite: replace an existing committed store (otherwise it is an error).
@@ -143,16 +110,25 @@ class LayerStore:
         root = open_kvstore(location, ctx)
         if root.read(MANIFEST).result().state == "value" and not overwrite:
             raise StoreError(f"a store already exists at {location}; pass overwrite=True to replace it")
-        params = jax.tree.map(lambda x: np.asarray(x, _master_dtype(x)), params)
-        layer0 = jax.tree.map(lambda x: x[0], params["blocks"])
+        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
+        if abstract:  # shapes only: allocate, write zeros for the optimizer, leave params to write()
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, master_dtype(x)), params)
+            zeros = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t)  # noqa: E731
+            layer0 = zeros(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                                        params["blocks"]))
+            params = {"embed": zeros(params["embed"]), "blocks": params["blocks"],
+                      "head": zeros(params["head"])}
+        else:
+            params = jax.tree.map(lambda x: np.asarray(x, master_dtype(x)), params)
+            layer0 = jax.tree.map(lambda x: x[0], params["blocks"])
         templates = {"embed": params["embed"], "blocks": layer0, "head": params["head"]}
         opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
         opt_init = jax.tree.map(np.asarray, opt_init)
         manifest = {
             "format": FORMAT, "step": int(step), "generation": 0, "num_layers": num_layers,
             "model_config": dict(model_config or {}),
-            "leaves": {"params": {p: _leaf_table(templates[p]) for p in PARTS},
-                       "opt": {p: _leaf_table(opt_init[p]) for p in PARTS}},
+            "leaves": {"params": {p: leaf_table(templates[p]) for p in PARTS},
+                       "opt": {p: leaf_table(opt_init[p]) for p in PARTS}},
             "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
             "extra": {},
         }
@@ -169,20 +145,21 @@ class LayerStore:
                 for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
                     arr = open_array(root, f"{kind}/{part}/{i}", ctx)
                     if part == "blocks" and kind == "params":
-                        futs.append(arr[:, 0].write(leaf))
+                        if not abstract:
+                            futs.append(arr[:, 0].write(leaf))
                     elif part == "blocks":
                         futs.append(arr[:, 0].write(np.broadcast_to(leaf, (num_layers,) + np.shape(leaf))))
                     else:
                         futs.append(arr[0].write(leaf))
         for f in futs:
             f.result()
-        _write_manifest(root, manifest, str(location))
+        write_manifest(root, manifest, str(location))
         return cls.open(location, optimizer=optimizer, model_config=model_config, context=ctx)
 
     @classmethod
     def open(cls, location: KvSpec, *, template: dict | None = None, optimizer: Any = None,
              model_config: dict | None = None, file_io_concurrency: int = 64,
-             file_io_sync: bool = True, context: ts.Context | None = None) -> "LayerStore":
+             file_io_sync: bool = True, context: ts.Context | None = None) -> LayerStore:
         """Opens the last committed step of an existing store.
 
         Args:
@@ -201,7 +178,7 @@ class LayerStore:
         try:
             root = open_kvstore(location, ctx)
             res = root.read(MANIFEST).result()
-        except Exception as e:  # noqa: BLE001 - the kvstore's own error is kept as the cause
+        except Exception as e:
             raise StoreNotFoundError(f"no layer store at {location}: {e}") from e
         if res.state != "value":
             raise StoreNotFoundError(f"no layer store at {location}: {MANIFEST} is missing "
@@ -211,13 +188,13 @@ class LayerStore:
             raise StoreMismatchError(f"{location} is not a layer store: format {m.get('format')!r}, "
                                      f"expected {FORMAT!r}")
         if model_config is not None:
-            _check_config(m["model_config"], dict(model_config), str(location))
+            check_config(m["model_config"], dict(model_config), str(location))
         treedefs = {}
         for part in PARTS:
             table = m["leaves"]["params"][part]
             if template is not None:
                 t = template[part] if part != "blocks" else jax.tree.map(lambda x: x[0], template[part])
-                found = _leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, _master_dtype(x)), t))
+                found = leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, master_dtype(x)), t))
                 for a, b in zip(table, found):
                     if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
                         raise StoreMismatchError(
@@ -229,7 +206,7 @@ class LayerStore:
                 treedefs[part] = jax.tree_util.tree_structure(t)
             else:
                 names = [e["name"] for e in table]
-                treedefs[part] = jax.tree_util.tree_structure(_nested_from_names(names, [0] * len(names)))
+                treedefs[part] = jax.tree_util.tree_structure(nested_from_names(names, [0] * len(names)))
         if template is not None:
             nl = jax.tree_util.tree_leaves(template["blocks"])[0].shape[0]
             if nl != m["num_layers"]:
@@ -389,7 +366,7 @@ class LayerStore:
                                      f"the store has {e['shape']}")
                 try:
                     fut = self._arrays[(kind, part, i)][idx].write(x)
-                except Exception as err:  # noqa: BLE001
+                except Exception as err:
                     raise self._write_error(key, err) from err
                 with self._lock:
                     self._writes.append((key, fut))
@@ -407,7 +384,7 @@ class LayerStore:
         for _, f in writes:
             try:
                 f.result()
-            except Exception:  # noqa: BLE001 - already failing; nothing visible to undo
+            except Exception:  # noqa: BLE001, S110 - already failing; nothing visible to undo
                 pass
 
     def commit(self, step: int, extra: dict | None = None) -> None:
@@ -426,7 +403,7 @@ class LayerStore:
         for key, f in writes:
             try:
                 f.result()
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise self._write_error(key, err) from err
         m = json.loads(json.dumps(self._m))
         for key, slot in staged.items():
@@ -438,19 +415,10 @@ class LayerStore:
         if extra is not None:
             m["extra"] = extra
         try:
-            _write_manifest(self._root, m, self._where)
+            write_manifest(self._root, m, self._where)
         except StoreWriteError:
             self.abort()
             raise
         with self._lock:
             self._m = m
             self._staged.clear()
-
-
-def _write_manifest(root: ts.KvStore, manifest: dict, where: str) -> None:
-    """One atomic kvstore write (file driver: temp file, fsync, rename)."""
-    try:
-        root.write(MANIFEST, json.dumps(manifest, sort_keys=True).encode()).result()
-    except Exception as err:  # noqa: BLE001
-        raise StoreWriteError(f"writing {MANIFEST} to {where} failed ({err}); the store is unchanged "
-                              "at its last committed step") from err

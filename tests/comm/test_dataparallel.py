@@ -135,3 +135,14 @@ def test_bad_options_are_clear_errors(setup):
     odd = jax.tree.map(lambda a: a[:30], batch)
     with pytest.raises(ValueError, match="divisible by the 8 devices"):
         data_parallel(backprop(), mesh)(stack, params, odd, jax.random.key(0))
+
+
+def test_explicit_2d_mesh_data_axis(setup):
+    """On a (data x stage) explicit-sharding mesh the batch is split over ``data`` only."""
+    stack, params, batch, _ = setup
+    mesh = jax.make_mesh((4, 2), ("data", "stage"))
+    est = data_parallel(backprop(), mesh, allreduce="ring")
+    loss, grads = _run(est, stack, params, batch)
+    ref_loss, ref_grads = jax.value_and_grad(stack)(params, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _close(grads, ref_grads)

@@ -56,7 +56,7 @@ def test_cli_run_writes_a_run_directory(tmp_path):
     cmd = [sys.executable, "-m", "jaxstream", "run", str(ROOT / "experiments" / "quickstart.yaml"),
            "steps=4", "eval_every=2", "diag_every=2", "checkpoint_every=2", "model.width=8",
            "batch_size=16", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "run directory:" in proc.stdout and "backprop" in proc.stdout  # comparison table
     for name in ("config.yaml", "env.json", "metrics.jsonl", "summary.json", "loss.png",
@@ -72,10 +72,10 @@ def test_cli_run_writes_a_run_directory(tmp_path):
     assert bp[2]["cosine"] == pytest.approx(1.0, abs=1e-5)  # backprop vs itself
     assert {"loss", "step_time", "train_time", "test_accuracy"} <= set(bp[4])
     # Same output dir again without --resume: refused before anything is touched.
-    again = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path,
+    again = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, cwd=tmp_path,
                            timeout=300)
     assert again.returncode == 2 and "--out" in again.stderr
-    bad = subprocess.run(cmd[:5] + ["model.widht=8"], capture_output=True, text=True, env=env,
+    bad = subprocess.run(cmd[:5] + ["model.widht=8"], capture_output=True, text=True, check=False, env=env,
                          cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "model.widht: unknown key" in bad.stderr
 

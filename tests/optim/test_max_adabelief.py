@@ -18,7 +18,7 @@ def _grads(seed: int = 0) -> np.ndarray:
     return rng.normal(size=(STEPS, 3, 4)) * scale + 0.2
 
 
-def _reference(grads, lr, b1, b2, eps, eps_root, use_max):
+def _reference(grads, lr, b1, b2, eps, eps_root, use_max, max_of="raw"):
     """The formulas, in float64 NumPy."""
     params = np.zeros(grads.shape[1:])
     m = np.zeros_like(params)
@@ -28,9 +28,13 @@ def _reference(grads, lr, b1, b2, eps, eps_root, use_max):
     for t, g in enumerate(grads, start=1):
         m = b1 * m + (1 - b1) * g
         s = b2 * s + (1 - b2) * (g - m) ** 2 + eps_root
-        s_max = np.maximum(s_max, s) if use_max else s
         m_hat = m / (1 - b1**t)
-        s_hat = s_max / (1 - b2**t)
+        if use_max and max_of == "corrected":
+            s_max = np.maximum(s_max, s / (1 - b2**t))
+            s_hat = s_max
+        else:
+            s_max = np.maximum(s_max, s) if use_max else s
+            s_hat = s_max / (1 - b2**t)
         params = params - lr * m_hat / (np.sqrt(s_hat) + eps)
         out.append(params.copy())
     return np.stack(out)
@@ -61,6 +65,23 @@ def test_matches_float64_numpy_reference(use_max, eps, eps_root):
     with jax.enable_x64(True):
         got = _run(max_adabelief(1e-2, use_max=use_max, **kw), grads, jnp.float64)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("b2", [0.99, 0.999])
+def test_corrected_maximum_matches_reference(b2):
+    grads = _grads(4)
+    kw = {"b1": 0.9, "b2": b2, "eps": 1e-16, "eps_root": 1e-16}
+    expected = _reference(grads, 1e-2, use_max=True, max_of="corrected", **kw)
+    with jax.enable_x64(True):
+        got = _run(max_adabelief(1e-2, max_of="corrected", **kw), grads, jnp.float64)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+    raw = _reference(grads, 1e-2, use_max=True, **kw)
+    assert np.max(np.abs(expected - raw)) > 1e-3
+
+
+def test_bad_max_of_is_an_error():
+    with pytest.raises(ValueError, match="max_of: 'mean' is not allowed"):
+        max_adabelief(1e-3, max_of="mean")
 
 
 def test_maximum_changes_the_trajectory():

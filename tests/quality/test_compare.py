@@ -18,6 +18,7 @@ from jaxstream.quality import (
     exact_gradient,
     flatten_microbatches,
 )
+from jaxstream.quality.compare import QUICK_COMPILE
 
 N, B = 4, 6
 
@@ -73,33 +74,31 @@ def test_compare_bad_input(problem):
 
 def test_ingredients_match_definitions(problem):
     stack, params, batch = problem
+    run = lambda est, b, k, **kw: jax.jit(
+        lambda p, b, k: est(stack, p, b, k, **kw), compiler_options=QUICK_COMPILE
+    )(params, b, k)
+    close = lambda a, b, rtol=1e-4: jax.tree.map(
+        lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-6), a, b
+    )
     flat = flatten_microbatches(batch)
     _, exact = exact_gradient(stack, params, flat)
     # gradient of the merged batch == mean of the micro-batch gradients
     per_mb = jax.vmap(lambda b: jax.grad(stack)(params, b))(batch)
-    mean_mb = jax.tree.map(lambda g: g.mean(0), per_mb)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), exact, mean_mb
-    )
-    # the exact subset with every micro-batch is the exact gradient
-    _, h = ExactSubset(indices=tuple(range(N)))(stack, params, batch)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), exact, h)
-    # random subset: the one the hybrid draws for the same key (hybrid diagnostics)
+    close(exact, jax.tree.map(lambda g: g.mean(0), per_mb))
     key = jax.random.key(5)
-    _, _, diag = jg.hybrid(num_exact=2)(stack, params, batch, key, diagnostics=True)
+    # the exact subset with every micro-batch is the exact gradient
+    close(exact, run(ExactSubset(indices=tuple(range(N))), batch, key)[1])
+    # random subset: the one the hybrid draws for the same key (hybrid diagnostics)
+    _, _, diag = run(jg.hybrid(num_exact=2), batch, key, diagnostics=True)
     idx = tuple(int(i) for i in diag["exact_indices"])
-    _, h_rand = ExactSubset(num_exact=2)(stack, params, batch, key)
-    _, h_fixed = ExactSubset(indices=idx)(stack, params, batch)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), h_rand, h_fixed)
+    h_rand = run(ExactSubset(num_exact=2), batch, key)[1]
+    close(h_rand, run(ExactSubset(indices=idx), batch, key)[1], rtol=1e-6)
     # MicrobatchForward is the mean of per-micro-batch forward estimates keyed fold_in(key, n)
     fwd = jg.forward()
-    _, g = MicrobatchForward(fwd)(stack, params, batch, key)
-    parts = [
-        fwd(stack, params, jax.tree.map(lambda x, n=n: x[n], batch), jax.random.fold_in(key, n))[1]
-        for n in range(N)
-    ]
-    expect = jax.tree.map(lambda *xs: sum(xs) / N, *parts)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g, expect)
+    g = run(MicrobatchForward(fwd), batch, key)[1]
+    per = jax.vmap(lambda b, n: fwd(stack, params, b, jax.random.fold_in(key, n))[1])
+    parts = jax.jit(per, compiler_options=QUICK_COMPILE)(batch, jnp.arange(N))
+    close(g, jax.tree.map(lambda x: x.mean(0), parts))
 
 
 def test_control_variate_lowers_variance_on_correlated_microbatches():

@@ -9,7 +9,12 @@ import optax
 import pytest
 
 from jaxstream.stream import DataStore, LayerStore
-from jaxstream.stream.errors import StoreError, StoreMismatchError, StoreNotFoundError, StoreWriteError
+from jaxstream.stream.errors import (
+    StoreError,
+    StoreMismatchError,
+    StoreNotFoundError,
+    StoreWriteError,
+)
 
 
 def _params(seed=0, layers=3, width=4):
@@ -141,7 +146,7 @@ def test_failed_manifest_write_keeps_last_commit(tmp_path, monkeypatch):
     def boom(root, manifest, where):
         raise StoreWriteError("writing manifest.json failed (No space left on device)")
 
-    monkeypatch.setattr(store_mod, "_write_manifest", boom)
+    monkeypatch.setattr(store_mod, "write_manifest", boom)
     with pytest.raises(StoreWriteError):
         store.commit(1)
     monkeypatch.undo()

@@ -1,0 +1,152 @@
+"""Compiled temporary memory and step time of inference, backprop, forward and hybrid steps.
+
+A deep MLP (width 512, batch 1024, depth 8 / 16 / 32 / 64). For each depth and each mode the
+step is compiled with ``jax.jit(f).lower(...).compile()``; ``memory_analysis()`` gives XLA's
+temporary buffer size (activations, tangents, scratch; params, batch and outputs excluded) and
+the median of timed runs gives the step time. Modes:
+
+* ``inference`` — the mean loss only (one forward pass);
+* ``backprop`` — ``jaxstream.grad.backprop()``, the reference;
+* ``forward`` — ``jaxstream.grad.forward(num_tangents=1)`` (weight perturbation, tangents
+  regenerated per layer inside the scan over blocks);
+* ``hybrid`` — ``jaxstream.grad.hybrid(num_exact=2, correction="control_variate")`` on 16
+  micro-batches of 64 (2 of them exact).
+
+Prints a table with ratios vs backprop and vs inference, side by side, from the same run.
+
+Usage:
+  python benchmarks/memory_time.py                 # depths 8 16 32 64
+  python benchmarks/memory_time.py --quick         # depths 8 32, fewer repeats (< 2 min)
+  python benchmarks/memory_time.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import jaxstream.grad as jg
+from jaxstream.models import mlp
+
+MODES = ("inference", "backprop", "forward", "hybrid")
+NUM_MICRO, NUM_EXACT = 16, 2
+
+
+def make_problem(depth: int, width: int, batch: int, seed: int = 0) -> tuple[Any, Any, dict]:
+    """A ``depth``-block MLP of ``width`` (input dim = width, 10 classes) and a random batch."""
+    stack = mlp(in_dim=width, width=width, depth=depth, num_classes=10)
+    params = stack.init(jax.random.key(seed))
+    kx, ky = jax.random.split(jax.random.key(seed + 1))
+    data = {
+        "x": jax.random.normal(kx, (batch, width), jnp.float32),
+        "y": jax.random.randint(ky, (batch,), 0, 10),
+    }
+    return stack, params, data
+
+
+def step_functions(stack: Any) -> dict[str, Callable]:
+    """``mode -> f(params, batch, key)`` returning the loss (and grads for estimators)."""
+    forward = jg.forward(num_tangents=1)
+    hybrid = jg.hybrid(num_exact=NUM_EXACT, correction="control_variate")
+    backprop = jg.backprop()
+
+    def micro(batch):
+        return jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), batch)
+
+    return {
+        "inference": lambda p, b, k: stack(p, b),
+        "backprop": lambda p, b, k: backprop(stack, p, b, k),
+        "forward": lambda p, b, k: forward(stack, p, b, k),
+        "hybrid": lambda p, b, k: hybrid(stack, p, micro(b), k),
+    }
+
+
+def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float]:
+    """(temp bytes of the compiled step, median wall milliseconds over ``repeats`` runs)."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    jax.block_until_ready(compiled(*args))  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return temp, statistics.median(times)
+
+
+def run(depths: list[int], width: int, batch: int, repeats: int) -> list[dict]:
+    """One row per depth: ``{"depth", "temp_bytes": {mode: int}, "step_ms": {mode: float}}``."""
+    rows = []
+    for depth in depths:
+        stack, params, data = make_problem(depth, width, batch)
+        key = jax.random.key(42)
+        row: dict[str, Any] = {"depth": depth, "temp_bytes": {}, "step_ms": {}}
+        for mode, fn in step_functions(stack).items():
+            temp, ms = measure(fn, (params, data, key), repeats)
+            row["temp_bytes"][mode] = temp
+            row["step_ms"][mode] = ms
+        rows.append(row)
+        print(format_rows([row], header=len(rows) == 1), flush=True)
+    return rows
+
+
+def format_rows(rows: list[dict], header: bool = True) -> str:
+    """Table: temp MiB and step ms per mode, then the ratios vs backprop and vs inference."""
+    cols = [("depth", 5)]
+    cols += [(f"tmp MiB {m[:4]}", 12) for m in MODES]
+    cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7)]
+    cols += [(f"ms {m[:4]}", 9) for m in MODES]
+    cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7)]
+    lines = []
+    if header:
+        lines.append(" ".join(name.rjust(w) for name, w in cols))
+    for r in rows:
+        t, s = r["temp_bytes"], r["step_ms"]
+        vals = [str(r["depth"])]
+        vals += [f"{t[m] / 2**20:.2f}" for m in MODES]
+        vals += [f"{t['forward'] / max(t['backprop'], 1):.3f}"]
+        vals += [f"{t['forward'] / max(t['inference'], 1):.2f}"]
+        vals += [f"{t['hybrid'] / max(t['backprop'], 1):.3f}"]
+        vals += [f"{s[m]:.1f}" for m in MODES]
+        vals += [f"{s['forward'] / s['backprop']:.2f}", f"{s['forward'] / s['inference']:.2f}"]
+        vals += [f"{s['hybrid'] / s['backprop']:.2f}"]
+        lines.append(" ".join(v.rjust(w) for v, (_, w) in zip(vals, cols)))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=None)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per step")
+    parser.add_argument("--quick", action="store_true", help="depths 8 32, 3 repeats")
+    parser.add_argument("--json", type=str, default=None, help="write the rows to this path")
+    args = parser.parse_args(argv)
+    if args.batch % NUM_MICRO:
+        parser.error(f"--batch must be a multiple of {NUM_MICRO} (hybrid micro-batches)")
+    depths = args.depths or ([8, 32] if args.quick else [8, 16, 32, 64])
+    repeats = args.repeats or (3 if args.quick else 7)
+    print(
+        f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
+        f"width={args.width} batch={args.batch} repeats={repeats} "
+        f"hybrid={NUM_EXACT}/{NUM_MICRO} exact, control_variate"
+    )
+    rows = run(depths, args.width, args.batch, repeats)
+    print()
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

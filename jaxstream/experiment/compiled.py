@@ -1,0 +1,94 @@
+"""Per-process cache of built models, local engines and their jitted functions.
+
+Runs with the same model / estimator / optimizer in one process (a sweep, a notebook, a resumed
+run, a test) then reuse compiled steps instead of recompiling. Only engines whose state lives
+wholly in the state pytree (``local``) are cached; engines holding host state are rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxstream.experiment.engines import LocalEngineConfig, build_engine, tree_cosine
+from jaxstream.experiment.optimizers import build_optimizer
+from jaxstream.experiment.train_config import ArmConfig, TrainConfig
+
+_CACHE: dict[tuple, Any] = {}
+_MAX_ENTRIES = 64
+
+
+def _cached(key: tuple, make: Callable[[], Any]) -> Any:
+    if key not in _CACHE:
+        if len(_CACHE) >= _MAX_ENTRIES:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = make()
+    return _CACHE[key]
+
+
+def clear_cache() -> None:
+    """Forget every cached model and engine."""
+    _CACHE.clear()
+
+
+def model_for(cfg: TrainConfig, info: dict[str, int]) -> Any:
+    """The model stack of ``cfg.model`` for data ``info`` (same object for equal configs)."""
+    return _cached(("model", repr(cfg.model), tuple(sorted(info.items()))),
+                   lambda: cfg.model.build(info))
+
+
+def evaluator_for(stack: Any) -> Callable:
+    """``jit((params, batch) -> (mean loss, accuracy))`` for ``stack``."""
+
+    def make():
+        def evaluate(params, batch):
+            logits = stack.apply(params, batch["x"])
+            loss = jnp.mean(stack.example_loss(logits, batch))
+            acc = jnp.mean(jnp.argmax(logits, axis=-1) == batch["y"])
+            return loss, acc
+
+        return jax.jit(evaluate)
+
+    return _cached(("eval", id(stack)), make)
+
+
+def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any) -> Any:
+    """The engine that trains ``arm`` (cached for the ``local`` engine)."""
+    opt_cfg = cfg.arm_optimizer(arm)
+    n_micro = getattr(arm.estimator, "micro_batches", 1)
+
+    def make():
+        tx = build_optimizer(opt_cfg, arm.lr, cfg.steps)
+        return build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(),
+                            optimizer=tx, config=cfg, arm=arm, micro_batches=n_micro)
+
+    if not isinstance(cfg.engine, LocalEngineConfig):
+        return make()
+    needs_steps = opt_cfg.schedule != "constant" or opt_cfg.warmup_steps
+    key = ("engine", id(stack), repr(arm.estimator), repr(opt_cfg), arm.lr,
+           cfg.steps if needs_steps else None, repr(cfg.engine))
+    return _cached(key, make)
+
+
+def diagnostics_for(engine: Any, stack: Any) -> Callable | None:
+    """``diag(state, batch, key) -> {"cosine", "norm_ratio"}`` of the step's estimate against
+    the exact gradient of the same batch, or None if the engine has no ``estimate``."""
+    estimate = getattr(engine, "estimate", None)
+    if estimate is None:
+        return None
+
+    def make():
+        def diag(state, batch, key):
+            _, g = estimate(state, batch, key)
+            ge = jax.grad(stack)(engine.params(state), batch)
+            ratio = optax.tree.norm(g) / (optax.tree.norm(ge) + 1e-30)
+            return {"cosine": tree_cosine(g, ge), "norm_ratio": ratio}
+
+        jitted = jax.jit(diag)
+        return lambda *a: {k: float(v) for k, v in jax.device_get(jitted(*a)).items()}
+
+    return _cached(("diag", id(engine)), make)

@@ -1,0 +1,99 @@
+"""``jaxstream plan``: print the streaming planner's batch, memory and step-time prediction.
+
+Example::
+
+    jaxstream plan --width 4096 --depth 32 --in-dim 4096 --device-flops 2e14 \
+        --read-bandwidth 3e9 --device-memory 8e10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds the ``plan`` sub-command to a CLI's sub-parsers."""
+    p = subparsers.add_parser("plan", help="plan a streamed run: batch hiding I/O, memory, step time")
+    p.add_argument("--model", default="mlp", choices=["mlp"], help="model family (mlp)")
+    p.add_argument("--width", type=int, default=1024, help="hidden width")
+    p.add_argument("--depth", type=int, default=8, help="number of streamed layers L")
+    p.add_argument("--in-dim", type=int, default=64, help="input features")
+    p.add_argument("--num-classes", type=int, default=10)
+    p.add_argument("--tangents", type=int, default=1, help="K jvp tangents per step")
+    p.add_argument("--device-flops", type=float, default=None,
+                   help="device FLOP/s (default: measured with a matmul on the default device)")
+    p.add_argument("--read-bandwidth", type=float, default=None,
+                   help="store read bandwidth in bytes/s (default: measured with --probe-dir)")
+    p.add_argument("--probe-dir", default=None, help="directory to measure read bandwidth in")
+    p.add_argument("--device-memory", type=float, default=16e9, help="device memory in bytes")
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    return p
+
+
+def measure_device_flops(n: int = 1024, repeats: int = 5) -> float:
+    """Achieved FLOP/s of an n×n fp32 matmul on the default device."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        f(a).block_until_ready()
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+def measure_read_bandwidth(directory: str | None, size: int = 64 << 20) -> float:
+    """Cold sequential read bandwidth (bytes/s) of a file written in ``directory``."""
+    with tempfile.NamedTemporaryFile(dir=directory, delete=False) as fh:
+        fh.write(os.urandom(size))
+        fh.flush()
+        os.fsync(fh.fileno())
+        path = fh.name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        while os.read(fd, 8 << 20):
+            pass
+        dt = time.perf_counter() - t0
+        os.close(fd)
+    finally:
+        os.unlink(path)
+    return size / dt
+
+
+def main_plan(args: argparse.Namespace) -> int:
+    """Runs the ``plan`` sub-command; returns the exit status."""
+    import jax
+
+    from jaxstream.models import mlp
+    from jaxstream.stream.planner import format_plan, layer_cost, plan
+
+    for name in ("width", "depth", "in_dim", "num_classes", "tangents"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    stack = mlp(args.in_dim, args.width, args.depth, args.num_classes)
+    params = jax.eval_shape(stack.init, jax.random.key(0))
+    sample = {"x": jax.ShapeDtypeStruct((8, args.in_dim), np.float32)}
+    cost = layer_cost(stack, params, sample, tangents=args.tangents)
+    flops = args.device_flops or measure_device_flops()
+    bw = args.read_bandwidth or measure_read_bandwidth(args.probe_dir)
+    result = plan(cost, device_flops=flops, read_bandwidth=bw, device_memory=args.device_memory,
+                  prefetch=args.prefetch, compute_bytes=2 if args.compute_dtype == "bfloat16" else 4)
+    print(f"device {flops / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.2f} GB/s")
+    print(format_plan(cost, result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"cost": cost._asdict(), "plan": result._asdict(),
+                       "device_flops": flops, "read_bandwidth": bw}, fh, indent=2)
+    return 0

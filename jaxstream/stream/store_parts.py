@@ -1,0 +1,73 @@
+"""Pieces of the layer store: read futures, leaf tables, config checks, the manifest write."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jaxstream.stream.errors import StoreMismatchError, StoreWriteError
+from jaxstream.stream.layout import leaf_names
+
+MANIFEST = "manifest.json"
+
+
+class TreeFuture:
+    """A pending read of one pytree: ``result()`` waits for every leaf's TensorStore future."""
+
+    def __init__(self, treedef: Any, futures: Sequence[Any], post: Callable | None = None):
+        self._treedef, self._futures, self._post = treedef, list(futures), post
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def result(self) -> Any:
+        leaves = [np.asarray(f.result()) for f in self._futures]
+        tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
+        return self._post(tree) if self._post else tree
+
+
+def leaf_table(tree: Any) -> list[dict]:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return [
+        {"name": n, "shape": list(np.shape(x)), "dtype": str(np.dtype(getattr(x, "dtype", np.float32)))}
+        for n, x in zip(leaf_names(tree), leaves)
+    ]
+
+
+def master_dtype(x: Any) -> np.dtype:
+    dt = np.dtype(getattr(x, "dtype", np.float32))
+    return np.dtype(np.float32) if np.issubdtype(dt, np.floating) or dt.name == "bfloat16" else dt
+
+
+def nested_from_names(names: list[str], leaves: list) -> Any:
+    out: dict = {}
+    for name, leaf in zip(names, leaves):
+        d = out
+        parts = name.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = leaf
+    return out
+
+
+def check_config(found: dict, expected: dict, where: str) -> None:
+    for k in sorted(set(found) | set(expected)):
+        if found.get(k) != expected.get(k):
+            raise StoreMismatchError(
+                f"store at {where} holds another model: model_config field {k!r} is "
+                f"{found.get(k)!r} in the store but {expected.get(k)!r} was expected"
+            )
+
+
+def write_manifest(root: ts.KvStore, manifest: dict, where: str) -> None:
+    """One atomic kvstore write (file driver: temp file, fsync, rename)."""
+    try:
+        root.write(MANIFEST, json.dumps(manifest, sort_keys=True).encode()).result()
+    except Exception as err:
+        raise StoreWriteError(f"writing {MANIFEST} to {where} failed ({err}); the store is unchanged "
+                              "at its last committed step") from err

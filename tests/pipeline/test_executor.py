@@ -1,0 +1,155 @@
+"""The shard_map executor equals the single-device estimators for the same keys and groups."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxstream.grad as jg
+from jaxstream.grad import corrections as cr
+from jaxstream.grad.tangents import TangentSpec, combine, micro_key
+from jaxstream.models import mlp
+from jaxstream.pipeline import (
+    ScheduleError, Schedule, complete, delayed, gpipe_backprop, gpipe_forward, one_f_one_b,
+    truncated,
+)
+from jaxstream.pipeline import executor as ex
+from jaxstream.pipeline.executor import pipeline
+from jaxstream.pipeline.lowering import exact_from
+
+K = 2  # tangents
+
+
+def _setup(m, n, layers_per_stage=1, seed=0):
+    stack = mlp(in_dim=6, width=5, depth=m * layers_per_stage, num_classes=3)
+    params = stack.init(jax.random.key(seed))
+    batch = {"x": jax.random.normal(jax.random.key(seed + 1), (n, 2, 6)),
+             "y": jax.random.randint(jax.random.key(seed + 2), (n, 2), 0, 3)}
+    return stack, params, batch
+
+
+def _max_rel(a, b):
+    fa = jnp.concatenate([x.ravel() for x in jax.tree.leaves(a)])
+    fb = jnp.concatenate([x.ravel() for x in jax.tree.leaves(b)])
+    return float(jnp.max(jnp.abs(fa - fb)) / jnp.max(jnp.abs(fb)))
+
+
+def _forward_reference(stack, params, batch, key, n):
+    spec = TangentSpec(K)
+    keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+    losses, d = jax.vmap(lambda b, k: jg.stack_directional(stack, spec, params, b, k))(batch, keys)
+    return losses.mean(), combine(spec, keys, d / (n * K), params)
+
+
+@pytest.mark.parametrize("m,n", [(4, 4), (8, 8)])
+def test_forward_only_equals_single_device(m, n):
+    stack, params, batch = _setup(m, n)
+    key = jax.random.key(7)
+    loss, grads, aux = pipeline(stack, gpipe_forward(m, n), num_tangents=K,
+                                correction="none")(params, batch, key)
+    ref_loss, ref = _forward_reference(stack, params, batch, key, n)
+    assert abs(float(loss - ref_loss)) <= 1e-6
+    assert _max_rel(grads, ref) <= 1e-5
+    assert aux["directional"].shape == (n, K)
+
+
+CASES_4 = [
+    ("truncated", lambda: truncated(4, 6, (0, 2)), "control_variate"),
+    ("truncated", lambda: truncated(4, 6, (0, 2)), "replace"),
+    ("complete", lambda: complete(4, 6, (1, 4)), "control_variate"),
+    ("complete", lambda: complete(4, 6, (1, 4)), "replace"),
+    ("complete", lambda: complete(4, 6, (1, 4)), "weighted"),
+    ("1f1b", lambda: one_f_one_b(4, 6), "weighted"),
+]
+
+
+@pytest.mark.parametrize("name,make,correction", CASES_4)
+def test_policy_equals_hybrid_4_devices(name, make, correction):
+    _check_hybrid(make(), correction, layers_per_stage=2)
+
+
+@pytest.mark.parametrize("make,correction", [
+    (lambda: truncated(8, 8, (0, 1)), "control_variate"),
+    (lambda: complete(8, 8, (3,)), "replace"),
+])
+def test_policy_equals_hybrid_8_devices(make, correction):
+    _check_hybrid(make(), correction, layers_per_stage=1)
+
+
+def _check_hybrid(sched, correction, layers_per_stage):
+    m, n = sched.num_stages, sched.num_microbatches
+    stack, params, batch = _setup(m, n, layers_per_stage)
+    key = jax.random.key(3)
+    loss, grads, _ = pipeline(stack, sched, num_tangents=K, correction=correction)(
+        params, batch, key)
+    est = jg.hybrid(exact_from=exact_from(sched, stack.num_layers), correction=correction,
+                    num_tangents=K)
+    ref_loss, ref = est(stack, params, batch, key)
+    assert abs(float(loss - ref_loss)) <= 1e-6
+    assert _max_rel(grads, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("m,make", [(4, gpipe_backprop), (8, complete)])
+def test_all_selected_complete_equals_jax_grad(m, make):
+    n = m
+    sched = make(m, n) if make is gpipe_backprop else make(m, n, tuple(range(n)))
+    stack, params, batch = _setup(m, n)
+    loss, grads, _ = pipeline(stack, sched, correction="replace")(params, batch, jax.random.key(0))
+    mean_loss = lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch))  # noqa: E731
+    ref_loss, ref = jax.value_and_grad(mean_loss)(params)
+    assert abs(float(loss - ref_loss)) <= 1e-6
+    assert _max_rel(grads, ref) <= 1e-5
+
+
+def test_delayed_uses_previous_step_exact_gradients():
+    m, n = 4, 6
+    sched = delayed(m, n, (0, 3))
+    stack, params0, batch0 = _setup(m, n, seed=0)
+    _, params1, batch1 = _setup(m, n, seed=10)
+    pipe = pipeline(stack, sched, num_tangents=K, correction="control_variate")
+    carry = pipe.init_carry(params0, batch0)
+    k0, k1 = jax.random.key(1), jax.random.key(2)
+    _, g0, aux0 = pipe(params0, batch0, k0, carry)
+    # step 0 has no previous step: the plain forward estimate
+    assert _max_rel(g0, _forward_reference(stack, params0, batch0, k0, n)[1]) <= 1e-5
+    loss, g1, aux1 = pipe(params1, batch1, k1, aux0["carry"])
+    # reference: h from the previous step's selected micro-batches at the previous params
+    spec = TangentSpec(K)
+    sel = jnp.array(pipe.lowered.prev_selected)
+    exact = jax.vmap(lambda b: jax.grad(stack)(params0, b))(jax.tree.map(lambda a: a[sel], batch0))
+    depth = jnp.array([exact_from(sched, stack.num_layers)[j] for j in pipe.lowered.selected])
+    h, _ = cr.group_mean(exact, cr.group_masks(params1, depth), params1)
+    keys = jax.vmap(lambda i: micro_key(k1, i))(jnp.arange(n))
+    _, d = jax.vmap(lambda b, k: jg.stack_directional(stack, spec, params1, b, k))(batch1, keys)
+    ref = cr.control_variate(spec, keys, d, h, cr.residual_scalars(spec, keys, h), params1)
+    assert _max_rel(g1, ref) <= 1e-5
+    assert pipe._compiled["fn"]._cache_size() == 1  # no recompilation across steps
+
+
+def test_bad_arguments_fail_before_compiling(monkeypatch):
+    def no_compile(*a, **k):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(ex, "_build", no_compile)
+    stack, params, batch = _setup(4, 4)
+    with pytest.raises(ValueError, match="num_stages=16 but only 8 devices"):
+        pipeline(mlp(6, 5, 16, 3), gpipe_forward(16, 4))
+    with pytest.raises(ValueError, match="num_microbatches=0"):
+        gpipe_forward(4, 0)
+    with pytest.raises(ValueError, match="selected micro-batch 4 outside 0..3"):
+        complete(4, 4, (4,))
+    bad = gpipe_forward(4, 4)
+    bad.kind[3, 3] = 0  # drop F_0 on the last stage
+    with pytest.raises(ScheduleError, match="micro-batch 0 has no F"):
+        pipeline(stack, Schedule(bad.kind, bad.micro, bad.stale, 4))
+    with pytest.raises(ValueError, match="num_layers=4 does not split into num_stages=3"):
+        pipeline(stack, gpipe_forward(3, 4))
+    with pytest.raises(ValueError, match="correction='bogus'"):
+        pipeline(stack, gpipe_forward(4, 4), correction="bogus")
+    with pytest.raises(ValueError, match="correction='replace' is not allowed"):
+        pipeline(stack, delayed(4, 4, (0,)), correction="replace")
+    pipe = pipeline(stack, gpipe_forward(4, 4))
+    with pytest.raises(ValueError, match=r"batch\['x'\].*num_microbatches=4"):
+        pipe(params, {"x": batch["x"][:3], "y": batch["y"][:3]}, jax.random.key(0))
+    with pytest.raises(ValueError, match="pass carry"):
+        pipeline(stack, delayed(4, 4, (0,)))(params, batch, jax.random.key(0))

@@ -1,0 +1,195 @@
+"""Streamed steps equal the in-memory estimators and optimizer for the same keys (fp32)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstream.grad as jg
+from jaxstream.models import mlp
+from jaxstream.stream import LayerStore
+from jaxstream.stream.depth import DepthPolicy
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+
+N, B = 4, 3
+STACK = mlp(6, 8, 3, 3)
+FP32 = StreamConfig(compute_dtype="float32", prefetch=2)
+
+
+def max_rel_err(a, b) -> float:
+    """max over leaves of ‖a − b‖∞ / ‖b‖∞."""
+    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))
+                     / (np.max(np.abs(np.asarray(v, np.float64))) + 1e-30))
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.fixture(scope="module")
+def data():
+    params = STACK.init(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (N, B, 6))
+    y = jax.random.randint(jax.random.key(2), (N, B), 0, 3)
+    micro = {"x": x, "y": y}
+    flat = {"x": x.reshape(N * B, 6), "y": y.reshape(N * B)}
+    return params, micro, flat
+
+
+ESTIMATORS = {
+    "backprop": (jg.backprop(), "flat"),
+    "forward": (jg.forward(num_tangents=2), "flat"),
+    "forward_projection": (jg.forward(num_tangents=2, distribution="gaussian",
+                                      aggregation="projection"), "flat"),
+    "hybrid_cv": (jg.hybrid(num_exact=2, num_tangents=2), "micro"),
+    "hybrid_replace": (jg.hybrid(exact_indices=(0, 3), correction="replace"), "micro"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_streamed_gradients_equal_in_memory(tmp_path, data, name):
+    params, micro, flat = data
+    est, layout = ESTIMATORS[name]
+    key = jax.random.key(11)
+    store = LayerStore.create(tmp_path / "s", params, optimizer=optax.sgd(0.1))
+    ex = StreamedExecutor(STACK, est, optax.sgd(0.1), store, FP32)
+    loss, grads = ex.estimate(micro, key)
+    ref_loss, ref = jax.jit(est, static_argnums=0)(STACK, params, flat if layout == "flat" else micro, key)
+    assert abs(loss - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    assert max_rel_err(grads, ref) <= 1e-6
+    # a different key gives a different estimate (the comparison is not vacuous)
+    if name != "backprop":
+        _, other = ex.estimate(micro, jax.random.key(12))
+        assert max_rel_err(other, ref) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["forward", "hybrid_cv", "backprop"])
+def test_streamed_steps_equal_in_memory_adam(tmp_path, data, name):
+    params, micro, flat = data
+    est, layout = ESTIMATORS[name]
+    opt = optax.adam(1e-2)
+    store = LayerStore.create(tmp_path / "s", params, optimizer=opt)
+    ex = StreamedExecutor(STACK, est, opt, store, FP32)
+    p, s = params, opt.init(params)
+    for t in range(2):
+        key = jax.random.key(100 + t)
+        ex.step(micro, key)
+        _, g = jax.jit(est, static_argnums=0)(STACK, p, flat if layout == "flat" else micro, key)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+    reopened = LayerStore.open(tmp_path / "s", template=params, optimizer=opt)
+    assert reopened.step == 2
+    assert max_rel_err(reopened.read_params(), p) <= 1e-6
+    assert max_rel_err(reopened.read_params(), params) > 1e-4  # training moved the params
+
+
+def test_lazy_updates_equal_eager(tmp_path, data):
+    params, micro, _ = data
+    opt = optax.adam(1e-2)
+    est = jg.forward(num_tangents=2)
+    runs = {}
+    for mode in ("eager", "lazy"):
+        store = LayerStore.create(tmp_path / mode, params, optimizer=opt)
+        ex = StreamedExecutor(STACK, est, opt, store, StreamConfig(prefetch=2, compute_dtype="float32", update=mode))
+        for t in range(3):
+            ex.step(micro, jax.random.key(200 + t))
+        if mode == "lazy":
+            assert LayerStore.open(tmp_path / mode).extra["pending"]  # updates really deferred
+            ex.flush()
+        runs[mode] = LayerStore.open(tmp_path / mode).read_params()
+    assert max_rel_err(runs["lazy"], runs["eager"]) <= 1e-6
+    assert max_rel_err(runs["eager"], params) > 1e-4
+
+
+def test_bf16_compute_close_to_fp32(tmp_path, data):
+    params, micro, flat = data
+    store = LayerStore.create(tmp_path / "s", params)
+    ex = StreamedExecutor(STACK, jg.backprop(), optax.sgd(0.1), store, StreamConfig(compute_dtype="bfloat16"))
+    loss, grads = ex.estimate(micro, jax.random.key(0))
+    ref_loss, ref = jg.backprop()(STACK, params, flat, None)
+    assert abs(loss - float(ref_loss)) < 0.05 * abs(float(ref_loss))
+    assert max_rel_err(grads, ref) < 0.1
+
+
+def test_progressive_depth_equals_sliced_model(tmp_path, data):
+    params, micro, flat = data
+    policy = DepthPolicy("progressive", start=2, grow=1, every=10)
+    store = LayerStore.create(tmp_path / "s", params)
+    ex = StreamedExecutor(STACK, jg.forward(num_tangents=2), optax.sgd(0.1), store,
+                          StreamConfig(compute_dtype="float32", depth=policy))
+    assert ex.layers(0) == (0, 1) and ex.layers(25) == (0, 1, 2)
+    key = jax.random.key(5)
+    loss, grads = ex.estimate(micro, key, step=0)
+    small = mlp(6, 8, 2, 3)
+    sliced = {"embed": params["embed"], "head": params["head"],
+              "blocks": jax.tree.map(lambda a: a[:2], params["blocks"])}
+    ref_loss, ref = jax.jit(jg.forward(num_tangents=2), static_argnums=0)(small, sliced, flat, key)
+    assert abs(loss - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    got = {"embed": grads["embed"], "head": grads["head"],
+           "blocks": jax.tree.map(lambda a: a[:2], grads["blocks"])}
+    assert max_rel_err(got, ref) <= 1e-6
+    np.testing.assert_array_equal(jax.tree.leaves(grads["blocks"])[0][2], 0.0)
+
+
+def test_stochastic_depth_skips_reads_and_writes(tmp_path, data):
+    params, micro, _ = data
+    policy = DepthPolicy("stochastic", keep_prob=0.5, seed=3)
+    layers = policy.layers(0, 3)
+    skipped = [l for l in range(3) if l not in layers]
+    assert skipped, "pick a seed that skips a layer"
+    store = LayerStore.create(tmp_path / "s", params, optimizer=optax.sgd(0.1))
+    ex = StreamedExecutor(STACK, jg.backprop(), optax.sgd(0.1), store,
+                          StreamConfig(compute_dtype="float32", depth=policy))
+    m = ex.step(micro, jax.random.key(0), step=0)
+    read = sorted({e.unit for e in ex.events if isinstance(e.unit, int)})
+    assert read == sorted(layers) and m["layers_read"] > 0
+    after = LayerStore.open(tmp_path / "s").read_params()
+    for l in skipped:
+        for a, b in zip(jax.tree.leaves(after["blocks"]), jax.tree.leaves(params["blocks"])):
+            np.testing.assert_array_equal(a[l], np.asarray(b[l]))
+    for l in layers:
+        assert not np.array_equal(jax.tree.leaves(after["blocks"])[0][l],
+                                  np.asarray(jax.tree.leaves(params["blocks"])[0][l]))
+
+
+def test_bad_config_errors(tmp_path, data):
+    params, _, _ = data
+    store = LayerStore.create(tmp_path / "s", params)
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        StreamConfig(compute_dtype="int8")
+    with pytest.raises(ValueError, match="update='lazy' needs the forward"):
+        StreamedExecutor(STACK, jg.backprop(), optax.sgd(0.1), store, StreamConfig(update="lazy"))
+    with pytest.raises(ValueError, match="perturb must be 'weights'"):
+        StreamedExecutor(STACK, jg.forward(perturb="activations"), optax.sgd(0.1), store)
+    with pytest.raises(ValueError, match="store has 3 layers"):
+        StreamedExecutor(mlp(6, 8, 2, 3), jg.backprop(), optax.sgd(0.1), store)
+
+
+def test_streamed_forward_equals_in_memory_forward(tmp_path, data):
+    from jaxstream.grad.directional import stack_directional
+
+    params, micro, _ = data
+    store = LayerStore.create(tmp_path / "s", params)
+    est = jg.forward(num_tangents=2)
+    ex = StreamedExecutor(STACK, est, optax.sgd(0.1), store, StreamConfig(prefetch=1, compute_dtype="float32"))
+    key = jax.random.key(3)
+    losses, d = ex.forward(micro, key)
+    for n in range(N):
+        one = jax.tree.map(lambda a: a[n], micro)
+        loss, dn = jax.jit(stack_directional, static_argnums=(0, 1))(STACK, est.spec, params, one, key)
+        np.testing.assert_allclose(losses[n], loss, rtol=1e-6)
+        np.testing.assert_allclose(d[n], dn, rtol=1e-6, atol=1e-7)
+    logits = STACK.apply(params, micro["x"][0])
+    assert np.allclose(losses[0], float(jnp.mean(STACK.example_loss(logits, jax.tree.map(lambda a: a[0], micro)))), rtol=1e-6)
+
+
+def test_allocate_then_write_layers(tmp_path, data):
+    params, _, _ = data
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    store = LayerStore.create(tmp_path / "s", shapes, optimizer=optax.adam(1e-3))
+    for l in range(STACK.num_layers):
+        store.write(l, jax.tree.map(lambda a: np.asarray(a[l]), params["blocks"]))
+    store.write("embed", params["embed"])
+    store.write("head", params["head"])
+    store.commit(0)
+    assert max_rel_err(LayerStore.open(tmp_path / "s").read_params(), params) == 0.0
