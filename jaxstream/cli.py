@@ -39,7 +39,10 @@ def main_run(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``jaxstream`` argument parser with every available subcommand."""
-    parser = argparse.ArgumentParser(prog="jaxstream", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="jaxstream",
+        description="jaxstream: forward-gradient training experiments. "
+                    "Example: jaxstream run experiments/quickstart.yaml steps=100")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
     # Subcommands of optional packages register here when those packages are present.

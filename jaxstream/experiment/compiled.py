@@ -66,7 +66,7 @@ def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any) -> Any:
         return build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(),
                             optimizer=tx, config=cfg, arm=arm, micro_batches=n_micro)
 
-    if not isinstance(cfg.engine, LocalEngineConfig):
+    if type(cfg.engine) is not LocalEngineConfig:
         return make()
     needs_steps = opt_cfg.schedule != "constant" or opt_cfg.warmup_steps
     key = ("engine", id(stack), repr(arm.estimator), repr(opt_cfg), arm.lr,

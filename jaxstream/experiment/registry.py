@@ -30,6 +30,7 @@ PLUGIN_MODULES: tuple[str, ...] = (
     "jaxstream.quality.study",
     "jaxstream.pipeline.engine",
     "jaxstream.stream.engine",
+    "jaxstream.comm.engine",
     "jaxstream.optim",
 )
 

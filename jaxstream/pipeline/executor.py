@@ -195,9 +195,14 @@ def _run(pipe: Pipeline, params, batch, key, carry):
             jnp.ones((), jnp.float32))
     if "fn" not in pipe._compiled:
         pipe._compiled["fn"] = _build(pipe)
-    groups = jnp.asarray(low.groups.astype(np.float32).reshape(m, len(low.selected)))
-    loss, grads, d, ns = pipe._compiled["fn"](params, batch, key, jnp.asarray(low.tables),
-                                              groups, carry)
+    groups = low.groups.astype(np.float32).reshape(m, len(low.selected))
+    args = (params, batch, jax.random.key_data(key), low.tables, groups, carry)
+    shardings = _shardings(pipe.mesh, args)
+    if jax.process_count() == 1:  # same input shardings every call: one compilation
+        args = jax.device_put(args, shardings)
+    else:  # several processes: host values (the same on every process) become global arrays
+        args = jax.tree.map(_to_global, args, shardings)
+    loss, grads, d, ns = pipe._compiled["fn"](*args)
     aux = {"directional": d, "exact_indices": low.selected, "stale": low.stale}
     if low.stale:
         prev_idx = np.array(low.prev_selected, np.int32)
@@ -207,6 +212,42 @@ def _run(pipe: Pipeline, params, batch, key, carry):
     return loss, grads, aux
 
 
+def _to_global(x, sharding):
+    """A global array from a value every process holds in full (kept if already global)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _in_specs():
+    pspec = _param_specs()
+    return (pspec, P(), P(), P(None, AXIS), P(AXIS), PipelineCarry(pspec, P(AXIS), P(), P()))
+
+
+def _shardings(mesh, args):
+    """NamedShardings of the executor's inputs (params' blocks and the stash split by stage)."""
+    def to(spec, tree):
+        return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), tree)
+
+    specs = _in_specs()
+    out = []
+    for spec, arg in zip(specs, args):
+        if isinstance(spec, P):
+            out.append(to(spec, arg))
+        elif isinstance(spec, PipelineCarry):
+            out.append(PipelineCarry(*(_shardings_dict(mesh, s, a) for s, a in zip(spec, arg))))
+        else:
+            out.append(_shardings_dict(mesh, spec, arg))
+    return tuple(out)
+
+
+def _shardings_dict(mesh, spec, arg):
+    if isinstance(spec, P):
+        return jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), arg)
+    return {k: _shardings_dict(mesh, spec[k], arg[k]) for k in arg}
+
+
 def _build(pipe: Pipeline):
     """The jitted shard_map'd step of a pipeline (built once, traced per input shapes)."""
     low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
@@ -214,7 +255,8 @@ def _build(pipe: Pipeline):
     per = pipe.stack.num_layers // m
     n_sel, n_prev = len(low.selected), len(low.prev_selected)
 
-    def body(params, batch, key, tables, groups, carry):
+    def body(params, batch, key_data, tables, groups, carry):
+        key = jax.random.wrap_key_data(key_data)
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
         hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
         hshape, hdtype = hsd.shape, hsd.dtype
@@ -273,11 +315,8 @@ def _build(pipe: Pipeline):
         }
         return jnp.mean(losses), grads, d, ns
 
-    pspec = _param_specs()
-    carry_spec = PipelineCarry(pspec, P(AXIS), P(), P())
-    fn = shard_map(body, mesh=pipe.mesh,
-                   in_specs=(pspec, P(), P(), P(None, AXIS), P(AXIS), carry_spec),
-                   out_specs=(P(), pspec, P(), P(AXIS)), check_vma=False)
+    fn = shard_map(body, mesh=pipe.mesh, in_specs=_in_specs(),
+                   out_specs=(P(), _param_specs(), P(), P(AXIS)), check_vma=False)
     return jax.jit(fn)
 
 

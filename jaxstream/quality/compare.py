@@ -9,7 +9,7 @@ reference is ``jaxstream.grad.backprop()`` on the same batch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import jax
@@ -128,7 +128,7 @@ def compare(
     estimators: Mapping[str, Estimator],
     loss_fn: LossFn,
     params: Any,
-    batches: Any | Sequence[Any],
+    batches: Any | list[Any],
     seeds: int | jax.Array = 16,
     *,
     microbatched: Collection[str] = (),
@@ -141,7 +141,8 @@ def compare(
       loss_fn: ``loss_fn(params, batch) -> scalar``; with micro-batches it is called on one
         micro-batch and must be a mean over examples (as a ``Stack`` is).
       params: where to compare.
-      batches: one batch or a list of batches; statistics are averaged over them (the
+      batches: one batch (any pytree but a list) or a list of batches; statistics are
+        averaged over them (the
         cosine spread is the standard deviation over all (batch, seed) pairs).
       seeds: R (keys are split from ``jax.random.key(seed)``) or an array of R keys.
       microbatched: names of estimators (hybrids) that take the batch with its leading
@@ -162,7 +163,7 @@ def compare(
     if not estimators:
         raise ValueError("estimators: give at least one {name: estimator}")
     keys = _keys(seeds, seed)
-    batch_list = list(batches) if isinstance(batches, (list, tuple)) else [batches]
+    batch_list = batches if isinstance(batches, list) else [batches]
     if not batch_list:
         raise ValueError("batches: give at least one batch")
     per_batch: list[dict[str, SeedStatistics]] = []

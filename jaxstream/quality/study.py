@@ -50,7 +50,9 @@ class GradQualityConfig:
     Attributes:
       seed: seeds the data split, initial params, micro-batch draws and estimator keys.
       model: the model section (an MLP by default).
-      pretrain_steps: backprop Adam steps before measuring (0: measure at initialisation).
+      pretrain_steps: backprop Adam steps before measuring (0: measure at initialisation,
+        where micro-batch gradients share a large common part; after training they are
+        mostly example-specific and the correlated/shuffled contrast fades).
       pretrain_lr: learning rate of those steps.
       num_microbatches: N micro-batches per batch.
       microbatch_size: examples per micro-batch.
@@ -69,7 +71,7 @@ class GradQualityConfig:
 
     seed: int = 0
     model: ModelConfig = dataclasses.field(default_factory=lambda: MLPConfig(width=32, depth=3))
-    pretrain_steps: int = 100
+    pretrain_steps: int = 0
     pretrain_lr: float = 0.01
     num_microbatches: int = 16
     microbatch_size: int = 16

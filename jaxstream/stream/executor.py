@@ -130,7 +130,7 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ loading
     def _to_device(self, tree: Any) -> Any:
-        cast = jax.tree.map(lambda a: np.asarray(a).astype(self.dtype) if np.issubdtype(
+        cast = jax.tree.map(lambda a: np.asarray(a).astype(self.dtype, copy=False) if np.issubdtype(
             np.asarray(a).dtype, np.floating) else np.asarray(a), tree)
         return jax.device_put(cast, self.device)
 

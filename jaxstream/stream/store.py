@@ -67,6 +67,7 @@ class LayerStore:
                  treedefs: dict, opt_treedefs: dict):
         self._root, self._ctx, self._m, self._where = root, context, manifest, where
         self._treedefs, self._opt_treedefs = treedefs, opt_treedefs
+        self.max_write_bytes = 256 << 20  # staged writes in flight before write() waits
         self._arrays: dict[tuple[str, str, int], ts.TensorStore] = {}
         self._staged: dict[str, int] = {}
         self._writes: list[tuple[str, Any]] = []
@@ -369,7 +370,25 @@ class LayerStore:
                 except Exception as err:
                     raise self._write_error(key, err) from err
                 with self._lock:
-                    self._writes.append((key, fut))
+                    self._writes.append((key, fut, x.nbytes))
+            self._throttle()
+
+    def _throttle(self) -> None:
+        """Waits for the oldest staged writes while more than ``max_write_bytes`` are in
+        flight, so host memory stays bounded (the writes stay invisible until commit)."""
+        while True:
+            with self._lock:
+                inflight = sum(w[2] for w in self._writes)
+                if inflight <= self.max_write_bytes or len(self._writes) <= 1:
+                    return
+                key, fut, _ = self._writes[0]
+            try:
+                fut.result()
+            except Exception as err:  # noqa: BLE001
+                raise self._write_error(key, err) from err
+            with self._lock:
+                if self._writes and self._writes[0][1] is fut:
+                    self._writes.pop(0)
 
     def _write_error(self, key: str, err: BaseException) -> StoreWriteError:
         self.abort()
@@ -381,7 +400,7 @@ class LayerStore:
         with self._lock:
             self._staged.clear()
             writes, self._writes = self._writes, []
-        for _, f in writes:
+        for _, f, _ in writes:
             try:
                 f.result()
             except Exception:  # noqa: BLE001, S110 - already failing; nothing visible to undo
@@ -400,7 +419,7 @@ class LayerStore:
         with self._lock:
             writes, self._writes = self._writes, []
             staged = dict(self._staged)
-        for key, f in writes:
+        for key, f, _ in writes:
             try:
                 f.result()
             except Exception as err:
