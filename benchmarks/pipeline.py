@@ -24,20 +24,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-import jaxstream.grad as jg  # noqa: E402
-from jaxstream.grad.tangents import TangentSpec, combine, micro_key  # noqa: E402
-from jaxstream.models import mlp  # noqa: E402
-from jaxstream.pipeline import (  # noqa: E402
-    OpCosts, gpipe_backprop, gpipe_forward, gpipe_idle_fraction, make_schedule, one_f_one_b,
+import jaxstream.grad as jg
+from jaxstream.grad.tangents import TangentSpec, combine, micro_key
+from jaxstream.models import mlp
+from jaxstream.pipeline import (
+    OpCosts,
+    gpipe_backprop,
+    gpipe_forward,
+    gpipe_idle_fraction,
+    make_schedule,
+    one_f_one_b,
     summary,
 )
-from jaxstream.pipeline.executor import pipeline  # noqa: E402
-from jaxstream.pipeline.lowering import exact_from  # noqa: E402
-from jaxstream.pipeline.stage_ops import StageOps  # noqa: E402
+from jaxstream.pipeline.executor import pipeline
+from jaxstream.pipeline.lowering import exact_from
+from jaxstream.pipeline.stage_ops import StageOps
 
 KEYS = ("M", "N", "k", "policy", "makespan_ticks", "added_ticks", "fill_ratio", "coverage",
         "peak_stash", "max_rel_err")
@@ -101,7 +105,7 @@ def executor_rows(m: int, n: int, k: int, policies) -> list[dict]:
     """Compile time, error vs the single-device estimator, cosine to the exact gradient."""
     stack = mlp(64, 32, m, 10)
     params = stack.init(jax.random.key(0))
-    mk = lambda s: {"x": jax.random.normal(jax.random.key(s), (n, 4, 64)),  # noqa: E731
+    mk = lambda s: {"x": jax.random.normal(jax.random.key(s), (n, 4, 64)),
                     "y": jax.random.randint(jax.random.key(s + 1), (n, 4), 0, 10)}
     batch, prev = mk(1), mk(11)
     key = jax.random.key(5)
@@ -129,7 +133,7 @@ def executor_rows(m: int, n: int, k: int, policies) -> list[dict]:
         spec = TangentSpec(kt)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
 
-        def fwd_ref(p, b):
+        def fwd_ref(p, b, spec=spec, keys=keys):
             _, d = jax.vmap(lambda bb, kk: jg.stack_directional(stack, spec, p, bb, kk))(b, keys)
             return d
 
@@ -139,13 +143,13 @@ def executor_rows(m: int, n: int, k: int, policies) -> list[dict]:
         elif pipe.stale:
             from jaxstream.grad import corrections as cr
             ps = jnp.array(pipe.lowered.prev_selected)
-            ex = jax.vmap(lambda b: jax.grad(stack)(params, b))(jax.tree.map(lambda a: a[ps], prev))
+            ex = jax.vmap(lambda b: jax.grad(stack)(params, b))(jax.tree.map(lambda a, ps=ps: a[ps], prev))
             depth = jnp.array([exact_from(sched, m)[j] for j in pipe.lowered.selected])
             h, _ = cr.group_mean(ex, cr.group_masks(params, depth), params)
             ref = cr.control_variate(spec, keys, d, h, cr.residual_scalars(spec, keys, h), params)
         else:
             est = jg.hybrid(exact_from=exact_from(sched, m), correction=corr, num_tangents=kt)
-            ref = jax.jit(lambda p, b: est(stack, p, b, key)[1])(params, batch)
+            ref = jax.jit(lambda p, b, est=est: est(stack, p, b, key)[1])(params, batch)
         err = float(jnp.max(jnp.abs(_flat(grads) - _flat(ref))) / jnp.max(jnp.abs(_flat(ref))))
         g, e = _flat(grads), _flat(exact)
         cos = float(jnp.vdot(g, e) / (jnp.linalg.norm(g) * jnp.linalg.norm(e)))
@@ -187,9 +191,11 @@ def main(argv=None) -> int:
                  "idle_fraction", "idle_formula", "fill_ratio", "coverage", "peak_stash"))
     n_exec = 8
     policies = ("forward", "truncated", "delayed", "complete")
-    ex_rows = executor_rows(8, n_exec, 2, policies if not args.quick else policies)
-    print(f"\nexecutor, 8 simulated devices, 8-block MLP, N={n_exec}, k=2, K=4 tangents:")
-    _print(ex_rows, ("policy", "k", "added_ticks", "coverage", "peak_stash", "compile_s",
+    ex_rows = executor_rows(8, n_exec, 2, policies)
+    if not args.quick:
+        ex_rows += executor_rows(8, 32, 4, policies)
+    print("\nexecutor, 8 simulated devices, 8-block MLP, K=4 tangents:")
+    _print(ex_rows, ("policy", "N", "k", "added_ticks", "coverage", "peak_stash", "compile_s",
                      "max_rel_err", "cosine_to_exact"))
     bad = [r for r in rows if r["policy"] == "forward"
            and abs(r["idle_fraction"] - r["idle_formula"]) > 1e-12]

@@ -7,6 +7,7 @@ wholly in the state pytree (``local``) are cached; engines holding host state ar
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -75,20 +76,53 @@ def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any) -> Any:
 
 
 def diagnostics_for(engine: Any, stack: Any) -> Callable | None:
-    """``diag(state, batch, key) -> {"cosine", "norm_ratio"}`` of the step's estimate against
-    the exact gradient of the same batch, or None if the engine has no ``estimate``."""
+    """``diag(state, batch, key) -> {"cosine", "norm_ratio", "diag_*"}``: the step's estimate
+    against the exact gradient of the same batch, plus the estimator's scalar diagnostics (e.g.
+    ``diag_beta`` of the weighted hybrid); None if the engine has no ``estimate``."""
     estimate = getattr(engine, "estimate", None)
     if estimate is None:
         return None
 
+    try:
+        with_diag = "diagnostics" in inspect.signature(estimate).parameters
+    except (TypeError, ValueError):
+        with_diag = False
+
     def make():
         def diag(state, batch, key):
-            _, g = estimate(state, batch, key)
+            extra = {}
+            if with_diag:
+                _, g, info = estimate(state, batch, key, diagnostics=True)
+                extra = _scalar_diagnostics(info)
+            else:
+                _, g = estimate(state, batch, key)
             ge = jax.grad(stack)(engine.params(state), batch)
             ratio = optax.tree.norm(g) / (optax.tree.norm(ge) + 1e-30)
-            return {"cosine": tree_cosine(g, ge), "norm_ratio": ratio}
+            return {"cosine": tree_cosine(g, ge), "norm_ratio": ratio, **extra}
 
         jitted = jax.jit(diag)
         return lambda *a: {k: float(v) for k, v in jax.device_get(jitted(*a)).items()}
 
     return _cached(("diag", id(engine)), make)
+
+
+def _is_scalar(v: Any) -> bool:
+    """A numeric array with one element."""
+    return (hasattr(v, "dtype") and hasattr(v, "size") and v.size == 1
+            and jnp.issubdtype(v.dtype, jnp.number))
+
+
+def _scalar_diagnostics(info: dict) -> dict[str, jax.Array]:
+    """Scalars of an estimator's diag dict as ``diag_<name>``; a dict of floating arrays (e.g. a
+    per-layer shrinkage ``beta``) as its mean ``diag_<name>_mean``. Per-sample arrays are skipped."""
+    out = {}
+    for k, v in info.items():
+        if _is_scalar(v):
+            out[f"diag_{k}"] = jnp.reshape(v, ()).astype(jnp.float32)
+        elif isinstance(v, dict):
+            leaves = jax.tree.leaves(v)
+            if leaves and all(hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+                              for x in leaves):
+                flat = jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+                out[f"diag_{k}_mean"] = jnp.mean(flat)
+    return out

@@ -43,7 +43,9 @@ class Engine(Protocol):
     """One optimizer step at a time over a state pytree that orbax can save.
 
     Optional: ``estimate(state, batch, key) -> (loss, grads)`` returns the gradient estimate the
-    step would use (without updating); the runner then logs its cosine to the exact gradient.
+    step would use (without updating); the runner then logs its cosine to the exact gradient. If
+    it accepts ``diagnostics=True`` and then returns ``(loss, grads, diag)``, the scalar entries of
+    ``diag`` are logged too (as ``diag_<name>``).
     """
 
     def init(self, params: Any, key: jax.Array) -> Any:
@@ -137,7 +139,7 @@ class LocalEngine:
         self.optimizer = optimizer
         self.micro_batches = micro_batches
         self.step = jax.jit(self._step)
-        self.estimate = jax.jit(self._estimate)
+        self.estimate = jax.jit(self._estimate, static_argnames="diagnostics")
 
     def init(self, params: Any, key: jax.Array) -> LocalState:
         del key
@@ -146,8 +148,11 @@ class LocalEngine:
     def params(self, state: LocalState) -> Any:
         return state.params
 
-    def _estimate(self, state: LocalState, batch: dict, key: jax.Array):
+    def _estimate(self, state: LocalState, batch: dict, key: jax.Array, diagnostics: bool = False):
+        """The step's ``(loss, grads)`` (``+ diag dict`` with ``diagnostics=True``)."""
         batch = split_micro_batches(batch, self.micro_batches)
+        if diagnostics:
+            return self.estimator(self.stack, state.params, batch, key, diagnostics=True)
         return self.estimator(self.stack, state.params, batch, key)
 
     def _step(self, state: LocalState, batch: dict, key: jax.Array):

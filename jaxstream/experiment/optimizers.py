@@ -28,6 +28,11 @@ def register_optimizer(name: str, factory: OptimizerFactory) -> None:
     _OPTIMIZERS[name] = factory
 
 
+def optimizer_factory(name: str) -> OptimizerFactory:
+    """The factory registered as ``name`` (KeyError if none)."""
+    return _OPTIMIZERS[name]
+
+
 def optimizer_names() -> list[str]:
     """Names of the registered optimizers."""
     return sorted(_OPTIMIZERS)
@@ -46,7 +51,7 @@ class OptimizerConfig:
     """
 
     name: str = "adam"
-    options: dict[str, float | int | bool | str] = dataclasses.field(default_factory=dict)
+    options: dict[str, bool | int | float | str] = dataclasses.field(default_factory=dict)
     clip_norm: float | None = None
     warmup_steps: int = 0
     schedule: Literal["constant", "cosine"] = "constant"

@@ -27,6 +27,7 @@ from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict,
 #: Modules imported by :func:`load_plugins`; each registers kinds and/or engines when present.
 PLUGIN_MODULES: tuple[str, ...] = (
     "jaxstream.experiment.train",
+    "jaxstream.experiment.lr_sweep",
     "jaxstream.quality.study",
     "jaxstream.pipeline.engine",
     "jaxstream.stream.engine",

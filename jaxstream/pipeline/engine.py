@@ -20,9 +20,11 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxstream.experiment.engines import register_engine, split_micro_batches
-from jaxstream.pipeline.executor import pipeline
+from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
 
 
@@ -60,6 +62,11 @@ class PipelineState(NamedTuple):
     carry: Any
 
 
+def _tangent_kwargs(est: Any) -> dict:
+    return {name: getattr(est, name)
+            for name in ("num_tangents", "distribution", "orthogonal", "antithetic")}
+
+
 def _plan(cfg: PipelineEngineConfig, estimator_cfg: Any, micro_batches: int):
     """(schedule, pipeline kwargs) from the engine and estimator sections; errors name fields."""
     kind = type(estimator_cfg).__name__
@@ -72,10 +79,8 @@ def _plan(cfg: PipelineEngineConfig, estimator_cfg: Any, micro_batches: int):
                 estimator_cfg.local_losses:
             raise ValueError("estimator: the pipeline engine runs forward gradients with "
                              "perturb='weights', aggregation='mean', local_losses=false")
-        return make_schedule("forward", m, cfg.micro_batches), dict(
-            correction="none", num_tangents=estimator_cfg.num_tangents,
-            distribution=estimator_cfg.distribution, orthogonal=estimator_cfg.orthogonal,
-            antithetic=estimator_cfg.antithetic)
+        return make_schedule("forward", m, cfg.micro_batches), {
+            "correction": "none", **_tangent_kwargs(estimator_cfg)}
     if kind == "HybridConfig":
         if estimator_cfg.correction == "guess":
             raise ValueError("estimator.correction: 'guess' needs a second forward pass along "
@@ -84,10 +89,8 @@ def _plan(cfg: PipelineEngineConfig, estimator_cfg: Any, micro_batches: int):
         n = micro_batches
         sel = (tuple(estimator_cfg.exact_indices) if estimator_cfg.exact_indices is not None
                else tuple(range(estimator_cfg.num_exact)))
-        return make_schedule(cfg.policy, m, n, sel), dict(
-            correction=estimator_cfg.correction, num_tangents=estimator_cfg.num_tangents,
-            distribution=estimator_cfg.distribution, orthogonal=estimator_cfg.orthogonal,
-            antithetic=estimator_cfg.antithetic)
+        return make_schedule(cfg.policy, m, n, sel), {
+            "correction": estimator_cfg.correction, **_tangent_kwargs(estimator_cfg)}
     raise ValueError(f"estimator: {kind} is not supported by the pipeline engine "
                      "(backprop, forward, hybrid)")
 
@@ -115,11 +118,21 @@ class PipelineEngine:
     def init(self, params: Any, key: jax.Array) -> PipelineState:
         """Initial state; for the delayed policy the carry says "no previous step" (h = 0)."""
         del key
+        mesh = self.pipe.mesh
+        params = jax.device_put(params, {
+            "embed": NamedSharding(mesh, P()), "blocks": NamedSharding(mesh, P(AXIS)),
+            "head": NamedSharding(mesh, P())})
         carry = None
         if self.pipe.stale:
             micro = split_micro_batches(self._example, self.num_microbatches)
             carry = self.pipe.init_carry(params, micro)
-        return PipelineState(params, self.optimizer.init(params), carry)
+            carry = carry._replace(stash=jax.device_put(carry.stash, NamedSharding(mesh, P(AXIS))))
+        state = PipelineState(params, jax.jit(self.optimizer.init)(params), carry)
+        # every step returns the state with these shardings: one compilation for all steps
+        self._shardings = jax.tree.map(
+            lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
+            else NamedSharding(mesh, P()), state)
+        return jax.device_put(state, self._shardings)
 
     def params(self, state: PipelineState) -> Any:
         return state.params
@@ -136,8 +149,11 @@ class PipelineEngine:
         loss, grads, aux = self._grads(state, batch, key)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
-        return PipelineState(params, opt_state, aux.get("carry")), metrics
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        new = PipelineState(params, opt_state, aux.get("carry"))
+        if getattr(self, "_shardings", None) is not None:
+            new = jax.lax.with_sharding_constraint(new, self._shardings)
+        return new, metrics
 
 
 register_engine("pipeline", PipelineEngineConfig, lambda cfg, **kw: PipelineEngine(cfg, **kw))

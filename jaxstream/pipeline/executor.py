@@ -34,7 +34,7 @@ from jaxstream.grad.tangents import TangentSpec, combine, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.pipeline.lowering import FIELDS, Lowered, lower
 from jaxstream.pipeline.stage_ops import StageOps
-from jaxstream.pipeline.table import B, BW, F, FBW, IDLE, W, Schedule
+from jaxstream.pipeline.table import BW, FBW, IDLE, B, F, Schedule, W
 
 AXIS = "stage"
 CORRECTIONS = ("none", "control_variate", "replace", "weighted")
@@ -154,9 +154,9 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params):
         def fn(x):
             h_in, t_in, c_in, bj, kj, sbj, sh = x
             hz = jnp.zeros_like(h_in)
-            out = dict(h=hz, t=jnp.zeros_like(t_in), c=hz,
-                       g=jax.tree.map(jnp.zeros_like, params),
-                       loss=jnp.zeros((), jnp.float32), d=jnp.zeros((K,), jnp.float32))
+            out = {"h": hz, "t": jnp.zeros_like(t_in), "c": hz,
+                   "g": jax.tree.map(jnp.zeros_like, params),
+                   "loss": jnp.zeros((), jnp.float32), "d": jnp.zeros((K,), jnp.float32)}
             if kind in (F, FBW):
                 if pos == "first":
                     out["h"], out["t"] = ops.forward_first(params, bj["x"], kj)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxstream.pipeline.listsched import best_list_schedule, list_schedule
-from jaxstream.pipeline.metrics import OpCosts
-from jaxstream.pipeline.table import BW, F, FBW, IDLE, Schedule
+from jaxstream.pipeline.metrics import UNIT_COSTS, OpCosts
+from jaxstream.pipeline.table import BW, FBW, IDLE, F, Schedule
 
 
 def check_selected(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> tuple:
@@ -95,7 +95,7 @@ def delayed(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> 
 
 
 def complete(num_stages: int, num_microbatches: int, selected: Sequence[int],
-             costs: OpCosts = OpCosts()) -> Schedule:
+             costs: OpCosts = UNIT_COSTS) -> Schedule:
     """Full chains (every stage) for the selected micro-batches with the fewest added ticks.
 
     List-scheduled under several priority rules, fused BW and Zero-Bubble split B/W with W in the
@@ -128,12 +128,12 @@ POLICIES = {"truncated": truncated, "delayed": delayed, "complete": complete}
 
 
 def make_schedule(policy: str, num_stages: int, num_microbatches: int,
-                  selected: Sequence[int] = (), costs: OpCosts = OpCosts()) -> Schedule:
+                  selected: Sequence[int] = (), costs: OpCosts = UNIT_COSTS) -> Schedule:
     """The table of a named policy: "forward", "truncated", "delayed" or "complete".
 
     Example:
-      >>> make_schedule("complete", 4, 8, (0, 1)).num_ticks
-      12
+      >>> make_schedule("complete", 4, 8, (0, 1)).num_ticks  # N+M-1 = 11, plus 2
+      13
     """
     if policy == "forward":
         return gpipe_forward(num_stages, num_microbatches)

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxstream.pipeline.metrics import OpCosts, makespan, weighted_makespan
-from jaxstream.pipeline.table import B, BW, F, W, Schedule
+from jaxstream.pipeline.metrics import UNIT_COSTS, OpCosts, makespan, weighted_makespan
+from jaxstream.pipeline.table import Schedule
 
 
 def list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int], *,
@@ -48,7 +48,7 @@ def list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int
             raise RuntimeError("list scheduling did not converge")
         row = [None] * M
         for s in range(M):
-            def cot_ready(j, s=s):
+            def cot_ready(j, s=s, t=t):
                 return f_done[s, j] < t and (f_done[s, j] < t if s == M - 1 else b_done[s + 1, j] < t)
 
             for p in priority:
@@ -85,7 +85,7 @@ def list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int
 
 
 def best_list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int],
-                       costs: OpCosts = OpCosts()) -> Schedule:
+                       costs: OpCosts = UNIT_COSTS) -> Schedule:
     """The fewest-ticks (then cheapest cost-weighted) table over priority rules and B/W split."""
     best, key = None, None
     for prio in itertools.permutations(("B", "F", "W")):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxstream.pipeline.table import B, BW, COT_OPS, F, FBW, IDLE, W, Schedule
+from jaxstream.pipeline.table import BW, COT_OPS, FBW, IDLE, B, F, Schedule, W
 from jaxstream.pipeline.validate import forward_ticks, validate
 
 POSITIONS = ("first", "mid", "last", "only")

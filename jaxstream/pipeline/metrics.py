@@ -11,11 +11,12 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
 
-from jaxstream.pipeline.table import B, BACKWARD_OPS, BW, F, FBW, GRAD_OPS, IDLE, W, Schedule
+from jaxstream.pipeline.table import BACKWARD_OPS, BW, FBW, GRAD_OPS, IDLE, B, F, Schedule, W
 from jaxstream.pipeline.validate import peak_stash
 
 
@@ -31,13 +32,16 @@ class OpCosts(NamedTuple):
         return np.array([0.0, self.f, self.b, self.w, self.b + self.w, self.f + self.b + self.w])
 
 
+UNIT_COSTS = OpCosts()  # every op costs one tick
+
+
 def makespan(s: Schedule) -> int:
     """Ticks up to and including the last busy one."""
     busy = np.nonzero(s.kind.any(axis=1))[0]
     return int(busy[-1]) + 1 if busy.size else 0
 
 
-def weighted_makespan(s: Schedule, costs: OpCosts = OpCosts()) -> float:
+def weighted_makespan(s: Schedule, costs: OpCosts = UNIT_COSTS) -> float:
     """sum over ticks of the costliest op in the tick (lock-step execution)."""
     c = costs.table()[s.kind[: makespan(s)]]
     return float(c.max(axis=1).sum()) if c.size else 0.0
@@ -91,10 +95,10 @@ def coverage(s: Schedule) -> float:
 
 def groups_nested(gs) -> bool:
     """True when G_0 is a subset of G_1, ..., of G_{M-1}."""
-    return all(set(a) <= set(b) for a, b in zip(gs[:-1], gs[1:]))
+    return all(set(a) <= set(b) for a, b in itertools.pairwise(gs))
 
 
-def summary(s: Schedule, costs: OpCosts = OpCosts()) -> dict:
+def summary(s: Schedule, costs: OpCosts = UNIT_COSTS) -> dict:
     """All the measures of one table as a flat dict (for tables and JSON rows)."""
     M, N = s.num_stages, s.num_microbatches
     n_ops = {name: int(np.isin(s.kind, codes).sum())

@@ -52,7 +52,7 @@ def render_png(s: Schedule, path: str | Path | None = None, ax=None, title: str 
 
     own = ax is None
     if own:
-        fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * s.num_ticks + 1), 0.45 * s.num_stages + 1))
+        _, ax = plt.subplots(figsize=(max(4.0, 0.35 * s.num_ticks + 1), 0.45 * s.num_stages + 1))
     for t in range(s.num_ticks):
         for st in range(s.num_stages):
             name = OP_NAMES[int(s.kind[t, st])]

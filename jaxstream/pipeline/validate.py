@@ -18,7 +18,16 @@ from __future__ import annotations
 import numpy as np
 
 from jaxstream.pipeline.table import (
-    B, BW, COT_OPS, F, FBW, GRAD_OPS, IDLE, OP_NAMES, W, Schedule,
+    BW,
+    COT_OPS,
+    FBW,
+    GRAD_OPS,
+    IDLE,
+    OP_NAMES,
+    B,
+    F,
+    Schedule,
+    W,
 )
 
 
@@ -76,7 +85,7 @@ def peak_stash(s: Schedule) -> np.ndarray:
 
 def validate(s: Schedule) -> None:
     """Raises ScheduleError naming the first broken rule; returns None for a valid table."""
-    M, N, T = s.num_stages, s.num_microbatches, s.num_ticks
+    M, N = s.num_stages, s.num_microbatches
     if N < 1:
         raise ScheduleError(f"num_microbatches={N}; must be >= 1")
     if M < 1:

@@ -103,7 +103,7 @@ def run_crash_experiment(kills: int = 10, steps: int = 12, seed: int = 0,
     root = Path(tempfile.mkdtemp(prefix="jaxstream-crash-", dir=workdir))
     ref: dict = {}
     per_step = train(str(root / "reference"), steps, update, snapshots=ref)
-    run_time = per_step * (steps - 1)
+    run_time = per_step * (steps - 2)
     final = _committed_params(str(root / "reference"))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     trials = []
@@ -111,11 +111,11 @@ def run_crash_experiment(kills: int = 10, steps: int = 12, seed: int = 0,
         path = str(root / f"run{i}")
         cmd = [sys.executable, "-m", "jaxstream.stream.crash", path, str(steps), update]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # wait for the first commit (start-up and compilation done), then a random moment
+        # wait for the second commit (start-up and both compiled paths done), then a random moment
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
             try:
-                if LayerStore.open(path).step >= 1:
+                if LayerStore.open(path).step >= 2:
                     break
             except Exception:  # noqa: BLE001, S110 - not created yet
                 pass

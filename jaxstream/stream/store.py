@@ -114,7 +114,7 @@ class LayerStore:
         abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
         if abstract:  # shapes only: allocate, write zeros for the optimizer, leave params to write()
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, master_dtype(x)), params)
-            zeros = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t)  # noqa: E731
+            zeros = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t)
             layer0 = zeros(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
                                         params["blocks"]))
             params = {"embed": zeros(params["embed"]), "blocks": params["blocks"],
@@ -384,7 +384,7 @@ class LayerStore:
                 key, fut, _ = self._writes[0]
             try:
                 fut.result()
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise self._write_error(key, err) from err
             with self._lock:
                 if self._writes and self._writes[0][1] is fut:

@@ -11,21 +11,20 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
+import jax
 
 port, pid, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=pid, local_device_ids=[0, 1])
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
+import numpy as np
+from jax.experimental import multihost_utils
 
-import jaxstream.grad as jg  # noqa: E402
-from jaxstream.models import mlp  # noqa: E402
-from jaxstream.pipeline import truncated  # noqa: E402
-from jaxstream.pipeline.executor import pipeline  # noqa: E402
-from jaxstream.pipeline.lowering import exact_from  # noqa: E402
+import jaxstream.grad as jg
+from jaxstream.models import mlp
+from jaxstream.pipeline import truncated
+from jaxstream.pipeline.executor import pipeline
+from jaxstream.pipeline.lowering import exact_from
 
 assert jax.device_count() == 4 and jax.local_device_count() == 2
 m, n = 4, 4

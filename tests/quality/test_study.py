@@ -18,7 +18,7 @@ TINY = [
     "num_exact=2",
     "tangent_counts=[1, 2]",
     "exact_counts=[2]",
-    "corrections=[control_variate, weighted]",
+    "corrections=[weighted]",
     "num_seeds=4",
     "theory_seeds=8",
 ]
@@ -67,12 +67,7 @@ def test_study_runs_tiny(tmp_path):
     rows = json.loads((tmp_path / "quality.json").read_text())
     groups = {r["group"] for r in rows}
     assert groups == {"embed", "block_0", "block_1", "head", "all"}
-    assert {r["estimator"] for r in rows} == {
-        "forward",
-        "exact subset",
-        "control_variate",
-        "weighted",
-    }
+    assert {r["estimator"] for r in rows} == {"forward", "exact subset", "weighted"}
     assert {r["num_tangents"] for r in rows if r["estimator"] == "forward"} == {1, 2}
     assert set(summary["verdict"]) == {"correlated", "shuffled"}
     assert {h["estimator"] for h in summary["headline"]} >= {"forward", "exact subset"}

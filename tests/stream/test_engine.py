@@ -63,7 +63,8 @@ def test_stream_engine_matches_local_engine(tmp_path):
 def test_run_experiment_end_to_end(tmp_path):
     _, summary = run_experiment(
         CONFIGS[0], ["steps=3", "eval_every=3", "checkpoint_every=3", "plots=false",
-                     "progress=false", "model.depth=2", "arms.0.estimator.type=backprop"],
+                     "progress=false", "model.depth=2", "arms.0.estimator.type=backprop",
+                     f"engine.store={tmp_path}/stores/{{arm}}"],
         out=tmp_path / "run")
     assert summary["finished"]
     assert all(np.isfinite(a["final_test_loss"]) if "final_test_loss" in a else True

@@ -175,7 +175,7 @@ def test_streamed_forward_equals_in_memory_forward(tmp_path, data):
     key = jax.random.key(3)
     losses, d = ex.forward(micro, key)
     for n in range(N):
-        one = jax.tree.map(lambda a: a[n], micro)
+        one = jax.tree.map(lambda a, n=n: a[n], micro)
         loss, dn = jax.jit(stack_directional, static_argnums=(0, 1))(STACK, est.spec, params, one, key)
         np.testing.assert_allclose(losses[n], loss, rtol=1e-6)
         np.testing.assert_allclose(d[n], dn, rtol=1e-6, atol=1e-7)
@@ -188,7 +188,7 @@ def test_allocate_then_write_layers(tmp_path, data):
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
     store = LayerStore.create(tmp_path / "s", shapes, optimizer=optax.adam(1e-3))
     for l in range(STACK.num_layers):
-        store.write(l, jax.tree.map(lambda a: np.asarray(a[l]), params["blocks"]))
+        store.write(l, jax.tree.map(lambda a, l=l: np.asarray(a[l]), params["blocks"]))
     store.write("embed", params["embed"])
     store.write("head", params["head"])
     store.commit(0)

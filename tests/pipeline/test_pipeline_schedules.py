@@ -4,10 +4,31 @@ import numpy as np
 import pytest
 
 from jaxstream.pipeline import (
-    BW, F, FBW, OpCosts, Schedule, ScheduleError, complete, coverage, delayed, fill_ratio,
-    gpipe_backprop, gpipe_forward, gpipe_idle_fraction, groups, groups_nested, idle_fraction,
-    make_schedule, makespan, one_f_one_b, peak_stash, render_png, render_text, summary, truncated,
-    validate, weighted_makespan,
+    FBW,
+    F,
+    OpCosts,
+    Schedule,
+    ScheduleError,
+    complete,
+    coverage,
+    delayed,
+    fill_ratio,
+    gpipe_backprop,
+    gpipe_forward,
+    gpipe_idle_fraction,
+    groups,
+    groups_nested,
+    idle_fraction,
+    make_schedule,
+    makespan,
+    one_f_one_b,
+    peak_stash,
+    render_png,
+    render_text,
+    summary,
+    truncated,
+    validate,
+    weighted_makespan,
 )
 
 

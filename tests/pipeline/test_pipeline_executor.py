@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxstream.grad as jg
@@ -10,7 +9,13 @@ from jaxstream.grad import corrections as cr
 from jaxstream.grad.tangents import TangentSpec, combine, micro_key
 from jaxstream.models import mlp
 from jaxstream.pipeline import (
-    ScheduleError, Schedule, complete, delayed, gpipe_backprop, gpipe_forward, one_f_one_b,
+    Schedule,
+    ScheduleError,
+    complete,
+    delayed,
+    gpipe_backprop,
+    gpipe_forward,
+    one_f_one_b,
     truncated,
 )
 from jaxstream.pipeline import executor as ex
@@ -92,7 +97,7 @@ def test_all_selected_complete_equals_jax_grad(m, make):
     sched = make(m, n) if make is gpipe_backprop else make(m, n, tuple(range(n)))
     stack, params, batch = _setup(m, n)
     loss, grads, _ = pipeline(stack, sched, correction="replace")(params, batch, jax.random.key(0))
-    mean_loss = lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch))  # noqa: E731
+    mean_loss = lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch))
     ref_loss, ref = jax.value_and_grad(mean_loss)(params)
     assert abs(float(loss - ref_loss)) <= 1e-6
     assert _max_rel(grads, ref) <= 1e-5
@@ -109,7 +114,7 @@ def test_delayed_uses_previous_step_exact_gradients():
     _, g0, aux0 = pipe(params0, batch0, k0, carry)
     # step 0 has no previous step: the plain forward estimate
     assert _max_rel(g0, _forward_reference(stack, params0, batch0, k0, n)[1]) <= 1e-5
-    loss, g1, aux1 = pipe(params1, batch1, k1, aux0["carry"])
+    _, g1, _ = pipe(params1, batch1, k1, aux0["carry"])
     # reference: h from the previous step's selected micro-batches at the previous params
     spec = TangentSpec(K)
     sel = jnp.array(pipe.lowered.prev_selected)

@@ -1,0 +1,177 @@
+"""``kind: lr_sweep``: train each estimator at several learning rates side by side and pick one.
+
+All learning rates of an arm train together: the optimizer is wrapped in
+``optax.inject_hyperparams`` so the learning rate lives in the optimizer state, and one
+jit-compiled step is ``vmap``-ed over it. Batches, initial params and tangent keys are those of
+``kind: train`` with the same seed, so lane ``lr`` reproduces a train arm with that ``lr``.
+
+The pick: the fewest steps to ``target_accuracy`` among learning rates whose mean test accuracy
+over the last ``final_evals`` evaluations is at least ``stable_accuracy``; if none qualifies, the
+best final accuracy.
+
+Example (YAML):
+    kind: lr_sweep
+    steps: 1500
+    lrs: [1.0e-4, 1.0e-3, 1.0e-2]
+    arms:
+      - {name: backprop, estimator: {type: backprop}}
+      - {name: fwd_act_k4, estimator: {type: forward, perturb: activations, num_tangents: 4}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from jaxstream.data.batches import batch_at
+from jaxstream.data.configs import DataConfig, DigitsDataConfig
+from jaxstream.experiment.compiled import evaluator_for
+from jaxstream.experiment.engines import split_micro_batches
+from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig, describe
+from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
+from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer, optimizer_factory
+from jaxstream.experiment.registry import register_experiment
+from jaxstream.experiment.rundir import MetricsLog
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepArm:
+    """An estimator whose learning rate is swept."""
+
+    name: str = "backprop"
+    estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class LRSweepConfig:
+    """A learning-rate sweep (constant learning rate; ``optimizer.name`` and ``options`` apply,
+    ``clip_norm``/``warmup_steps``/``schedule`` must stay at their defaults)."""
+
+    seed: int = 0
+    steps: int = 1500
+    batch_size: int = 64
+    eval_every: int = 25
+    target_accuracy: float = 0.95
+    stable_accuracy: float = 0.96
+    final_evals: int = 4
+    lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+    model: ModelConfig = dataclasses.field(default_factory=MLPConfig)
+    data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    arms: tuple[SweepArm, ...] = (SweepArm(),)
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "final_evals"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.lrs or any(lr <= 0 for lr in self.lrs):
+            raise ValueError(f"lrs: list one or more positive learning rates, got {self.lrs}")
+        if not self.arms:
+            raise ValueError("arms: list at least one arm")
+        for i, arm in enumerate(self.arms):
+            n = getattr(arm.estimator, "micro_batches", 1)
+            if self.batch_size % n:
+                raise ValueError(f"arms.{i}.estimator.micro_batches: batch_size={self.batch_size}"
+                                 f" is not divisible by micro_batches={n}")
+        check_optimizer(self.optimizer)
+        default = OptimizerConfig()
+        for name in ("clip_norm", "warmup_steps", "schedule"):
+            if getattr(self.optimizer, name) != getattr(default, name):
+                raise ValueError(f"optimizer.{name}: not supported by lr_sweep (constant "
+                                 "learning rate); leave it at its default")
+
+
+def pick_lr(results: dict[float, dict], stable: float) -> float:
+    """The learning rate picked from ``{lr: {"steps_to_target", "final_accuracy"}}``."""
+    ok = [lr for lr, r in results.items()
+          if r["steps_to_target"] is not None and r["final_accuracy"] >= stable]
+    if ok:
+        return min(ok, key=lambda lr: (results[lr]["steps_to_target"],
+                                       -results[lr]["final_accuracy"]))
+    return max(results, key=lambda lr: results[lr]["final_accuracy"])
+
+
+def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: MetricsLog):
+    factory = optimizer_factory(cfg.optimizer.name)
+    tx = optax.inject_hyperparams(factory)(learning_rate=cfg.lrs[0], **cfg.optimizer.options)
+    est = arm.estimator.build()
+    n_micro = getattr(arm.estimator, "micro_batches", 1)
+    root = jax.random.key(cfg.seed)
+    params0 = stack.init(jax.random.fold_in(root, 0))
+    step_root = jax.random.fold_in(root, 1)
+
+    def step(params, opt, batch, key):
+        loss, g = est(stack, params, split_micro_batches(batch, n_micro), key)
+        updates, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, updates), opt, loss
+
+    vstep = jax.jit(jax.vmap(step, in_axes=(0, 0, None, None)))
+    evaluate = evaluator_for(stack)
+    veval = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
+    n_lr = len(cfg.lrs)
+    params = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_lr, *a.shape)), params0)
+    opt = jax.vmap(tx.init)(params)
+    opt.hyperparams["learning_rate"] = jnp.asarray(cfg.lrs, jnp.float32)
+    evals: list[np.ndarray] = []
+    hits: list[int | None] = [None] * n_lr
+    for s in tqdm(range(cfg.steps), desc=arm.name, disable=None if cfg.progress else True,
+                  leave=False):
+        batch = batch_at(data.train, cfg.batch_size, cfg.seed, s)
+        params, opt, loss = vstep(params, opt, batch, jax.random.fold_in(step_root, s))
+        if (s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps:
+            test_loss, test_acc = (np.asarray(v) for v in veval(params, data.test))
+            loss = np.asarray(loss)
+            evals.append(test_acc)
+            for i, lr in enumerate(cfg.lrs):
+                if hits[i] is None and test_acc[i] >= cfg.target_accuracy:
+                    hits[i] = s + 1
+                log.append({"arm": arm.name, "lr": lr, "step": s + 1, "loss": float(loss[i]),
+                            "test_loss": float(test_loss[i]),
+                            "test_accuracy": float(test_acc[i])})
+    final = np.mean(np.stack(evals[-cfg.final_evals:]), axis=0)
+    best = np.max(np.stack(evals), axis=0)
+    return {lr: {"steps_to_target": hits[i], "final_accuracy": float(final[i]),
+                 "best_accuracy": float(best[i])} for i, lr in enumerate(cfg.lrs)}
+
+
+def format_sweep(summary: dict[str, Any], lrs: tuple[float, ...]) -> str:
+    """A table: one row per arm, ``steps to target / final accuracy`` per learning rate."""
+    head = f"{'arm':<18}" + "".join(f"{lr:>13.0e}" for lr in lrs) + f"{'picked':>9}"
+    lines = [head, "-" * len(head)]
+    for name, a in summary["arms"].items():
+        cells = []
+        for lr in lrs:
+            r = a["results"][str(lr)]
+            steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+            cells.append(f"{steps + ' / ' + format(r['final_accuracy'], '.3f'):>13}")
+        lines.append(f"{name:<18}" + "".join(cells) + f"{a['picked_lr']:>9.0e}")
+    return "\n".join(lines)
+
+
+def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
+    """Sweep every arm; write metrics.jsonl (one record per lr and evaluation); print a table."""
+    data = cfg.data.load(cfg.seed)
+    stack = cfg.model.build(data.info)
+    log = MetricsLog(Path(run_dir) / "metrics.jsonl")
+    log.rewrite([])
+    arms = {}
+    for arm in cfg.arms:
+        results = _sweep_arm(cfg, arm, stack, data, log)
+        arms[arm.name] = {"estimator": describe(arm.estimator),
+                          "picked_lr": pick_lr(results, cfg.stable_accuracy),
+                          "results": {str(lr): r for lr, r in results.items()}}
+    summary = {"target_accuracy": cfg.target_accuracy, "stable_accuracy": cfg.stable_accuracy,
+               "arms": arms}
+    print(format_sweep(summary, cfg.lrs))
+    return summary
+
+
+register_experiment("lr_sweep", LRSweepConfig, run_lr_sweep)
