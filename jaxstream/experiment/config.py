@@ -273,7 +273,7 @@ def _convert_choice(base: type, value: Any, path: str, default: Any) -> Any:
             f"{_where(path)}.type: {name!r} is not registered; choose one of {sorted(table)}"
         )
     cls = table[name]
-    keep = default if (default is not _MISSING and type(default) is cls) else _MISSING
+    keep = default if type(default) is cls else _MISSING
     return _convert_dataclass(cls, value, path, keep)
 
 
@@ -295,7 +295,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
         fdefault = _MISSING
-        if default is not _MISSING:
+        if default is not _MISSING and default is not None:
             fdefault = getattr(default, name)
         elif f.default is not dataclasses.MISSING:
             fdefault = f.default

@@ -34,3 +34,11 @@ def test_unregistered_kind_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match=r"kind: 'no_such_kind' is not a registered experiment "
                                           r"kind; choose one of \[.*'train'.*\]"):
         load_experiment(p)
+
+
+def test_per_arm_optimizer_overrides_parse():
+    """An arm may carry its own optimizer section (its default is None, not a config)."""
+    _, cfg = load_experiment(ROOT / "experiments" / "optim_digits.yaml")
+    names = [cfg.arm_optimizer(a).name for a in cfg.arms]
+    assert names == ["max_adabelief", "max_adabelief", "adabelief", "adabelief", "adam", "adam"]
+    assert cfg.arms[0].optimizer is None
