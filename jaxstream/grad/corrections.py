@@ -116,22 +116,37 @@ def segment_sizes(like: Any) -> dict:
     }
 
 
-def shrinkage(counts: dict, spread: dict, sizes: dict, q: jax.Array, n: int, k: int) -> dict:
+def shrinkage(counts: dict, spread: dict, sizes: dict, q: jax.Array, n: int, k: int,
+              total_size: float | None = None) -> dict:
     """β per segment for the ``weighted`` correction: β = a / (a + b) minimises the expected
     squared error of h + β·r, where r is the forward residual estimate.
 
     a ≈ E‖ḡ − h‖² = σ̂² (1/|G| − 1/N) N/(N−1), with σ̂² the sample spread of the group's exact
     gradients; b ≈ E‖r‖² = P q / (N K), with P the segment's size and q = mean (d − c)² the
-    forward residual scalars. With fewer than 2 exact gradients there is no spread estimate and
-    β = 1 (the unbiased control variate); with the whole batch exact, a = 0 and β = 0.
+    forward residual scalars. With the whole batch exact, a = 0 and β = 0; with an empty group
+    (h = 0) β = 1, the plain forward estimate.
+
+    With a single exact gradient there is no spread to measure, so σ̂² comes from the residual
+    scalars instead: E(d_nk − c_nk)² = ‖g_n − g_sel‖² ≈ 2σ² for n ≠ sel, so the whole model's
+    σ̂² ≈ q N / (2(N − 1)), shared among segments in proportion to their size. Then
+    β = a / (a + b) with a = N / (2(N − 1) P_total) and b = 1 / (N K) per parameter: the same
+    for every segment (q cancels). ``total_size`` is P_total, the whole model's parameter count
+    (default: the sum of ``sizes``, right unless ``sizes`` covers only a pipeline stage).
     """
+    if total_size is None:
+        total_size = sum(jnp.sum(v) for v in sizes.values())
+    if n > 1:
+        a1 = n / (2.0 * (n - 1) * total_size)
+        beta1 = a1 / (a1 + 1.0 / (n * k))
+    else:
+        beta1 = jnp.float32(0.0)
     out = {}
     for name, c in counts.items():
         sigma2 = spread[name] / jnp.maximum(c - 1.0, 1.0)
         a = sigma2 * (1.0 / jnp.maximum(c, 1.0) - 1.0 / n) * n / max(n - 1, 1)
         b = sizes[name] * q / (n * k)
         beta = jnp.where(a + b > 0, a / jnp.maximum(a + b, 1e-30), 0.0)
-        out[name] = jnp.where(c >= 2, beta, 1.0)
+        out[name] = jnp.where(c >= 2, beta, jnp.where(c == 1, beta1, 1.0))
     return out
 
 

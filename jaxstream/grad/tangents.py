@@ -63,7 +63,7 @@ class TangentSpec:
         draws = self.num // 2 if self.antithetic else self.num
         size = math.prod(shape)
         if self.distribution == "rademacher":
-            v = jax.random.rademacher(key, (draws, size), dtype=jnp.float32)
+            v = rademacher_bits(key, draws, size)
         else:
             v = jax.random.normal(key, (draws, size), dtype=jnp.float32)
         if self.orthogonal and draws > 1 and size >= draws:
@@ -75,6 +75,20 @@ class TangentSpec:
         if self.antithetic:
             v = jnp.stack([v, -v], axis=1).reshape(self.num, size)
         return v.reshape((self.num, *shape)).astype(dtype)
+
+
+def rademacher_bits(key: jax.Array, draws: int, size: int) -> jax.Array:
+    """±1 float32 signs, shape ``(draws, size)``, unpacked from ``size / 32`` random words.
+
+    One uint32 word gives 32 signs, so the generator produces 32× fewer values than
+    ``jax.random.rademacher`` (which draws a float per sign) and XLA fuses the unpacking into
+    the consumer: the only params-sized buffer left is the float tangent itself.
+    """
+    words = -(-size // 32)
+    bits = jax.random.bits(key, (draws, words), dtype=jnp.uint32)
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    signs = ((bits[:, :, None] >> shifts) & jnp.uint32(1)).reshape(draws, words * 32)[:, :size]
+    return 1.0 - 2.0 * signs.astype(jnp.float32)
 
 
 def micro_key(key: jax.Array, n: int | jax.Array) -> jax.Array:

@@ -341,5 +341,7 @@ def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, val
     if pipe.correction == "weighted":
         q = jnp.mean((d - c) ** 2)
         spread = cr.group_spread(exact, h, masks, like)
-        beta = cr.shrinkage(counts, spread, cr.segment_sizes(like), q, n, kt)
+        sizes = cr.segment_sizes(like)  # this stage's blocks; embed and head in full
+        total = sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers
+        beta = cr.shrinkage(counts, spread, sizes, q, n, kt, total_size=total)
     return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta)

@@ -60,6 +60,18 @@ def test_orthogonal_and_antithetic_tangents():
     np.testing.assert_array_equal(anti[3], -anti[2])
 
 
+def test_packed_rademacher_signs_are_balanced_and_uncorrelated():
+    """Signs unpacked from 32-bit words: ±1, mean 0 and E[v vᵀ] = I (incl. within a word)."""
+    from jaxstream.grad.tangents import rademacher_bits
+
+    v = np.asarray(rademacher_bits(jax.random.key(3), 20000, 40), np.float64)  # 40: a partial word
+    assert set(np.unique(v)) == {-1.0, 1.0}
+    se = 1.0 / np.sqrt(v.shape[0])  # std of a mean of ±1 products
+    np.testing.assert_array_less(np.abs(v.mean(0)), 5 * se)
+    cov = v.T @ v / v.shape[0]
+    np.testing.assert_array_less(np.abs(cov - np.eye(40)), 5 * se)
+
+
 ESTIMATORS = {
     "gaussian": jg.forward(1, "gaussian"),
     "rademacher_k2": jg.forward(2, "rademacher"),
