@@ -20,3 +20,9 @@ def tiny_problem(n_micro: int = 4, per_micro: int = 4, depth: int = 3, seed: int
 
 def flat(tree) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+def estimates(est, loss_fn, params, batch, keys) -> jax.Array:
+    """Flat estimates for each key, shape (R, P). ``lax.map`` compiles the estimator once (a
+    vmap over keys compiles a batched copy, several times slower to build on CPU)."""
+    return jax.jit(lambda ks: jax.lax.map(lambda k: flat(est(loss_fn, params, batch, k)[1]), ks))(keys)

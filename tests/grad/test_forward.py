@@ -8,7 +8,7 @@ import pytest
 
 import jaxstream.grad as jg
 from jaxstream.grad.tangents import TangentSpec, combine, project, tangents
-from tests.grad.helpers import flat, tiny_problem
+from tests.grad.helpers import estimates, flat, tiny_problem
 
 
 def test_directional_derivatives_equal_grad_dot_tangent():
@@ -89,7 +89,7 @@ def test_forward_estimators_are_unbiased(name):
     est = ESTIMATORS[name]
     r = 3000
     keys = jax.random.split(jax.random.key(11), r)
-    samples = jax.jit(jax.vmap(lambda k: flat(est(stack, params, batch, k)[1])))(keys)
+    samples = estimates(est, stack, params, batch, keys)
     exact = flat(jax.grad(stack)(params, batch))
     stderr = samples.std(0, ddof=1) / np.sqrt(r)
     z = (samples.mean(0) - exact) / stderr
