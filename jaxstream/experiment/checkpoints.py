@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -53,7 +55,7 @@ class ArmCheckpointer:
             args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
                                     meta=ocp.args.JsonRestore()),
         )
-        return out["state"], dict(out["meta"])
+        return jax.tree.map(_placed_like, out["state"], like), dict(out["meta"])
 
     def restore_latest(self, like: Any) -> tuple[int | None, Any, dict[str, Any]]:
         """``(step, state, meta)`` of the latest checkpoint, or ``(None, like, {})``."""
@@ -65,3 +67,13 @@ class ArmCheckpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _placed_like(restored: Any, like: Any) -> Any:
+    """``restored`` placed as ``like`` was. Orbax returns arrays committed to a device; where the
+    state was uncommitted (a fresh run's), a committed copy is a different input sharding to the
+    jitted step, which would then recompile instead of reusing the compiled step."""
+    if (isinstance(like, jax.Array) and not like.committed and isinstance(restored, jax.Array)
+            and not jnp.issubdtype(restored.dtype, jax.dtypes.prng_key)):
+        return jnp.asarray(np.asarray(restored))
+    return restored

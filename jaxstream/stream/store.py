@@ -35,6 +35,7 @@ from jaxstream.stream.errors import (
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
 from jaxstream.stream.store_parts import (
     MANIFEST,
+    ReadInto,
     TreeFuture,
     check_config,
     leaf_table,
@@ -292,7 +293,7 @@ class LayerStore:
         slot = self._slot(part, l, staged)
         n = len(self._m["leaves"][kind][part])
         idx = (slot,) if l is None else (l, slot)
-        futs = [self._arrays[(kind, part, i)][idx].read() for i in range(n)]
+        futs = [ReadInto(self._arrays[(kind, part, i)][idx]) for i in range(n)]
         if kind == "params":
             treedef = self._treedefs[part]
         else:

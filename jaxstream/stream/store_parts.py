@@ -31,6 +31,38 @@ class TreeFuture:
         return self._post(tree) if self._post else tree
 
 
+ALIGN = 64  # bytes: XLA's CPU client aliases (does not copy) host buffers aligned to this
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any, align: int = ALIGN) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts on an ``align``-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(nbytes + align, np.uint8)
+    off = (-buf.ctypes.data) % align
+    return buf[off:off + nbytes].view(dtype).reshape(tuple(shape))
+
+
+class ReadInto:
+    """A TensorStore read into a 64-byte aligned NumPy array (``result()`` returns it).
+
+    ``TensorStore.read()`` returns arrays aligned to 16 or 32 bytes; ``jax.device_put`` on
+    the CPU backend then copies the whole layer once more. Reading into an aligned array
+    costs the same and lets the CPU client alias it (no copy).
+    """
+
+    def __init__(self, view: ts.TensorStore):
+        self.out = aligned_empty(view.shape, view.dtype.numpy_dtype)
+        self._future = ts.array(self.out, copy=False, write=True).write(view)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> np.ndarray:
+        self._future.result()
+        return self.out
+
+
 def leaf_table(tree: Any) -> list[dict]:
     leaves = jax.tree_util.tree_leaves(tree)
     return [

@@ -1,7 +1,19 @@
-"""The shard_map executor equals the single-device estimators for the same keys and groups."""
+"""The shard_map executor equals the single-device estimators for the same keys and groups.
+
+Together with the multiprocess, notebook and engine tests of tests/pipeline, every schedule policy
+and every correction runs at least once on a multi-device mesh (a covering set, not the full
+policy x correction product: each pipeline is one XLA compilation; see the note above
+test_policy_equals_hybrid_4_devices). The
+references (single-device forward estimate, jax.grad, the in-memory hybrid estimator) are jitted:
+the same functions, compiled once instead of dispatched op by op. Data and the error metric use
+NumPy (no eager XLA compilation per shape).
+"""
+
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxstream.grad as jg
@@ -16,7 +28,6 @@ from jaxstream.pipeline import (
     gpipe_backprop,
     gpipe_forward,
     one_f_one_b,
-    truncated,
 )
 from jaxstream.pipeline import executor as ex
 from jaxstream.pipeline.executor import pipeline
@@ -25,57 +36,64 @@ from jaxstream.pipeline.lowering import exact_from
 K = 2  # tangents
 
 
+@functools.cache
+def _stack(depth):
+    # one Stack object per depth: the jitted references below take it as a static argument
+    return mlp(in_dim=6, width=5, depth=depth, num_classes=3)
+
+
 def _setup(m, n, layers_per_stage=1, seed=0):
-    stack = mlp(in_dim=6, width=5, depth=m * layers_per_stage, num_classes=3)
+    stack = _stack(m * layers_per_stage)
     params = stack.init(jax.random.key(seed))
-    batch = {"x": jax.random.normal(jax.random.key(seed + 1), (n, 2, 6)),
-             "y": jax.random.randint(jax.random.key(seed + 2), (n, 2), 0, 3)}
+    rng = np.random.default_rng(seed)
+    batch = {"x": rng.standard_normal((n, 2, 6), dtype=np.float32),
+             "y": rng.integers(0, 3, (n, 2), dtype=np.int32)}
     return stack, params, batch
 
 
 def _max_rel(a, b):
-    fa = jnp.concatenate([x.ravel() for x in jax.tree.leaves(a)])
-    fb = jnp.concatenate([x.ravel() for x in jax.tree.leaves(b)])
-    return float(jnp.max(jnp.abs(fa - fb)) / jnp.max(jnp.abs(fb)))
+    fa = np.concatenate([np.ravel(x) for x in jax.tree.leaves(a)])
+    fb = np.concatenate([np.ravel(x) for x in jax.tree.leaves(b)])
+    return float(np.max(np.abs(fa - fb)) / np.max(np.abs(fb)))
 
 
-def _forward_reference(stack, params, batch, key, n):
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_reference(stack, params, batch, key):
+    n = jax.tree.leaves(batch)[0].shape[0]
     spec = TangentSpec(K)
     keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
     losses, d = jax.vmap(lambda b, k: jg.stack_directional(stack, spec, params, b, k))(batch, keys)
     return losses.mean(), combine(spec, keys, d / (n * K), params)
 
 
-@pytest.mark.parametrize("m,n", [(4, 4), (8, 8)])
-def test_forward_only_equals_single_device(m, n):
+def test_forward_only_equals_single_device():
+    # (4, 6): the stack and shapes of the delayed test's step 0, which shares this reference
+    m, n = 4, 6
     stack, params, batch = _setup(m, n)
     key = jax.random.key(7)
     loss, grads, aux = pipeline(stack, gpipe_forward(m, n), num_tangents=K,
                                 correction="none")(params, batch, key)
-    ref_loss, ref = _forward_reference(stack, params, batch, key, n)
+    ref_loss, ref = _forward_reference(stack, params, batch, key)
     assert abs(float(loss - ref_loss)) <= 1e-6
     assert _max_rel(grads, ref) <= 1e-5
     assert aux["directional"].shape == (n, K)
 
 
-CASES_4 = [
-    ("truncated", lambda: truncated(4, 6, (0, 2)), "control_variate"),
-    ("complete", lambda: complete(4, 6, (1, 4)), "weighted"),
-    ("1f1b", lambda: one_f_one_b(4, 3), "replace"),
-]
-
-
-@pytest.mark.parametrize("name,make,correction", CASES_4)
-def test_policy_equals_hybrid_4_devices(name, make, correction):
-    _check_hybrid(make(), correction, layers_per_stage=2)
-
-
-@pytest.mark.parametrize("make,correction", [
-    (lambda: complete(8, 8, (3,)), "control_variate"),
-    (lambda: truncated(8, 8, (0, 1)), "replace"),
-])
-def test_policy_equals_hybrid_8_devices(make, correction):
-    _check_hybrid(make(), correction, layers_per_stage=1)
+# Covering set (policy x correction), one pipeline compilation each, not the full product:
+#   complete + weighted, 2 layers per stage: test_policy_equals_hybrid_4_devices (hybrid);
+#   gpipe_forward + none: test_forward_only_equals_single_device (single-device forward);
+#   delayed + control_variate (nested partial groups, stale): test_delayed_... (hand-built
+#     reference);
+#   gpipe_backprop (8 devices) and 1f1b (4 devices) + replace, every micro-batch selected with a
+#     complete chain: test_all_selected_complete_equals_jax_grad (the hybrid estimator for these
+#     groups is the exact gradient);
+#   truncated + replace (nested partial groups), 4 devices over 2 processes:
+#     test_pipeline_multiprocess.py (hybrid);
+#   complete + control_variate, 4 devices: notebooks/02_pipeline_schedules.ipynb (hybrid,
+#     test_pipeline_notebook.py); complete with every micro-batch selected + replace:
+#     test_pipeline_engine.py::test_backprop_arm_is_exact (jax.grad).
+def test_policy_equals_hybrid_4_devices():
+    _check_hybrid(complete(4, 6, (1, 4)), "weighted", layers_per_stage=2)
 
 
 def _check_hybrid(sched, correction, layers_per_stage):
@@ -86,19 +104,26 @@ def _check_hybrid(sched, correction, layers_per_stage):
         params, batch, key)
     est = jg.hybrid(exact_from=exact_from(sched, stack.num_layers), correction=correction,
                     num_tangents=K)
-    ref_loss, ref = est(stack, params, batch, key)
+    ref_loss, ref = jax.jit(lambda p, b, k: est(stack, p, b, k))(params, batch, key)
     assert abs(float(loss - ref_loss)) <= 1e-6
     assert _max_rel(grads, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("m,make", [(4, gpipe_backprop), (8, complete)])
-def test_all_selected_complete_equals_jax_grad(m, make):
-    n = m
-    sched = make(m, n) if make is gpipe_backprop else make(m, n, tuple(range(n)))
-    stack, params, batch = _setup(m, n)
-    loss, grads, _ = pipeline(stack, sched, correction="replace")(params, batch, jax.random.key(0))
+@pytest.mark.parametrize("make,layers_per_stage", [
+    (lambda: gpipe_backprop(8, 8), 1),
+    (lambda: one_f_one_b(4, 3), 2),
+], ids=["gpipe_backprop-8", "1f1b-4"])
+def test_all_selected_complete_equals_jax_grad(make, layers_per_stage):
+    # every micro-batch selected with a complete chain: the hybrid estimator with these groups
+    # (exact_from all 0) and replace is the exact gradient, so jax.grad is the reference
+    sched = make()
+    m, n = sched.num_stages, sched.num_microbatches
+    stack, params, batch = _setup(m, n, layers_per_stage)
+    assert set(exact_from(sched, stack.num_layers)) == {0}
+    loss, grads, _ = pipeline(stack, sched, num_tangents=K, correction="replace")(
+        params, batch, jax.random.key(0))
     mean_loss = lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch))
-    ref_loss, ref = jax.value_and_grad(mean_loss)(params)
+    ref_loss, ref = jax.jit(jax.value_and_grad(mean_loss))(params)
     assert abs(float(loss - ref_loss)) <= 1e-6
     assert _max_rel(grads, ref) <= 1e-5
 
@@ -113,18 +138,24 @@ def test_delayed_uses_previous_step_exact_gradients():
     k0, k1 = jax.random.key(1), jax.random.key(2)
     _, g0, aux0 = pipe(params0, batch0, k0, carry)
     # step 0 has no previous step: the plain forward estimate
-    assert _max_rel(g0, _forward_reference(stack, params0, batch0, k0, n)[1]) <= 1e-5
+    assert _max_rel(g0, _forward_reference(stack, params0, batch0, k0)[1]) <= 1e-5
     _, g1, _ = pipe(params1, batch1, k1, aux0["carry"])
     # reference: h from the previous step's selected micro-batches at the previous params
     spec = TangentSpec(K)
     sel = jnp.array(pipe.lowered.prev_selected)
-    exact = jax.vmap(lambda b: jax.grad(stack)(params0, b))(jax.tree.map(lambda a: a[sel], batch0))
     depth = jnp.array([exact_from(sched, stack.num_layers)[j] for j in pipe.lowered.selected])
-    h, _ = cr.group_mean(exact, cr.group_masks(params1, depth), params1)
-    keys = jax.vmap(lambda i: micro_key(k1, i))(jnp.arange(n))
-    _, d = jax.vmap(lambda b, k: jg.stack_directional(stack, spec, params1, b, k))(batch1, keys)
-    ref = cr.control_variate(spec, keys, d, h, cr.residual_scalars(spec, keys, h), params1)
-    assert _max_rel(g1, ref) <= 1e-5
+
+    @jax.jit
+    def reference(params0, batch0, params1, batch1, k1):
+        exact = jax.vmap(lambda b: jax.grad(stack)(params0, b))(
+            jax.tree.map(lambda a: a[sel], batch0))
+        h, _ = cr.group_mean(exact, cr.group_masks(params1, depth), params1)
+        keys = jax.vmap(lambda i: micro_key(k1, i))(jnp.arange(n))
+        _, d = jax.vmap(lambda b, k: jg.stack_directional(stack, spec, params1, b, k))(
+            batch1, keys)
+        return cr.control_variate(spec, keys, d, h, cr.residual_scalars(spec, keys, h), params1)
+
+    assert _max_rel(g1, reference(params0, batch0, params1, batch1, k1)) <= 1e-5
     assert pipe._compiled["fn"]._cache_size() == 1  # no recompilation across steps
 
 

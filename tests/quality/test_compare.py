@@ -83,7 +83,9 @@ def test_ingredients_match_definitions(problem):
     flat = flatten_microbatches(batch)
     _, exact = exact_gradient(stack, params, flat)
     # gradient of the merged batch == mean of the micro-batch gradients
-    per_mb = jax.vmap(lambda b: jax.grad(stack)(params, b))(batch)
+    per_mb = jax.jit(jax.vmap(lambda b: jax.grad(stack)(params, b)), compiler_options=QUICK_COMPILE)(
+        batch
+    )
     close(exact, jax.tree.map(lambda g: g.mean(0), per_mb))
     key = jax.random.key(5)
     # the exact subset with every micro-batch is the exact gradient
@@ -116,10 +118,12 @@ def test_control_variate_lowers_variance_on_correlated_microbatches():
     def sq_errors(est):
         grads = estimates_over_keys(est, stack, params, batch, keys)
         return np.asarray(
-            jax.vmap(
-                lambda g: sum(
-                    jnp.sum((a - b) ** 2)
-                    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(exact))
+            jax.jit(
+                jax.vmap(
+                    lambda g: sum(
+                        jnp.sum((a - b) ** 2)
+                        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(exact))
+                    )
                 )
             )(grads)
         )

@@ -29,7 +29,7 @@ def test_gaussian_single_tangent_cosine_matches_theory(layered):
     _, exact = exact_gradient(stack, params, batch)
     keys = jax.random.split(jax.random.key(2), NUM_SEEDS)
     grads = estimates_over_keys(jg.forward(1, "gaussian"), loss_fn, params, batch, keys)
-    cos = np.asarray(jax.vmap(lambda g: estimate_quality(g, exact).cosine["all"])(grads))
+    cos = np.asarray(jax.jit(jax.vmap(lambda g: estimate_quality(g, exact).cosine["all"]))(grads))
     n = num_parameters(params)["all"]
     assert np.all(cos >= -1e-5)  # (g.v)^2 >= 0: a single-tangent estimate never points away
     mean, se = cos.mean(), cos.std(ddof=1) / np.sqrt(NUM_SEEDS)

@@ -8,12 +8,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+import yaml
 
 import jaxstream.grad as jg
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.runner import load_experiment, run_experiment
 from jaxstream.models import mlp
 from jaxstream.stream.engine import StreamEngine, StreamEngineConfig
+from jaxstream.stream.store import LayerStore
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("experiments/stream_*.yaml"))
 
@@ -40,14 +42,19 @@ def test_stream_engine_matches_local_engine(tmp_path):
     eng = StreamEngine(cfg, stack=stack, estimator=est, optimizer=opt)
     state = eng.init(params, jax.random.key(1))
     p, s = params, opt.init(params)
+
+    @jax.jit  # the in-memory step (one compile, not op by op)
+    def local_step(p, s, batch, key):
+        loss, g = est(stack, p, batch, key)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
     rng = np.random.default_rng(0)
     for t in range(3):
         batch = {"x": rng.standard_normal((6, 8), dtype=np.float32), "y": rng.integers(0, 4, 6)}
         key = jax.random.key(t)
         state, metrics = eng.step(state, batch, key)
-        loss, g = jax.jit(est, static_argnums=0)(stack, p, batch, key)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
+        p, s, loss = local_step(p, s, batch, key)
         assert abs(metrics["loss"] - float(loss)) <= 1e-6 * abs(float(loss))
     got = eng.params(state)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(p)):
@@ -61,11 +68,21 @@ def test_stream_engine_matches_local_engine(tmp_path):
 
 
 def test_run_experiment_end_to_end(tmp_path):
+    # The shipped config with its backprop arm (micro-batches from engine.micro_batches) and its
+    # hybrid arm (micro-batches of its own); the forward arm goes through the same engine path
+    # as backprop and is checked against the local engine above.
+    data = yaml.safe_load(CONFIGS[0].read_text())
+    data["arms"] = [a for a in data["arms"] if a["estimator"]["type"] in ("backprop", "hybrid")]
+    assert len(data["arms"]) == 2
+    config = tmp_path / CONFIGS[0].name
+    config.write_text(yaml.safe_dump(data))
     _, summary = run_experiment(
-        CONFIGS[0], ["steps=3", "eval_every=3", "checkpoint_every=3", "plots=false",
-                     "progress=false", "model.depth=2", "arms.0.estimator.type=backprop",
-                     f"engine.store={tmp_path}/stores/{{arm}}"],
+        config, ["steps=3", "eval_every=3", "checkpoint_every=3", "plots=false",
+                 "progress=false", "model.depth=2", f"engine.store={tmp_path}/stores/{{arm}}"],
         out=tmp_path / "run")
-    assert summary["finished"]
+    assert summary["finished"] and set(summary["arms"]) == {"backprop", "hybrid"}
     assert all(np.isfinite(a["final_test_loss"]) if "final_test_loss" in a else True
                for a in summary["arms"].values())
+    # each arm trained from its own store, committed at the last step
+    for arm in ("backprop", "hybrid"):
+        assert LayerStore.open(tmp_path / "stores" / arm).step == 3

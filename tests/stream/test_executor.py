@@ -17,6 +17,9 @@ from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 N, B = 4, 3
 STACK = mlp(6, 8, 3, 3)
 FP32 = StreamConfig(compute_dtype="float32", prefetch=2)
+# One instance of each optimizer: the host update (jitted with the optimizer static) compiles
+# once per optimizer instance.
+SGD, ADAM = optax.sgd(0.1), optax.adam(1e-2)
 
 
 def max_rel_err(a, b) -> float:
@@ -36,14 +39,34 @@ def data():
     return params, micro, flat
 
 
+# Each kind and each aggregation / correction of the streamed step once. The forward
+# estimators (here and in the lazy-update and depth tests) share one tangent spec (gaussian),
+# the two hybrids another (rademacher), so they share their compiled streamed kernels;
+# rademacher forward tangents are checked against the in-memory ones by
+# test_streamed_forward_equals_in_memory_forward and by the stream engine tests.
 ESTIMATORS = {
     "backprop": (jg.backprop(), "flat"),
-    "forward": (jg.forward(num_tangents=2), "flat"),
+    "forward": (jg.forward(num_tangents=2, distribution="gaussian"), "flat"),
     "forward_projection": (jg.forward(num_tangents=2, distribution="gaussian",
                                       aggregation="projection"), "flat"),
     "hybrid_cv": (jg.hybrid(num_exact=2, num_tangents=2), "micro"),
-    "hybrid_replace": (jg.hybrid(exact_indices=(0, 3), correction="replace"), "micro"),
+    "hybrid_replace": (jg.hybrid(exact_indices=(0, 3), correction="replace", num_tangents=2),
+                       "micro"),
 }
+_REFERENCES: dict = {}
+
+
+def reference(name):
+    """The in-memory estimator ``name``, jitted once per module (tests share its compilation)."""
+    if name not in _REFERENCES:
+        _REFERENCES[name] = jax.jit(ESTIMATORS[name][0], static_argnums=0)
+    return _REFERENCES[name]
+
+
+@jax.jit
+def _adam_reference_step(g, s, p):
+    u, s = ADAM.update(g, s, p)
+    return optax.apply_updates(p, u), s
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
@@ -51,10 +74,10 @@ def test_streamed_gradients_equal_in_memory(tmp_path, data, name):
     params, micro, flat = data
     est, layout = ESTIMATORS[name]
     key = jax.random.key(11)
-    store = LayerStore.create(tmp_path / "s", params, optimizer=optax.sgd(0.1))
-    ex = StreamedExecutor(STACK, est, optax.sgd(0.1), store, FP32)
+    store = LayerStore.create(tmp_path / "s", params, optimizer=SGD)
+    ex = StreamedExecutor(STACK, est, SGD, store, FP32)
     loss, grads = ex.estimate(micro, key)
-    ref_loss, ref = jax.jit(est, static_argnums=0)(STACK, params, flat if layout == "flat" else micro, key)
+    ref_loss, ref = reference(name)(STACK, params, flat if layout == "flat" else micro, key)
     assert abs(loss - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     assert max_rel_err(grads, ref) <= 1e-6
     # a different key gives a different estimate (the comparison is not vacuous)
@@ -67,16 +90,15 @@ def test_streamed_gradients_equal_in_memory(tmp_path, data, name):
 def test_streamed_steps_equal_in_memory_adam(tmp_path, data, name):
     params, micro, flat = data
     est, layout = ESTIMATORS[name]
-    opt = optax.adam(1e-2)
+    opt = ADAM
     store = LayerStore.create(tmp_path / "s", params, optimizer=opt)
     ex = StreamedExecutor(STACK, est, opt, store, FP32)
     p, s = params, opt.init(params)
     for t in range(2):
         key = jax.random.key(100 + t)
         ex.step(micro, key)
-        _, g = jax.jit(est, static_argnums=0)(STACK, p, flat if layout == "flat" else micro, key)
-        u, s = opt.update(g, s, p)
-        p = optax.apply_updates(p, u)
+        _, g = reference(name)(STACK, p, flat if layout == "flat" else micro, key)
+        p, s = _adam_reference_step(g, s, p)
     reopened = LayerStore.open(tmp_path / "s", template=params, optimizer=opt)
     assert reopened.step == 2
     assert max_rel_err(reopened.read_params(), p) <= 1e-6
@@ -85,8 +107,8 @@ def test_streamed_steps_equal_in_memory_adam(tmp_path, data, name):
 
 def test_lazy_updates_equal_eager(tmp_path, data):
     params, micro, _ = data
-    opt = optax.adam(1e-2)
-    est = jg.forward(num_tangents=2)
+    opt = ADAM
+    est = ESTIMATORS["forward"][0]
     runs = {}
     for mode in ("eager", "lazy"):
         store = LayerStore.create(tmp_path / mode, params, optimizer=opt)
@@ -104,9 +126,9 @@ def test_lazy_updates_equal_eager(tmp_path, data):
 def test_bf16_compute_close_to_fp32(tmp_path, data):
     params, micro, flat = data
     store = LayerStore.create(tmp_path / "s", params)
-    ex = StreamedExecutor(STACK, jg.backprop(), optax.sgd(0.1), store, StreamConfig(compute_dtype="bfloat16"))
+    ex = StreamedExecutor(STACK, jg.backprop(), SGD, store, StreamConfig(compute_dtype="bfloat16"))
     loss, grads = ex.estimate(micro, jax.random.key(0))
-    ref_loss, ref = jg.backprop()(STACK, params, flat, None)
+    ref_loss, ref = reference("backprop")(STACK, params, flat, None)
     assert abs(loss - float(ref_loss)) < 0.05 * abs(float(ref_loss))
     assert max_rel_err(grads, ref) < 0.1
 
@@ -115,15 +137,15 @@ def test_progressive_depth_equals_sliced_model(tmp_path, data):
     params, micro, flat = data
     policy = DepthPolicy("progressive", start=2, grow=1, every=10)
     store = LayerStore.create(tmp_path / "s", params)
-    ex = StreamedExecutor(STACK, jg.forward(num_tangents=2), optax.sgd(0.1), store,
-                          StreamConfig(compute_dtype="float32", depth=policy))
+    est = ESTIMATORS["forward"][0]
+    ex = StreamedExecutor(STACK, est, SGD, store, StreamConfig(compute_dtype="float32", depth=policy))
     assert ex.layers(0) == (0, 1) and ex.layers(25) == (0, 1, 2)
     key = jax.random.key(5)
     loss, grads = ex.estimate(micro, key, step=0)
     small = mlp(6, 8, 2, 3)
     sliced = {"embed": params["embed"], "head": params["head"],
               "blocks": jax.tree.map(lambda a: a[:2], params["blocks"])}
-    ref_loss, ref = jax.jit(jg.forward(num_tangents=2), static_argnums=0)(small, sliced, flat, key)
+    ref_loss, ref = jax.jit(est, static_argnums=0)(small, sliced, flat, key)
     assert abs(loss - float(ref_loss)) <= 1e-6 * abs(float(ref_loss))
     got = {"embed": grads["embed"], "head": grads["head"],
            "blocks": jax.tree.map(lambda a: a[:2], grads["blocks"])}
@@ -137,8 +159,8 @@ def test_stochastic_depth_skips_reads_and_writes(tmp_path, data):
     layers = policy.layers(0, 3)
     skipped = [l for l in range(3) if l not in layers]
     assert skipped, "pick a seed that skips a layer"
-    store = LayerStore.create(tmp_path / "s", params, optimizer=optax.sgd(0.1))
-    ex = StreamedExecutor(STACK, jg.backprop(), optax.sgd(0.1), store,
+    store = LayerStore.create(tmp_path / "s", params, optimizer=SGD)
+    ex = StreamedExecutor(STACK, jg.backprop(), SGD, store,
                           StreamConfig(compute_dtype="float32", depth=policy))
     m = ex.step(micro, jax.random.key(0), step=0)
     read = sorted({e.unit for e in ex.events if isinstance(e.unit, int)})
@@ -158,11 +180,11 @@ def test_bad_config_errors(tmp_path, data):
     with pytest.raises(ValueError, match="compute_dtype must be one of"):
         StreamConfig(compute_dtype="int8")
     with pytest.raises(ValueError, match="update='lazy' needs the forward"):
-        StreamedExecutor(STACK, jg.backprop(), optax.sgd(0.1), store, StreamConfig(update="lazy"))
+        StreamedExecutor(STACK, jg.backprop(), SGD, store, StreamConfig(update="lazy"))
     with pytest.raises(ValueError, match="perturb must be 'weights'"):
-        StreamedExecutor(STACK, jg.forward(perturb="activations"), optax.sgd(0.1), store)
+        StreamedExecutor(STACK, jg.forward(perturb="activations"), SGD, store)
     with pytest.raises(ValueError, match="store has 3 layers"):
-        StreamedExecutor(mlp(6, 8, 2, 3), jg.backprop(), optax.sgd(0.1), store)
+        StreamedExecutor(mlp(6, 8, 2, 3), jg.backprop(), SGD, store)
 
 
 def test_streamed_forward_equals_in_memory_forward(tmp_path, data):
@@ -171,7 +193,7 @@ def test_streamed_forward_equals_in_memory_forward(tmp_path, data):
     params, micro, _ = data
     store = LayerStore.create(tmp_path / "s", params)
     est = jg.forward(num_tangents=2)
-    ex = StreamedExecutor(STACK, est, optax.sgd(0.1), store, StreamConfig(prefetch=1, compute_dtype="float32"))
+    ex = StreamedExecutor(STACK, est, SGD, store, StreamConfig(prefetch=1, compute_dtype="float32"))
     key = jax.random.key(3)
     losses, d = ex.forward(micro, key)
     for n in range(N):
