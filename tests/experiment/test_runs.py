@@ -19,10 +19,10 @@ from jaxstream.experiment.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
-# quickstart, tiny: 8 steps, evaluation every 2, diagnostics (cosine to the exact gradient of
-# the batch) every 3, checkpoints every 4 (and at the last step).
+# quickstart, tiny: a one-block MLP of width 8, 8 steps, evaluation every 2, diagnostics (cosine
+# to the exact gradient of the batch) every 3, checkpoints every 4 (and at the last step).
 TINY = ["steps=8", "eval_every=2", "diag_every=3", "checkpoint_every=4", "model.width=8",
-        "batch_size=16"]
+        "model.depth=1", "batch_size=16"]
 # The command line does not depend on the estimators: its run keeps two of quickstart's arms
 # (the third, the hybrid, is run in process by the resume test below).
 TWO_ARMS = ("arms=[{name: backprop, estimator: {type: backprop}, lr: 0.01}, {name: forward, "
