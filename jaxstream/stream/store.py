@@ -291,6 +291,8 @@ class LayerStore:
     def _read(self, kind: str, unit: Unit, staged: bool) -> TreeFuture:
         part, l = self._part(unit)
         slot = self._slot(part, l, staged)
+        if staged:  # the staged slot may still be being written: its reader must see the writes
+            self._wait_for_writes(part if l is None else f"blocks/{l}")
         n = len(self._m["leaves"][kind][part])
         idx = (slot,) if l is None else (l, slot)
         futs = [ReadInto(self._arrays[(kind, part, i)][idx]) for i in range(n)]
@@ -390,6 +392,16 @@ class LayerStore:
             with self._lock:
                 if self._writes and self._writes[0][1] is fut:
                     self._writes.pop(0)
+
+    def _wait_for_writes(self, key: str) -> None:
+        """Waits for this step's in-flight writes of ``key`` (writes are asynchronous)."""
+        with self._lock:
+            futs = [f for k, f, _ in self._writes if k == key]
+        for f in futs:
+            try:
+                f.result()
+            except Exception as err:
+                raise self._write_error(key, err) from err
 
     def _write_error(self, key: str, err: BaseException) -> StoreWriteError:
         self.abort()

@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxstream.cli import main as cli_main
+from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.rundir import MetricsLog, strip_time_fields
 from jaxstream.experiment.runner import run_experiment
@@ -33,7 +37,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [strip_time_fields(r) for r in MetricsLog(run_dir / "metrics.jsonl").read()]
 
 
-def test_cli_run_writes_a_run_directory(tmp_path, capsys):
+def test_cli_run_writes_a_run_directory(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     args = ["run", str(QUICKSTART), *TINY, TWO_ARMS, "--out", str(out)]
@@ -59,6 +63,7 @@ def test_cli_run_writes_a_run_directory(tmp_path, capsys):
     assert {"loss", "step_time", "train_time", "test_accuracy"} <= set(bp[8])
 
     # The error paths, in process (the run above is the real subprocess).
+    monkeypatch.chdir(tmp_path)
     # Same output dir again without --resume: refused before anything is touched.
     before = {p: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert cli_main(args) == 2
@@ -89,3 +94,19 @@ def test_same_config_same_metrics_and_resume_equality(tmp_path):
 
     with pytest.raises(ConfigError, match=r"--resume: the config differs .* in steps"):
         run_experiment(QUICKSTART, [*cfg, "steps=9"], out=tmp_path / "c", resume=True)
+
+
+def test_restored_checkpoint_is_placed_like_the_state(tmp_path):
+    """A fresh run's state is uncommitted; restored, it must be too, or the jitted step sees a
+    new input sharding and recompiles when a run is resumed in the same process."""
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "count": jnp.zeros((), jnp.int32)}
+    ckpt = ArmCheckpointer(tmp_path / "ckpt")
+    ckpt.save(4, state, {"train_time": 1.5})
+    step, restored, meta = ckpt.restore_latest(state)
+    assert step == 4 and meta == {"train_time": 1.5, "step": 4}
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(got, want)
+        assert got.dtype == want.dtype and not got.committed
+    committed = jax.device_put(state, jax.devices()[0])  # a placed state stays placed
+    assert all(a.committed for a in jax.tree.leaves(ckpt.restore(4, committed)[0]))
+    ckpt.close()
