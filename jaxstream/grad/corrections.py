@@ -116,67 +116,89 @@ def segment_sizes(like: Any) -> dict:
     }
 
 
+def outside_rows(masks: dict, idx: jax.Array, n: int) -> dict:
+    """Per segment, 1 for the N micro-batches outside the segment's group, 0 inside: the rows
+    whose residual is still estimated by tangents (a member's residual g_n − h is known)."""
+    onehot = jax.nn.one_hot(idx, n, dtype=jnp.float32)  # (k, N)
+    return {name: 1.0 - jnp.tensordot(m, onehot, axes=((0,), (0,))) if m.ndim == 1
+            else 1.0 - jnp.einsum("kl,kn->ln", m, onehot) for name, m in masks.items()}
+
+
 def shrinkage(counts: dict, spread: dict, sizes: dict, q: jax.Array, n: int, k: int,
               total_size: float | None = None) -> dict:
     """β per segment for the ``weighted`` correction: β = a / (a + b) minimises the expected
-    squared error of h + β·r, where r is the forward residual estimate.
+    squared error of h + β·r, where r = (1/N) Σ_{n∉G} r̂_n is the forward residual estimate.
 
     a ≈ E‖ḡ − h‖² = σ̂² (1/|G| − 1/N) N/(N−1), with σ̂² the sample spread of the group's exact
-    gradients; b ≈ E‖r‖² = P q / (N K), with P the segment's size and q = mean (d − c)² the
-    forward residual scalars. With the whole batch exact, a = 0 and β = 0; with an empty group
-    (h = 0) β = 1, the plain forward estimate.
+    gradients; b ≈ Var r = (N − |G|) P q / (N² K), with P the segment's size and q = mean
+    (d − c)² over the micro-batches outside the group. With the whole batch exact, a = 0 and
+    β = 0; with an empty group (h = 0) β = 1, the plain forward estimate.
 
     With a single exact gradient there is no spread to measure, so σ̂² comes from the residual
     scalars instead: E(d_nk − c_nk)² = ‖g_n − g_sel‖² ≈ 2σ² for n ≠ sel, so the whole model's
     σ̂² ≈ q N / (2(N − 1)), shared among segments in proportion to their size. Then
-    β = a / (a + b) with a = N / (2(N − 1) P_total) and b = 1 / (N K) per parameter: the same
-    for every segment (q cancels). ``total_size`` is P_total, the whole model's parameter count
-    (default: the sum of ``sizes``, right unless ``sizes`` covers only a pipeline stage).
+    β = a / (a + b) with a = N / (2(N − 1) P_total) and b = (N − 1) / (N² K) per parameter: the
+    same for every segment (q cancels). ``total_size`` is P_total, the whole model's parameter
+    count (default: the sum of ``sizes``, right unless ``sizes`` covers only a pipeline stage).
+
+    Bias: h comes from the selected micro-batches; only the tangent part corrects it towards
+    the batch mean, so shrinking that part (β < 1) keeps a share (1 − β) of h's deviation. With
+    a random selection that deviation averages out over steps; with a fixed selection
+    (``exact_indices``, a pipeline's static table) it does not: ``weighted`` is then biased
+    towards the selected micro-batches (see docs/quality.md for a measurement).
     """
     if total_size is None:
         total_size = sum(jnp.sum(v) for v in sizes.values())
     if n > 1:
         a1 = n / (2.0 * (n - 1) * total_size)
-        beta1 = a1 / (a1 + 1.0 / (n * k))
+        beta1 = a1 / (a1 + (n - 1.0) / (n * n * k))
     else:
         beta1 = jnp.float32(0.0)
     out = {}
     for name, c in counts.items():
         sigma2 = spread[name] / jnp.maximum(c - 1.0, 1.0)
         a = sigma2 * (1.0 / jnp.maximum(c, 1.0) - 1.0 / n) * n / max(n - 1, 1)
-        b = sizes[name] * q / (n * k)
+        b = sizes[name] * q * (n - c) / (n * n * k)
         beta = jnp.where(a + b > 0, a / jnp.maximum(a + b, 1e-30), 0.0)
         out[name] = jnp.where(c >= 2, beta, jnp.where(c == 1, beta1, 1.0))
     return out
 
 
-def replace(spec: TangentSpec, keys, d, exact, masks, like, first_layer: int = 0,
-            selected_keys=None, selected_d=None) -> Any:
+def residual_q(d: jax.Array, c: jax.Array, outside: jax.Array) -> jax.Array:
+    """q = mean (d − c)² over the micro-batches whose residual is estimated (``outside`` (N,))."""
+    w = outside[:, None] * jnp.ones_like(d)
+    return jnp.sum(w * (d - c) ** 2) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def replace(spec: TangentSpec, keys, d, exact, masks, like, first_layer: int = 0, *,
+            rows: dict) -> Any:
     """Exact gradient for micro-batches in the group, forward estimate for the others:
-    (1/N)[Σ_{n∈G} g_n + Σ_{n∉G} ĝ_n] per segment. Unbiased."""
+    (1/N)[Σ_{n∈G} g_n + Σ_{n∉G} ĝ_n] per segment. Unbiased.
+
+    ``rows``: :func:`outside_rows` of the group (which micro-batches keep their forward part).
+    """
     n = d.shape[0]
-    plain = combine(spec, keys, d / (n * spec.num), like, first_layer)
-    # Forward estimates of the selected micro-batches, to be swapped for their exact gradients.
-    fwd_sel = jax.vmap(
-        lambda kk, dd: combine(spec, kk[None], dd[None] / spec.num, like, first_layer)
-    )(selected_keys, selected_d)
+    plain = combine(spec, keys, d / (n * spec.num), like, first_layer, rows=rows)
     m_leaf = _per_leaf(masks, like)
     return jax.tree.map(
-        lambda p, g, f, m: p + (_bcast(m, g.ndim) * (g - f)).sum(0) / n,
-        plain, exact, fwd_sel, m_leaf,
+        lambda p, g, m: p + ((_bcast(m, g.ndim) * g).sum(0) / n).astype(p.dtype),
+        plain, exact, m_leaf,
     )
 
 
 def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0,
-                    beta: dict | None = None) -> Any:
-    """ĝ = h + β · (1/(N K)) Σ_{n,k} (d_nk − c_nk) v_nk, with c_nk = h·v_nk summed over all
-    segments (β = 1: the unbiased control variate)."""
+                    beta: dict | None = None, rows: dict | None = None) -> Any:
+    """ĝ = h + β · (1/(N K)) Σ_{n∉G} Σ_k (d_nk − c_nk) v_nk, with c_nk = h·v_nk summed over all
+    segments (β = 1: the unbiased control variate). A member n ∈ G of the segment's group needs
+    no tangent: its residual g_n − h is known exactly and the members' residuals sum to zero, so
+    ``rows`` (:func:`outside_rows`) drops them; with every micro-batch exact ĝ = h = backprop."""
     n = d.shape[0]
-    resid = combine(spec, keys, (d - c) / (n * spec.num), like, first_layer)
+    resid = combine(spec, keys, (d - c) / (n * spec.num), like, first_layer, rows=rows)
     if beta is None:
         return jax.tree.map(jnp.add, h, resid)
     b_leaf = _per_leaf(beta, like)
-    return jax.tree.map(lambda hh, r, b: hh + _bcast(b, r.ndim) * r, h, resid, b_leaf)
+    return jax.tree.map(lambda hh, r, b: hh + _bcast(b, r.ndim).astype(r.dtype) * r, h, resid,
+                        b_leaf)
 
 
 def residual_scalars(spec: TangentSpec, keys, h, like_first_layer: int = 0) -> jax.Array:

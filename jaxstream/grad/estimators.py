@@ -14,6 +14,7 @@ from typing import Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxstream.grad.checks import check_examples, check_key, check_labels
 from jaxstream.grad.directional import directional, stack_activity
 from jaxstream.grad.tangents import TangentSpec, combine, gram
 from jaxstream.models.stack import Stack
@@ -32,6 +33,10 @@ class Backprop:
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
+        """``key`` is accepted (and unused) so every estimator has one signature."""
+        if key is not None:
+            check_key(key, "backprop")
+        check_labels(loss_fn, batch, "backprop")
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         return _finish(loss, grads, {}, diagnostics)
 
@@ -70,9 +75,16 @@ class Forward:
             raise ValueError("aggregation='projection' needs perturb='weights'")
         if self.local_losses and self.perturb != "activations":
             raise ValueError("local_losses=True needs perturb='activations'")
+        if self.spec.antithetic and self.aggregation == "projection":
+            raise ValueError("antithetic=True with aggregation='projection': the ±v pairs make "
+                             "the tangents' Gram matrix singular; use aggregation='mean'")
 
-    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
+        check_key(key, "forward")
+        check_labels(loss_fn, batch, "forward")
+        if isinstance(loss_fn, Stack):
+            check_examples(batch, "forward")
         if self.perturb == "activations":
             if not isinstance(loss_fn, Stack):
                 raise TypeError(
@@ -113,7 +125,9 @@ def forward(
         block's outputs; weight estimates formed locally per block; needs a Stack).
       orthogonal: orthogonalise the K tangents (per leaf).
       antithetic: use ±v pairs (even K).
-      aggregation: ``"mean"`` (unbiased) or ``"projection"`` onto the span of the tangents.
+      aggregation: ``"mean"`` (unbiased) or ``"projection"`` onto the span of the tangents:
+        V (VᵀV)⁻¹ Vᵀ g, biased — E ĝ ≈ (K/n) g for n parameters (its norm shrinks by about
+        K/n), with a higher cosine to g than the mean for the same K.
       local_losses: with ``perturb="activations"``, give each block its own loss.
 
     Returns:

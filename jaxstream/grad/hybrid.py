@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.grad import corrections as cr
+from jaxstream.grad.checks import check_key, check_labels, check_micro_batches
 from jaxstream.grad.directional import directional
 from jaxstream.grad.estimators import _finish
 from jaxstream.grad.tangents import TangentSpec, micro_key
@@ -19,14 +20,9 @@ SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
 
 
 def num_micro_batches(batch: Any) -> int:
-    """N, the common leading axis of every leaf of ``batch``; a clear error otherwise."""
-    sizes = {jnp.shape(x)[0] if jnp.ndim(x) else None for x in jax.tree.leaves(batch)}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            "hybrid: every batch leaf needs the same leading micro-batch axis N; got leading "
-            f"sizes {sorted(map(str, sizes))}"
-        )
-    return sizes.pop()
+    """N, the common leading axis of every leaf of ``batch`` (N, B, ...); a clear error
+    naming the leaf otherwise."""
+    return check_micro_batches(batch, "hybrid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +77,11 @@ class Hybrid:
         depth = np.array([self.exact_from[i] for i in sel], np.int32)
         return jnp.array(sel, jnp.int32), jnp.array(depth)
 
-    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False, guess: Any = None):
+        check_key(key, "hybrid")
         n = num_micro_batches(batch)
+        check_labels(loss_fn, batch, "hybrid")
         idx, depth = self._selection(loss_fn, n, key)
         spec = self.spec
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
@@ -91,12 +89,12 @@ class Hybrid:
         sel_batch = jax.tree.map(lambda x: x[idx], batch)
         exact = jax.vmap(lambda b: jax.grad(loss_fn)(params, b))(sel_batch)
         masks = cr.group_masks(params, depth)
+        rows = cr.outside_rows(masks, idx, n)
         h, counts = cr.group_mean(exact, masks, params)
         diag: dict = {"directional": d, "exact_indices": idx}
 
         if self.correction == "replace":
-            grads = cr.replace(spec, keys, d, exact, masks, params,
-                               selected_keys=keys[idx], selected_d=d[idx])
+            grads = cr.replace(spec, keys, d, exact, masks, params, rows=rows)
         elif self.correction == "guess":
             direction = h if guess is None else guess
             grads, diag["guess_directional"] = _guess(loss_fn, params, batch, direction)
@@ -104,11 +102,11 @@ class Hybrid:
             c = cr.residual_scalars(spec, keys, h)
             beta = None
             if self.correction == "weighted":
-                q = jnp.mean((d - c) ** 2)
+                q = cr.residual_q(d, c, rows["head"] if "head" in rows else rows["tree"])
                 spread = cr.group_spread(exact, h, masks, params)
                 beta = cr.shrinkage(counts, spread, cr.segment_sizes(params), q, n, spec.num)
                 diag["beta"] = beta
-            grads = cr.control_variate(spec, keys, d, h, c, params, beta=beta)
+            grads = cr.control_variate(spec, keys, d, h, c, params, beta=beta, rows=rows)
         return _finish(jnp.mean(losses), grads, diag, diagnostics)
 
 

@@ -104,10 +104,8 @@ def block_key(key: jax.Array, layer: int | jax.Array) -> jax.Array:
 def leaf_tangents(spec: TangentSpec, key: jax.Array, tree: Any) -> Any:
     """Tangents of every leaf of ``tree`` (one segment): leaves ``(num, *leaf.shape)``."""
     leaves, treedef = jax.tree.flatten(tree)
-    out = [
-        spec.sample(jax.random.fold_in(key, i), jnp.shape(x), jnp.result_type(x))
-        for i, x in enumerate(leaves)
-    ]
+    out = [spec.sample(jax.random.fold_in(key, i), tuple(x.shape), x.dtype)
+           for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -137,24 +135,31 @@ def tangents(spec: TangentSpec, key: jax.Array, params: Any) -> Any:
     }
 
 
-def _segment_apply(fn, keys: jax.Array, like: Any, first_layer: int = 0) -> Any:
-    """Apply ``fn(seg_keys, seg_tree)`` per segment, where ``seg_keys`` (N,) are the
-    segment's keys for every micro-batch; blocks are mapped layer by layer."""
+def _segment_apply(fn, keys: jax.Array, like: Any, first_layer: int = 0, rows: Any = None) -> Any:
+    """Apply ``fn(seg_keys, seg_tree, seg_rows)`` per segment, where ``seg_keys`` (N,) are the
+    segment's keys for every micro-batch and ``seg_rows`` the segment's entry of ``rows`` (a
+    per-segment dict like :func:`jaxstream.grad.corrections.group_masks` returns, blocks with a
+    leading layer axis; None: no rows); blocks are mapped layer by layer."""
     if not is_stack_params(like):
-        return {"tree": fn(keys, like)}
+        return {"tree": fn(keys, like, None if rows is None else rows["tree"])}
     seg = lambda k, s: jax.vmap(lambda kk: jax.random.fold_in(kk, s))(k)  # noqa: E731
-    blocks = _blocks_map(
-        lambda p, l: fn(jax.vmap(lambda kk: block_key(kk, l))(keys), p), like["blocks"], first_layer
+    num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
+    layers = first_layer + jnp.arange(num_layers)
+    block_rows = None if rows is None else rows["blocks"]
+    blocks = jax.lax.map(
+        lambda xs: fn(jax.vmap(lambda kk: block_key(kk, xs[1]))(keys), xs[0], xs[2]),
+        (like["blocks"], layers, block_rows),
     )
     return {
-        "embed": fn(seg(keys, EMBED), like["embed"]),
+        "embed": fn(seg(keys, EMBED), like["embed"], None if rows is None else rows["embed"]),
         "blocks": blocks,
-        "head": fn(seg(keys, HEAD), like["head"]),
+        "head": fn(seg(keys, HEAD), like["head"], None if rows is None else rows["head"]),
     }
 
 
 def combine(
-    spec: TangentSpec, keys: jax.Array, coeffs: jax.Array, like: Any, first_layer: int = 0
+    spec: TangentSpec, keys: jax.Array, coeffs: jax.Array, like: Any, first_layer: int = 0,
+    rows: Any = None,
 ) -> Any:
     """Σ_n Σ_k coeffs[n, k] · v_nk, tangents regenerated per segment (never all at once).
 
@@ -164,27 +169,38 @@ def combine(
       coeffs: (N, num) coefficients.
       like: a params pytree (shapes and dtypes of the result). For a stack's blocks,
         ``first_layer`` is the global index of ``like["blocks"]``'s first layer.
+      rows: optional per-segment weights of the N micro-batches (``{"embed": (N,), "blocks":
+        (L, N), "head": (N,)}`` or ``{"tree": (N,)}``), multiplying ``coeffs`` in that segment.
     Returns:
-      A pytree shaped like ``like``.
+      A pytree shaped like ``like``, in its dtypes (the sum is accumulated in float32).
     """
 
-    def seg(seg_keys, tree):
+    def seg(seg_keys, tree, seg_rows):
+        c_all = coeffs if seg_rows is None else coeffs * seg_rows[:, None]
+
         def body(acc, kc):
             k, c = kc
-            v = leaf_tangents(spec, k, tree)
+            v = leaf_tangents(spec, k, jax.tree.map(_f32_like, tree))
             return jax.tree.map(lambda a, vv: a + jnp.tensordot(c, vv, axes=1), acc, v), None
 
-        zero = jax.tree.map(jnp.zeros_like, tree)
-        return jax.lax.scan(body, zero, (seg_keys, coeffs))[0]
+        zero = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+        acc = jax.lax.scan(body, zero, (seg_keys, c_all.astype(jnp.float32)))[0]
+        return jax.tree.map(lambda a, x: a.astype(jnp.result_type(x)), acc, tree)
 
-    out = _segment_apply(seg, keys, like, first_layer)
+    out = _segment_apply(seg, keys, like, first_layer, rows)
     return out["tree"] if not is_stack_params(like) else out
+
+
+def _f32_like(x):
+    """A float32 stand-in for a leaf (tangents are drawn in float32 whatever the params' dtype,
+    so bf16 params get the same directions as their fp32 master)."""
+    return jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32)
 
 
 def project(spec: TangentSpec, keys: jax.Array, tree: Any, first_layer: int = 0) -> jax.Array:
     """⟨tree, v_nk⟩ for every micro-batch n and tangent k: shape (N, num)."""
 
-    def seg(seg_keys, t):
+    def seg(seg_keys, t, _rows):
         def one(k):
             v = leaf_tangents(spec, k, t)
             dots = jax.tree.map(
@@ -205,7 +221,7 @@ def project(spec: TangentSpec, keys: jax.Array, tree: Any, first_layer: int = 0)
 def gram(spec: TangentSpec, key: jax.Array, like: Any) -> jax.Array:
     """The (num, num) Gram matrix Vᵀ V of one micro-batch's tangents."""
 
-    def seg(seg_keys, t):
+    def seg(seg_keys, t, _rows):
         v = leaf_tangents(spec, seg_keys[0], t)
         flat = [x.reshape(spec.num, -1) for x in jax.tree.leaves(v)]
         return sum((f @ f.T for f in flat), jnp.zeros((spec.num, spec.num), jnp.float32))

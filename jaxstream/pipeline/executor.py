@@ -328,20 +328,25 @@ def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, val
     if n_sel == 0 or pipe.correction == "none":
         return combine(spec, keys, d / (n * kt), like, first_layer)
     exact = jax.tree.map(lambda a: a[:n_sel] * valid, gacc)
+    group_row = group_row * valid  # before the first stale step the groups are empty: h = 0
     num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
     masks = {"embed": group_row, "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local)),
              "head": group_row}
     h, counts = cr.group_mean(exact, masks, like)
+    sel = jnp.array(pipe.lowered.selected, jnp.int32)
+    # A stale exact gradient is of another step's micro-batch: every residual of this step
+    # is still estimated by tangents.
+    member = jax.tree.map(jnp.zeros_like, masks) if pipe.lowered.stale else masks
+    rows = cr.outside_rows(member, sel, n)
     if pipe.correction == "replace":
-        sel = jnp.array(pipe.lowered.selected, jnp.int32)
-        return cr.replace(spec, keys, d, exact, masks, like, first_layer,
-                          selected_keys=keys[sel], selected_d=d[sel])
+        return cr.replace(spec, keys, d, exact, masks, like, first_layer, rows=rows)
     c = jax.lax.psum(cr.residual_scalars(spec, keys, h, first_layer), AXIS)
     beta = None
     if pipe.correction == "weighted":
-        q = jnp.mean((d - c) ** 2)
+        # the largest group (the last stage's) decides which residuals are estimated
+        q = cr.residual_q(d, c, jax.lax.pmin(rows["head"], AXIS))
         spread = cr.group_spread(exact, h, masks, like)
         sizes = cr.segment_sizes(like)  # this stage's blocks; embed and head in full
         total = sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers
         beta = cr.shrinkage(counts, spread, sizes, q, n, kt, total_size=total)
-    return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta)
+    return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta, rows=rows)

@@ -1,9 +1,8 @@
 """What one pipeline stage computes for each op kind: jvp forward (F) and explicit vjps (B, W).
 
 A stage holds ``{"embed", "blocks" (its slice), "head"}``; the first stage runs the embed, the
-last the head and the loss. Tangents are regenerated from the micro-batch key with the core's key
-schedule (``jaxstream.grad.tangents``), block by block inside a scan, exactly as the
-single-device ``stack_directional`` does, so both give the same directional derivatives.
+last the head and the loss. The forward ops are the core's segment kernels (``jaxstream.grad.segments``), the
+same the single-device estimators scan, so both give the same directional derivatives.
 
 Example:
   >>> ops = StageOps(stack, TangentSpec(), first_layer=0)
@@ -18,13 +17,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
+from jaxstream.grad import segments as sg
+from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
-
-
-def _jvp_k(fn, primal, tangents_k):
-    """jvp of ``fn`` for K tangents at once; the primal is computed once."""
-    return jax.vmap(lambda t: jax.jvp(fn, (primal,), (t,)), out_axes=(None, 0))(tangents_k)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -36,36 +31,15 @@ class StageOps:
     first_layer: Any  # int or a traced int (the stage index times layers per stage)
 
     # ------------------------------------------------------------------ forward with tangents
-    def _embed_jvp(self, p, x, key):
-        v = leaf_tangents(self.spec, jax.random.fold_in(key, EMBED), p["embed"])
-        return _jvp_k(lambda pe: self.stack.embed(pe, x), p["embed"], v)
-
     def _blocks_jvp(self, p, h, dh, key):
-        def body(carry, xs):
-            h, dh = carry
-            pl, layer = xs
-            v = leaf_tangents(self.spec, block_key(key, layer), pl)
-            h2, dh2 = jax.vmap(
-                lambda vk, dhk: jax.jvp(self.stack.block, (pl, h), (vk, dhk)), out_axes=(None, 0)
-            )(v, dh)
-            return (h2, dh2), None
-
-        n = jax.tree.leaves(p["blocks"])[0].shape[0]
-        layers = self.first_layer + jnp.arange(n)
-        (h, dh), _ = jax.lax.scan(body, (h, dh), (p["blocks"], layers))
-        return h, dh
+        return sg.blocks_jvp(self.stack, self.spec, p["blocks"], self.first_layer, h, dh, key)
 
     def _head_loss_jvp(self, p, h, dh, key, batch):
-        v = leaf_tangents(self.spec, jax.random.fold_in(key, HEAD), p["head"])
-        logits, dlogits = jax.vmap(
-            lambda vk, dhk: jax.jvp(self.stack.head, (p["head"], h), (vk, dhk)),
-            out_axes=(None, 0),
-        )(v, dh)
-        return _jvp_k(lambda lg: jnp.mean(self.stack.example_loss(lg, batch)), logits, dlogits)
+        return sg.head_jvp(self.stack, self.spec, p["head"], h, dh, key, batch)
 
     def forward_first(self, p, x, key):
         """(h, dh): embed and the stage's blocks, with K tangents."""
-        h, dh = self._embed_jvp(p, x, key)
+        h, dh = sg.embed_jvp(self.stack, self.spec, p["embed"], x, key)
         return self._blocks_jvp(p, h, dh, key)
 
     def forward_mid(self, p, h, dh, key):

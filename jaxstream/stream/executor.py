@@ -368,7 +368,10 @@ class StreamedExecutor:
                 f.result()
             blocks = [c_parts[l] for l in layers]
             c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
-            coeffs = jnp.asarray((d - c) / (n * self.spec.num), jnp.float32)
+            # a selected micro-batch's residual is known exactly (its tangent part drops)
+            outside = np.ones((n, 1), np.float32)
+            outside[idx] = 0.0
+            coeffs = jnp.asarray(outside * (d - c) / (n * self.spec.num), jnp.float32)
 
             def uload(u):
                 p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()

@@ -1,8 +1,8 @@
 """Device and host functions of the streamed step, one model unit (embed/layer/head) at a time.
 
-They reuse the tangent schedule of :mod:`jaxstream.grad.tangents` (embed tangents from
-``fold_in(key, 0)``, block ``l`` from ``block_key(key, l)``, head from ``fold_in(key, 2)``), so a
-streamed step produces the same estimate as the in-memory estimator for the same key.
+The forward kernels are the core's segment kernels (:mod:`jaxstream.grad.segments`) mapped
+over the micro-batches, so a streamed step produces the same estimate as the in-memory estimator
+for the same key.
 Activations are laid out ``(N, B, ...)`` (N micro-batches) and tangents ``(N, K, B, ...)``.
 """
 
@@ -15,70 +15,37 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxstream.grad.tangents import (
-    EMBED,
-    HEAD,
-    TangentSpec,
-    block_key,
-    combine,
-    gram,
-    leaf_tangents,
-    project,
-)
+from jaxstream.grad import segments as sg
+from jaxstream.grad.tangents import TangentSpec, combine, gram, project
 from jaxstream.models.stack import Stack
 
 
 def unit_key(key: jax.Array, unit: Any) -> jax.Array:
     """Tangent key of a unit ("embed", "head" or a global layer index) for a step key."""
-    if unit == "embed":
-        return jax.random.fold_in(key, EMBED)
-    if unit == "head":
-        return jax.random.fold_in(key, HEAD)
-    return block_key(key, unit)
-
-
-def _jvp_k(fn, primal, tangents_k, dh_k=None):
-    if dh_k is None:
-        return jax.vmap(lambda t: jax.jvp(fn, (primal,), (t,)), out_axes=(None, 0))(tangents_k)
-    return jax.vmap(lambda t, d: jax.jvp(fn, primal, (t, d)), out_axes=(None, 0))(tangents_k, dh_k)
+    return sg.segment_key(key, unit)
 
 
 # ----------------------------------------------------------------------------- forward (jvp)
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, keys: jax.Array):
     """Per micro-batch n (keys (N,)): ``(h (N,B,..), dh (N,K,B,..))`` of the embed."""
-
-    def one(xn, kn):
-        v = leaf_tangents(spec, unit_key(kn, "embed"), p)
-        return _jvp_k(lambda pp: stack.embed(pp, xn), p, v)
-
-    return jax.vmap(one)(x, keys)
+    return jax.vmap(lambda xn, kn: sg.embed_jvp(stack, spec, p, xn, kn))(x, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def block_jvp(stack: Stack, spec: TangentSpec, p: Any, layer: jax.Array, keys: jax.Array,
               h: jax.Array, dh: jax.Array):
     """One block applied to all micro-batches, primal and K tangents."""
-
-    def one(hn, dhn, kn):
-        v = leaf_tangents(spec, block_key(kn, layer), p)
-        return _jvp_k(stack.block, (p, hn), v, dhn)
-
-    return jax.vmap(one)(h, dh, keys)
+    return jax.vmap(lambda hn, dhn, kn: sg.block_jvp(stack, spec, p, layer, hn, dhn, kn))(
+        h, dh, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
              batch: dict, keys: jax.Array):
     """Per micro-batch mean loss (N,) and directional derivatives d (N, K) of it."""
-
-    def one(hn, dhn, bn, kn):
-        v = leaf_tangents(spec, unit_key(kn, "head"), p)
-        logits, dlogits = _jvp_k(stack.head, (p, hn), v, dhn)
-        loss_fn = lambda lg: jnp.mean(stack.example_loss(lg.astype(jnp.float32), bn))
-        return _jvp_k(loss_fn, logits, dlogits)
-
-    return jax.vmap(one)(h, dh, batch, keys)
+    return jax.vmap(lambda hn, dhn, bn, kn: sg.head_jvp(stack, spec, p, hn, dhn, kn, bn))(
+        h, dh, batch, keys)
 
 
 # ----------------------------------------------------------------------------- reverse (vjp)

@@ -1,0 +1,85 @@
+"""Checks of an estimator call's arguments, run before anything is traced.
+
+Each raises an error that names the argument (``key``, ``batch['y']``, ...) and what is
+allowed, so a wrong call fails at once instead of deep inside a loss after seconds of tracing.
+
+Example:
+  >>> check_key(0, "forward")
+  Traceback (most recent call last):
+  TypeError: forward: key must be a PRNG key such as jax.random.key(0); got int
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.models.stack import Stack, cross_entropy
+
+
+def check_key(key: Any, who: str) -> None:
+    """A typed key (``jax.random.key``) or a raw uint32 key (``jax.random.PRNGKey``)."""
+    if key is None:
+        raise TypeError(f"{who}: key is required (its tangents are random): pass "
+                        "jax.random.key(seed)")
+    dtype = getattr(key, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if jnp.ndim(key) != 0:
+            raise TypeError(f"{who}: key must be a single key (shape ()), got shape "
+                            f"{jnp.shape(key)}; vmap the estimator over a batch of keys")
+        return
+    if dtype == jnp.uint32 and jnp.shape(key) == (2,):
+        return
+    raise TypeError(f"{who}: key must be a PRNG key such as jax.random.key(0); got "
+                    f"{type(key).__name__}" + (f" of dtype {dtype} and shape {jnp.shape(key)}"
+                                               if dtype is not None else ""))
+
+
+def _leaves(batch: Any) -> list[tuple[str, Any]]:
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    return [(f"batch{jax.tree_util.keystr(path)}", leaf) for path, leaf in flat]
+
+
+def check_examples(batch: Any, who: str, axis: int = 0) -> None:
+    """Every leaf has the same number of examples along ``axis``."""
+    leaves = _leaves(batch)
+    if not leaves:
+        raise ValueError(f"{who}: batch has no arrays")
+    sizes = {}
+    for name, leaf in leaves:
+        if jnp.ndim(leaf) <= axis:
+            raise ValueError(f"{who}: {name} has shape {jnp.shape(leaf)}; every batch leaf needs "
+                             f"an examples axis {axis}")
+        sizes[name] = jnp.shape(leaf)[axis]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f"{who}: batch leaves disagree in their number of examples (axis "
+                         f"{axis}): " + ", ".join(f"{k}: {v}" for k, v in sizes.items()))
+
+
+def check_micro_batches(batch: Any, who: str) -> int:
+    """Leaves (N, B, ...): a leading micro-batch axis, then the examples. Returns N."""
+    leaves = _leaves(batch)
+    for name, leaf in leaves:
+        if jnp.ndim(leaf) < 2:
+            raise ValueError(
+                f"{who}: {name} has shape {jnp.shape(leaf)}, but needs a leading micro-batch "
+                "axis N and then the examples (N, B, ...); split a flat batch with "
+                "jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), batch)")
+    check_examples(batch, who, 0)
+    check_examples(batch, who, 1)
+    return int(jnp.shape(leaves[0][1])[0])
+
+
+def check_labels(loss_fn: Callable, batch: Any, who: str) -> None:
+    """Integer labels ``batch['y']`` for a stack trained with cross-entropy."""
+    if not (isinstance(loss_fn, Stack) and loss_fn.example_loss is cross_entropy):
+        return
+    if not isinstance(batch, dict) or "x" not in batch or "y" not in batch:
+        raise ValueError(f"{who}: a model Stack needs batch = {{'x': inputs, 'y': labels}}; got "
+                         f"{type(batch).__name__} with keys {sorted(batch) if isinstance(batch, dict) else '-'}")
+    y = batch["y"]
+    if not jnp.issubdtype(jnp.result_type(y), jnp.integer):
+        raise TypeError(f"{who}: batch['y'] holds {jnp.result_type(y)} values; cross-entropy needs "
+                        "integer class labels (e.g. y.astype(jnp.int32))")

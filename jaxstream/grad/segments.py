@@ -1,0 +1,163 @@
+"""Segment kernels: what one segment of a stack (embed, one block, head) computes for an
+estimator, for one micro-batch, keyed by the one tangent schedule of :mod:`.tangents`.
+
+Every engine composes these and nothing else: the in-memory estimators scan them over the
+stacked blocks, a pipeline stage runs them on its slice, the streamed executor runs them one
+layer at a time over all micro-batches (``jax.vmap``). So the engines agree by construction.
+
+* weight perturbation: :func:`embed_jvp`, :func:`block_jvp` (:func:`blocks_jvp` scans a
+  slice), :func:`head_jvp` carry K tangents ``dh`` of the activations and give the directional
+  derivatives d_k = ∇L·v_k;
+* activity perturbation: :func:`embed_act`, :func:`block_act`, :func:`head_act` inject a fresh
+  tangent u on each segment's output and give per-example scalars d[k, b]; the weight estimate
+  of a segment is then :func:`act_grad` — a vjp through that segment alone with the cotangent
+  (1/(K·B)) Σ_k d[k, b] u[k, b];
+* local losses: :func:`local_act_grad` — a segment's output tangent reaches only its own loss.
+
+Activation tangents use ``fold_in(fold_in(key, ACTIVITY), segment)`` with the segment keyed
+as weights are (embed 0, block l via ``block_key``, head 2), in the activations' dtype.
+
+Example:
+  >>> h, dh = embed_jvp(stack, spec, params["embed"], x, key)
+  >>> h, dh = blocks_jvp(stack, spec, params["blocks"], 0, h, dh, key)
+  >>> loss, d = head_jvp(stack, spec, params["head"], h, dh, key, batch)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
+from jaxstream.models.stack import Stack
+
+ACTIVITY = 3  # key segment of activation tangents
+
+
+def jvp_k(fn: Callable, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
+    """jvp of ``fn`` for K tangents at once (leading axis K of every tangent); the primal is
+    computed once."""
+    return jax.vmap(lambda *t: jax.jvp(fn, primals, t), out_axes=(None, 0))(*tangents)
+
+
+def segment_key(key: jax.Array, segment: Any) -> jax.Array:
+    """Tangent key of a segment ("embed", "head" or a global layer index) of a micro-batch key."""
+    if isinstance(segment, str):
+        return jax.random.fold_in(key, EMBED if segment == "embed" else HEAD)
+    return block_key(key, segment)
+
+
+def _mean_loss(stack: Stack, batch: dict) -> Callable:
+    return lambda logits: jnp.mean(stack.example_loss(logits.astype(jnp.float32), batch))
+
+
+# ----------------------------------------------------------------------- weight perturbation
+def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, key: jax.Array):
+    """``(h, dh)``: the embed's output and its K tangents (embed weights perturbed)."""
+    v = leaf_tangents(spec, segment_key(key, "embed"), p)
+    return jvp_k(lambda pp: stack.embed(pp, x), (p,), (v,))
+
+
+def block_jvp(stack: Stack, spec: TangentSpec, p: Any, layer: Any, h: jax.Array,
+              dh: jax.Array, key: jax.Array):
+    """``(h, dh)`` through block ``layer`` (global index), its weights perturbed."""
+    v = leaf_tangents(spec, block_key(key, layer), p)
+    return jvp_k(stack.block, (p, h), (v, dh.astype(h.dtype)))
+
+
+def blocks_jvp(stack: Stack, spec: TangentSpec, blocks: Any, first_layer: Any, h: jax.Array,
+               dh: jax.Array, key: jax.Array):
+    """:func:`block_jvp` scanned over stacked ``blocks`` whose first has global index
+    ``first_layer``: one layer's tangent live at a time."""
+
+    def body(carry, xs):
+        p, layer = xs
+        return block_jvp(stack, spec, p, layer, *carry, key), None
+
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    (h, dh), _ = jax.lax.scan(body, (h, dh), (blocks, first_layer + jnp.arange(n)))
+    return h, dh
+
+
+def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
+             key: jax.Array, batch: dict):
+    """``(loss, d)``: the micro-batch's mean loss and its K directional derivatives."""
+    v = leaf_tangents(spec, segment_key(key, "head"), p)
+    logits, dlogits = jvp_k(stack.head, (p, h), (v, dh.astype(h.dtype)))
+    return jvp_k(_mean_loss(stack, batch), (logits,), (dlogits,))
+
+
+# --------------------------------------------------------------------- activity perturbation
+def activity_key(key: jax.Array) -> jax.Array:
+    """Root of a micro-batch's activation tangents."""
+    return jax.random.fold_in(key, ACTIVITY)
+
+
+def _u(spec: TangentSpec, key: jax.Array, segment: Any, out: jax.Array) -> jax.Array:
+    return spec.sample(segment_key(activity_key(key), segment), out.shape, out.dtype)
+
+
+def embed_act(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, key: jax.Array):
+    """``(h, dh)``: the embed's output and the tangents u injected on it."""
+    h = stack.embed(p, x)
+    return h, _u(spec, key, "embed", h)
+
+
+def block_act(stack: Stack, spec: TangentSpec, p: Any, layer: Any, h: jax.Array,
+              dh: jax.Array, key: jax.Array):
+    """``(h, dh)``: tangents carried through block ``layer`` plus a fresh u on its output."""
+    h2, dh2 = jvp_k(lambda hh: stack.block(p, hh), (h,), (dh.astype(h.dtype),))
+    return h2, dh2 + _u(spec, key, layer, h2)
+
+
+def blocks_act(stack: Stack, spec: TangentSpec, blocks: Any, first_layer: Any, h: jax.Array,
+               dh: jax.Array, key: jax.Array):
+    """:func:`block_act` scanned over stacked ``blocks``."""
+
+    def body(carry, xs):
+        p, layer = xs
+        return block_act(stack, spec, p, layer, *carry, key), None
+
+    n = jax.tree.leaves(blocks)[0].shape[0]
+    (h, dh), _ = jax.lax.scan(body, (h, dh), (blocks, first_layer + jnp.arange(n)))
+    return h, dh
+
+
+def head_act(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
+             key: jax.Array, batch: dict):
+    """``(example_losses (B,), d (K, B))``: per-example scalars Σ_m ∂ℓ_b/∂out_m · u_m[k, b]
+    over every segment output m."""
+    logits, dlogits = jvp_k(lambda hh: stack.head(p, hh), (h,), (dh.astype(h.dtype),))
+    dlogits = dlogits + _u(spec, key, "head", logits)
+    example = lambda lg: stack.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
+    return jvp_k(example, (logits,), (dlogits,))
+
+
+def act_cotangent(spec: TangentSpec, key: jax.Array, segment: Any, out: jax.Array,
+                  d: jax.Array, num_examples: int) -> jax.Array:
+    """(1/(K·B_total)) Σ_k d[k, b] · u_k[b]: the estimate of ∂(mean loss)/∂out of a segment."""
+    u = _u(spec, key, segment, out)
+    k = d.shape[0]
+    cot = jnp.einsum("kb...,kb->b...", u.astype(jnp.float32), d.astype(jnp.float32))
+    return (cot / (k * num_examples)).astype(out.dtype)
+
+
+def act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
+             d: jax.Array, num_examples: int) -> tuple[jax.Array, Any]:
+    """``(out, weight estimate)`` of a segment ``out = fn(p)`` (forward recomputed) from the
+    scalars ``d`` (K, B) of :func:`head_act`. ``num_examples``: the examples the loss averages."""
+    out, pull = jax.vjp(fn, p)
+    return out, pull(act_cotangent(spec, key, segment, out, d, num_examples))[0]
+
+
+def local_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
+                   local_loss: Callable) -> tuple[jax.Array, Any]:
+    """``(out, weight estimate)`` of a segment under its own loss ``local_loss(out) -> (B,)``:
+    the tangent on ``out`` reaches only that loss (greedy: biased for the global loss, much less
+    noisy)."""
+    out, pull = jax.vjp(fn, p)
+    u = _u(spec, key, segment, out)
+    _, d = jvp_k(local_loss, (out,), (u,))
+    return out, pull(act_cotangent(spec, key, segment, out, d, d.shape[1]))[0]
