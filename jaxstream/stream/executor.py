@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstream.grad import corrections as cr
 from jaxstream.grad.estimators import Backprop, Forward
 from jaxstream.grad.hybrid import SELECT, Hybrid
 from jaxstream.grad.tangents import TangentSpec, micro_key
@@ -74,14 +75,11 @@ def _kind(estimator: Any, update: str) -> str:
     if isinstance(estimator, Backprop):
         kind = "backprop"
     elif isinstance(estimator, Forward):
-        if estimator.perturb != "weights":
-            raise ValueError("stream: estimator.perturb must be 'weights' (activity perturbation "
-                             f"is not streamed), got {estimator.perturb!r}")
-        kind = "forward"
+        kind = "forward" if estimator.perturb == "weights" else "activity"
     elif isinstance(estimator, Hybrid):
-        if estimator.correction not in ("replace", "control_variate"):
+        if estimator.correction not in ("replace", "control_variate", "weighted"):
             raise ValueError("stream: hybrid correction must be one of ('replace', "
-                             f"'control_variate'), got {estimator.correction!r}")
+                             f"'control_variate', 'weighted'), got {estimator.correction!r}")
         if estimator.exact_from is not None:
             raise ValueError("stream: hybrid exact_from (per-layer groups) is not streamed; "
                              "use num_exact or exact_indices")
@@ -90,7 +88,9 @@ def _kind(estimator: Any, update: str) -> str:
         raise TypeError("stream: estimator must be jaxstream.grad backprop(), forward() or "
                          f"hybrid(), got {type(estimator).__name__}")
     if update == "lazy" and kind != "forward":
-        raise ValueError(f"stream: update='lazy' needs the forward estimator, got {kind}")
+        raise ValueError("stream: update='lazy' needs the forward estimator with "
+                         f"perturb='weights' (an update fully described by keys and scalars), "
+                         f"got {kind}")
     return kind
 
 
@@ -255,6 +255,8 @@ class StreamedExecutor:
         self._dry = not commit_lazy
         if self.kind == "forward":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
+        elif self.kind == "activity":
+            loss, new = self._run_activity(batch, key, list(layers), sink, t0), {}
         else:
             loss, new = self._run_reverse(batch, key, list(layers), sink, t0)
         if commit_lazy:
@@ -310,6 +312,46 @@ class StreamedExecutor:
         new = lazy.add({}, lazy_units, key, coeffs) if lazy_units else {}
         return float(np.mean(losses)), new
 
+    def _load_both(self, unit: Any) -> tuple[Any, Any]:
+        """(host fp32 params, device params) of a unit."""
+        host = self._apply_pending(unit, self.store.read(unit).result())
+        return host, self._to_device(host)
+
+    def _run_activity(self, batch, key, layers, sink, t0) -> float:
+        """Activity perturbation: a forward sweep with tangents on every unit's output gives the
+        per-example scalars d; an update sweep recomputes each unit's output and forms its
+        weight estimate by a vjp through that unit alone. With local losses each unit's
+        estimate needs only its own output and the head: one sweep."""
+        x = self._cast_batch(batch)
+        keys = key[None]
+        units = ["embed", *layers, "head"]
+        kind = lambda u: u if isinstance(u, str) else "block"  # noqa: E731
+        layer = lambda u: jnp.int32(0 if isinstance(u, str) else u)  # noqa: E731
+        if self.estimator.local_losses:
+            head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
+            h = x["x"]
+            for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
+                out, g = K.unit_local_grad(self.stack, self.spec, kind(u), dev, layer(u), keys, h,
+                                           head_dev, x)
+                if u == "head":
+                    loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
+                        o.astype(jnp.float32), b))(out, x))
+                h = out
+                sink(u, _f32(g, self.host), host)
+            return float(loss)
+        for u, (_, dev) in self._sweep(units, self._load, t0, "forward"):
+            if u == "embed":
+                h, dh = K.embed_act(self.stack, self.spec, dev, x["x"], keys)
+            elif u == "head":
+                ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
+            else:
+                h, dh = K.block_act(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+        h = x["x"]
+        for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
+            h, g = K.unit_act_grad(self.stack, self.spec, kind(u), dev, layer(u), keys, h, d)
+            sink(u, _f32(g, self.host), host)
+        return float(jnp.mean(ex_loss))
+
     def _like(self, u, hosts):
         return hosts[u] if u in hosts else self.store.read(u).result()
 
@@ -326,7 +368,9 @@ class StreamedExecutor:
         sel = jax.tree.map(lambda a: a[idx], x)
         s = len(idx)
         h_in = jax.device_put(stash["head"], self.device)
-        cv = hybrid and self.estimator.correction == "control_variate"
+        cv = hybrid and self.estimator.correction in ("control_variate", "weighted")
+        weighted = hybrid and self.estimator.correction == "weighted"
+        spread: dict = {}  # Σ_s ‖g_s − h_u‖² per unit (weighted)
         c_parts: dict = {}
         scratch: list = []
 
@@ -338,6 +382,9 @@ class StreamedExecutor:
             if not cv:
                 return sink(u, self._replace(u, keys, d, idx, g, p), p)
             h_u = jax.tree.map(lambda a: a.sum(0) / s, g)
+            if weighted:
+                spread[u] = float(sum(np.sum((np.asarray(a) - np.asarray(b)[None]) ** 2)
+                                      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(h_u))))
             scratch.extend(self.store.write_scratch(u, h_u))  # needed again once c_nk is complete
             with jax.default_device(self.host):
                 c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
@@ -372,19 +419,37 @@ class StreamedExecutor:
             outside = np.ones((n, 1), np.float32)
             outside[idx] = 0.0
             coeffs = jnp.asarray(outside * (d - c) / (n * self.spec.num), jnp.float32)
+            beta = self._betas(layers, hosts, spread, s, d, c, outside[:, 0]) if weighted else {}
 
             def uload(u):
                 p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
                 h_u = self.store.read_scratch(u).result()
                 with jax.default_device(self.host):
                     r = K.unit_estimate(self.spec, K.seg_keys(keys, u), coeffs, p)
-                    return p, jax.tree.map(jnp.add, h_u, r)
+                    b = beta.get(str(u), 1.0)
+                    return p, jax.tree.map(lambda hh, rr: hh + b * rr, h_u, r)
 
             for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
                 sink(u, g, p)
         return float(np.mean(losses)), {}
 
     # ------------------------------------------------------------------ helpers
+    def _betas(self, layers, hosts, spread, s, d, c, outside) -> dict:
+        """β per unit of the ``weighted`` correction (:func:`jaxstream.grad.corrections.shrinkage`
+        with each unit a segment; the whole model's size for a single exact gradient)."""
+        n, k = d.shape
+        units = ["embed", *layers, "head"]
+        sizes = {str(u): float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))
+                 for u in units}
+        total = sizes["embed"] + sizes["head"] + sizes[str(layers[0])] * self.store.num_layers \
+            if layers else sizes["embed"] + sizes["head"]
+        q = cr.residual_q(jnp.asarray(d), jnp.asarray(c), jnp.asarray(outside))
+        counts = {str(u): jnp.float32(s) for u in units}
+        out = cr.shrinkage(counts, {str(u): jnp.float32(spread[u]) for u in units},
+                           {k_: jnp.float32(v) for k_, v in sizes.items()}, q, n, k,
+                           total_size=total)
+        return {u: float(b) for u, b in out.items()}
+
     def _selection(self, key, n):
         est: Hybrid = self.estimator
         if est.exact_indices is not None:

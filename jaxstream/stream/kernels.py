@@ -151,3 +151,61 @@ def embed_vjp_each(stack: Stack, p: Any, x: jax.Array, ct: jax.Array):
         return pull(cn.astype(out.dtype))[0]
 
     return jax.vmap(one)(x, ct)
+
+
+# ----------------------------------------------------------------------------- activity perturbation
+# Micro-batches on the leading axis; the weight estimates are summed over them.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def embed_act(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, keys: jax.Array):
+    return jax.vmap(lambda xn, kn: sg.embed_act(stack, spec, p, xn, kn))(x, keys)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def block_act(stack: Stack, spec: TangentSpec, p: Any, layer: jax.Array, keys: jax.Array,
+              h: jax.Array, dh: jax.Array):
+    return jax.vmap(lambda hn, dhn, kn: sg.block_act(stack, spec, p, layer, hn, dhn, kn))(
+        h, dh, keys)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def head_act(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
+             batch: dict, keys: jax.Array):
+    """Per-example losses (N, B) and scalars d (N, K, B)."""
+    return jax.vmap(lambda hn, dhn, bn, kn: sg.head_act(stack, spec, p, hn, dhn, kn, bn))(
+        h, dh, batch, keys)
+
+
+def _sum0(tree):
+    return jax.tree.map(lambda a: a.sum(0), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def unit_act_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: jax.Array,
+                  keys: jax.Array, inp: jax.Array, d: jax.Array):
+    """``(out, weight estimate)`` of a unit ("embed" | "block" | "head") recomputed on ``inp``
+    (x for the embed, the unit's input otherwise) from the scalars ``d`` (N, K, B)."""
+    fn = {"embed": stack.embed, "block": stack.block, "head": stack.head}[unit]
+    seg = layer if unit == "block" else unit
+    nb = d.shape[0] * d.shape[2]
+    out, g = jax.vmap(lambda i, kn, dn: sg.act_grad(lambda pp: fn(pp, i), p, spec, kn, seg, dn,
+                                                   nb))(inp, keys, d)
+    return out, _sum0(g)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: jax.Array,
+                    keys: jax.Array, inp: jax.Array, head: Any, batch: dict):
+    """``(out, weight estimate)`` of a unit under its local loss (the head applied to its
+    output, the head held fixed; the head's own loss for the head)."""
+    fn = {"embed": stack.embed, "block": stack.block, "head": stack.head}[unit]
+    seg = layer if unit == "block" else unit
+    n = inp.shape[0]
+
+    def one(i, kn, bn):
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)  # noqa: E731
+        loss = example if unit == "head" else (lambda h: example(stack.head(head, h)))
+        out, g = sg.local_act_grad(lambda pp: fn(pp, i), p, spec, kn, seg, loss)
+        return out, jax.tree.map(lambda a: a / n, g)
+
+    out, g = jax.vmap(one)(inp, keys, batch)
+    return out, _sum0(g)

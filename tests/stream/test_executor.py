@@ -52,6 +52,11 @@ ESTIMATORS = {
     "hybrid_cv": (jg.hybrid(num_exact=2, num_tangents=2), "micro"),
     "hybrid_replace": (jg.hybrid(exact_indices=(0, 3), correction="replace", num_tangents=2),
                        "micro"),
+    "forward_activity": (jg.forward(num_tangents=2, distribution="gaussian",
+                                    perturb="activations"), "flat"),
+    "forward_local": (jg.forward(num_tangents=2, distribution="gaussian", perturb="activations",
+                                 local_losses=True), "flat"),
+    "hybrid_weighted": (jg.hybrid(num_exact=2, correction="weighted", num_tangents=2), "micro"),
 }
 _REFERENCES: dict = {}
 
@@ -181,8 +186,11 @@ def test_bad_config_errors(tmp_path, data):
         StreamConfig(compute_dtype="int8")
     with pytest.raises(ValueError, match="update='lazy' needs the forward"):
         StreamedExecutor(STACK, jg.backprop(), SGD, store, StreamConfig(update="lazy"))
-    with pytest.raises(ValueError, match="perturb must be 'weights'"):
-        StreamedExecutor(STACK, jg.forward(perturb="activations"), SGD, store)
+    with pytest.raises(ValueError, match="lazy' needs the forward estimator with perturb"):
+        StreamedExecutor(STACK, jg.forward(perturb="activations"), SGD, store,
+                         StreamConfig(update="lazy"))
+    with pytest.raises(ValueError, match="hybrid correction must be one of"):
+        StreamedExecutor(STACK, jg.hybrid(1, correction="guess"), SGD, store)
     with pytest.raises(ValueError, match="store has 3 layers"):
         StreamedExecutor(mlp(6, 8, 2, 3), jg.backprop(), SGD, store)
 

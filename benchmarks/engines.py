@@ -1,0 +1,191 @@
+"""Every engine against the in-memory estimator: the (engine, estimator) matrix.
+
+    python benchmarks/engines.py --quick --json /tmp/engines.json
+
+For each pair: ``max_rel_err`` of the engine's gradient against the in-memory estimator
+configured the same way for the same keys (max over leaves of ‖a − b‖∞ / ‖b‖∞; goal ≤ 1e-5),
+and ``cosine_to_exact``, the cosine of the engine's gradient to the exact gradient of the batch.
+A pair an engine does not run is a row with ``status: "refused"`` and the engine's own error
+message — the matrix shows what is missing instead of hiding it.
+
+Engines: ``memory`` (the estimator itself), ``dataparallel`` (4 simulated devices, shared
+tangents, gradients all-reduced), ``pipeline`` (4 stages; forward estimates use tangents per
+micro-batch, hybrids a static selection, so the reference is the in-memory estimator with the
+same per-micro-batch keys and fixed ``exact_indices``), ``stream`` (layers from a TensorStore).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxstream.grad as jg
+from jaxstream.comm import data_parallel
+from jaxstream.grad.tangents import micro_key
+from jaxstream.models import mlp
+from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
+from jaxstream.pipeline.executor import pipeline
+from jaxstream.pipeline.lowering import exact_from
+from jaxstream.stream import LayerStore
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+
+M, N, B = 4, 4, 4  # stages / devices, micro-batches, examples per micro-batch
+SEL = (0, 1)  # the hybrids' exact micro-batches (static: a pipeline table fixes them)
+
+
+def estimators(num_layers: int) -> dict:
+    """The estimators of the matrix: name -> (estimator, layout of its batch)."""
+    nested = truncated(M, N, SEL)
+    return {
+        "backprop": (jg.backprop(), "flat"),
+        "fwd-w-gauss": (jg.forward(2, "gaussian"), "flat"),
+        "fwd-w-rad": (jg.forward(2, "rademacher"), "flat"),
+        "fwd-w-orth": (jg.forward(2, "gaussian", orthogonal=True), "flat"),
+        "fwd-w-anti": (jg.forward(2, "gaussian", antithetic=True), "flat"),
+        "fwd-w-proj": (jg.forward(2, "gaussian", aggregation="projection"), "flat"),
+        "fwd-act": (jg.forward(2, perturb="activations"), "flat"),
+        "fwd-act-local": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
+        "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=2), "micro"),
+        "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=2), "micro"),
+        "hyb-weighted": (jg.hybrid(exact_indices=SEL, correction="weighted", num_tangents=2), "micro"),
+        "hyb-guess": (jg.hybrid(exact_indices=SEL, correction="guess", num_tangents=2), "micro"),
+        "hyb-cv-nested": (jg.hybrid(exact_from=exact_from(nested, num_layers),
+                                    correction="control_variate", num_tangents=2), "micro"),
+    }
+
+
+def _flat(tree) -> np.ndarray:
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def max_rel_err(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))
+                     / (np.max(np.abs(np.asarray(v, np.float64))) + 1e-30))
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def cosine(a, b) -> float:
+    fa, fb = _flat(a), _flat(b)
+    return float(fa @ fb / (np.linalg.norm(fa) * np.linalg.norm(fb) + 1e-30))
+
+
+def per_micro_forward(est, stack, params, micro, key):
+    """The in-memory forward estimator with micro-batch n keyed ``micro_key(key, n)``,
+    averaged over the N micro-batches (what a pipeline's forward-only table computes)."""
+    n = jax.tree.leaves(micro)[0].shape[0]
+    out = [est(stack, params, jax.tree.map(lambda a: a[i], micro), micro_key(key, i))
+           for i in range(n)]
+    return (jnp.mean(jnp.stack([o[0] for o in out])),
+            jax.tree.map(lambda *g: sum(g) / n, *[o[1] for o in out]))
+
+
+def run_pipeline(name, est, stack, params, micro, key):
+    """(grads, reference) or raises ValueError/TypeError when the pipeline refuses."""
+    if isinstance(est, jg.Backprop):
+        pipe = pipeline(stack, gpipe_backprop(M, N), correction="replace")
+        return pipe(params, micro, key)[1], None
+    if isinstance(est, jg.Forward):
+        if est.perturb != "weights" or est.aggregation != "mean":
+            raise ValueError(f"pipeline: forward(perturb={est.perturb!r}, aggregation="
+                             f"{est.aggregation!r}) is not run by the pipeline executor")
+        s = est.spec
+        pipe = pipeline(stack, gpipe_forward(M, N), correction="none", num_tangents=s.num,
+                        distribution=s.distribution, orthogonal=s.orthogonal,
+                        antithetic=s.antithetic)
+        return pipe(params, micro, key)[1], per_micro_forward(est, stack, params, micro, key)[1]
+    sched = truncated(M, N, SEL) if est.exact_from is not None else complete(M, N, SEL)
+    s = est.spec
+    pipe = pipeline(stack, sched, correction=est.correction, num_tangents=s.num,
+                    distribution=s.distribution)
+    return pipe(params, micro, key)[1], None
+
+
+def run_stream(est, stack, params, micro, key, root):
+    store = LayerStore.create(root, params, optimizer=optax.sgd(0.1))
+    ex = StreamedExecutor(stack, est, optax.sgd(0.1), store,
+                          StreamConfig(compute_dtype="float32", prefetch=2))
+    return ex.estimate(micro, key)[1]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="(the matrix is small either way)")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+
+    stack = mlp(in_dim=6, width=8, depth=M, num_classes=3)
+    params = stack.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    micro = {"x": jnp.asarray(rng.standard_normal((N, B, 6)), jnp.float32),
+             "y": jnp.asarray(rng.integers(0, 3, (N, B)), jnp.int32)}
+    flat = jax.tree.map(lambda a: a.reshape(N * B, *a.shape[2:]), micro)
+    key = jax.random.key(7)
+    exact = jax.grad(stack)(params, flat)
+    mesh = jax.make_mesh((M,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="jaxstream-engines-"))
+    for i, (name, (est, layout)) in enumerate(estimators(stack.num_layers).items()):
+        data = flat if layout == "flat" else micro
+        ref = jax.jit(est, static_argnums=0)(stack, params, data, key)[1]
+        dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)
+        runs = {
+            "memory": lambda: (ref, None),
+            "dataparallel": lambda: (jax.jit(dp, static_argnums=0)(stack, params, data, key)[1],
+                                     None),
+            "pipeline": lambda: run_pipeline(name, est, stack, params, micro, key),
+            "stream": lambda: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
+        }
+        for engine, fn in runs.items():
+            row = {"engine": engine, "estimator": name}
+            try:
+                grads, own_ref = fn()
+            except (ValueError, TypeError) as err:
+                row.update(status="refused", max_rel_err=None, cosine_to_exact=None,
+                           reason=str(err).splitlines()[0][:160])
+            else:
+                row.update(status="ran", max_rel_err=max_rel_err(grads, own_ref or ref),
+                           cosine_to_exact=cosine(grads, exact),
+                           reference="per-micro-batch forward" if own_ref is not None else "same")
+            rows.append(row)
+            err = "" if row["max_rel_err"] is None else f"{row['max_rel_err']:.2e}"
+            cos = "" if row["cosine_to_exact"] is None else f"{row['cosine_to_exact']:+.3f}"
+            print(f"{engine:>12} {name:<14} {row['status']:<8} {err:>9} {cos:>7}", flush=True)
+    _print_matrix(rows)
+    out = {"rows": rows, "model": {"depth": M, "width": 8, "micro_batches": N, "examples": B},
+           "machine": f"{jax.devices()[0].platform}, {os.cpu_count()} cores"}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+def _print_matrix(rows):
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    names = list(dict.fromkeys(r["estimator"] for r in rows))
+    cell = {(r["engine"], r["estimator"]): r for r in rows}
+    print("\nmax relative error against the in-memory estimator (cosine to the exact gradient); "
+          "'-' = refused")
+    print(f"{'estimator':<15}" + "".join(f"{e:>22}" for e in engines))
+    for n in names:
+        line = f"{n:<15}"
+        for e in engines:
+            r = cell[(e, n)]
+            line += f"{'-':>22}" if r["status"] != "ran" else \
+                f"{r['max_rel_err']:>12.1e} ({r['cosine_to_exact']:+.3f})"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
