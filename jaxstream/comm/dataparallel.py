@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.ring import ring_all_reduce_tree
 from jaxstream.grad import Forward, directional
+from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.tangents import combine, gram
 
 __all__ = ["ALLREDUCE", "EXCHANGE", "TANGENTS", "DataParallel", "data_parallel", "device_keys"]
@@ -110,10 +111,7 @@ class DataParallel:
         est: Forward = self.estimator
         spec, k = est.spec, self._key(key)
         loss, d = directional(loss_fn, spec, params, batch, k)
-        if est.aggregation == "mean":
-            coeffs = d / spec.num
-        else:
-            coeffs = jnp.linalg.solve(gram(spec, k, params), d)
+        coeffs = coefficients(spec, est.aggregation, d, lambda: gram(spec, k, params))
         loss = self._mean(loss)
         if self.tangents == "shared":
             coeffs = self._mean(coeffs)  # K numbers; one set of tangents

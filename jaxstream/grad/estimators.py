@@ -41,17 +41,24 @@ class Backprop:
         return _finish(loss, grads, {}, diagnostics)
 
 
-def aggregate(spec: TangentSpec, aggregation: str, key: jax.Array, params: Any,
-              d: jax.Array) -> Any:
-    """Form the estimate from the directional derivatives ``d`` (K,) of one micro-batch.
+def coefficients(spec: TangentSpec, aggregation: str, d: jax.Array,
+                 gram_fn: Callable[[], jax.Array]) -> jax.Array:
+    """The K coefficients c of an estimate Σ_k c_k v_k from the directional derivatives ``d``.
 
-    ``mean``: (1/K) Σ_k d_k v_k (unbiased). ``projection``: V (VᵀV)⁻¹ d, the projection of the
-    gradient onto the span of the K tangents (|cos| ≈ √(K/n), norm shrunk by about K/n).
+    ``mean``: d / K (unbiased). ``projection``: (VᵀV)⁻¹ d, the projection of the gradient onto
+    the span of the K tangents (|cos| ≈ √(K/n), biased: E ĝ ≈ (K/n) g). ``gram_fn()`` gives VᵀV
+    (only called for projection; an engine sums it over the segments it holds).
     """
     if aggregation == "mean":
-        coeffs = d / spec.num
-    else:
-        coeffs = jnp.linalg.solve(gram(spec, key, params), d)
+        return d / spec.num
+    return jnp.linalg.solve(gram_fn(), d)
+
+
+def aggregate(spec: TangentSpec, aggregation: str, key: jax.Array, params: Any,
+              d: jax.Array) -> Any:
+    """Form the estimate from the directional derivatives ``d`` (K,) of one micro-batch
+    (see :func:`coefficients`)."""
+    coeffs = coefficients(spec, aggregation, d, lambda: gram(spec, key, params))
     return combine(spec, key[None], coeffs[None], params)
 
 

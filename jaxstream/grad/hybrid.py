@@ -49,8 +49,10 @@ class Hybrid:
             if len(self.exact_indices) == 0 or len(set(self.exact_indices)) != len(self.exact_indices):
                 raise ValueError(f"exact_indices must be distinct and non-empty, got {self.exact_indices}")
 
-    def _selection(self, loss_fn, n: int, key) -> tuple[jax.Array, jax.Array]:
-        """(indices, depth) of the micro-batches with an exact gradient; checked before compute."""
+    def selection(self, n: int, key: jax.Array, num_layers: int | None) -> tuple[jax.Array, jax.Array]:
+        """(indices, depth) of the micro-batches with an exact gradient, the same in every
+        engine; checked before compute. ``num_layers``: the stack's depth (None: not a stack).
+        ``depth[i]`` is the first block with micro-batch ``indices[i]``'s exact gradient."""
         if self.num_exact is not None:
             if self.num_exact > n:
                 raise ValueError(f"num_exact={self.num_exact} exceeds the N={n} micro-batches")
@@ -62,9 +64,8 @@ class Hybrid:
                 raise ValueError(f"exact_indices {bad} out of range for N={n} micro-batches")
             k = len(self.exact_indices)
             return jnp.array(self.exact_indices, jnp.int32), jnp.zeros((k,), jnp.int32)
-        if not isinstance(loss_fn, Stack):
+        if num_layers is None:
             raise TypeError("exact_from (per-layer groups) needs a model Stack as loss_fn")
-        num_layers = loss_fn.num_layers
         if len(self.exact_from) != n or not all(0 <= f <= num_layers + 1 for f in self.exact_from):
             raise ValueError(
                 f"exact_from must give, for each of the N={n} micro-batches, the first block "
@@ -82,7 +83,7 @@ class Hybrid:
         check_key(key, "hybrid")
         n = num_micro_batches(batch)
         check_labels(loss_fn, batch, "hybrid")
-        idx, depth = self._selection(loss_fn, n, key)
+        idx, depth = self.selection(n, key, loss_fn.num_layers if isinstance(loss_fn, Stack) else None)
         spec = self.spec
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
         losses, d = jax.vmap(lambda b, k: directional(loss_fn, spec, params, b, k))(batch, keys)

@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.grad import corrections as cr
-from jaxstream.grad.estimators import Backprop, Forward
-from jaxstream.grad.hybrid import SELECT, Hybrid
+from jaxstream.grad.estimators import Backprop, Forward, coefficients
+from jaxstream.grad.hybrid import Hybrid
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.stream import kernels as K
@@ -80,9 +80,6 @@ def _kind(estimator: Any, update: str) -> str:
         if estimator.correction not in ("replace", "control_variate", "weighted"):
             raise ValueError("stream: hybrid correction must be one of ('replace', "
                              f"'control_variate', 'weighted'), got {estimator.correction!r}")
-        if estimator.exact_from is not None:
-            raise ValueError("stream: hybrid exact_from (per-layer groups) is not streamed; "
-                             "use num_exact or exact_indices")
         kind = "hybrid"
     else:
         raise TypeError("stream: estimator must be jaxstream.grad backprop(), forward() or "
@@ -290,13 +287,9 @@ class StreamedExecutor:
         losses, d, hosts, _, _ = self._forward_sweep(batch, keys, layers, t0)
         dk = d.mean(axis=0)  # (K,): derivative of the mean loss over all micro-batches
         units = ["embed", *layers, "head"]
-        if self.estimator.aggregation == "mean":
-            coeffs = dk / self.spec.num
-        else:
-            with jax.default_device(self.host):
-                g = sum(K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts))
-                        for u in units)
-                coeffs = np.asarray(jnp.linalg.solve(g, jnp.asarray(dk)))
+        with jax.default_device(self.host):
+            coeffs = coefficients(self.spec, self.estimator.aggregation, jnp.asarray(dk), lambda: sum(
+                K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts)) for u in units))
         coeffs = np.asarray(coeffs, np.float32)[None]
         lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
         eager_units = [u for u in units if u not in lazy_units]
@@ -370,24 +363,25 @@ class StreamedExecutor:
         h_in = jax.device_put(stash["head"], self.device)
         cv = hybrid and self.estimator.correction in ("control_variate", "weighted")
         weighted = hybrid and self.estimator.correction == "weighted"
-        spread: dict = {}  # Σ_s ‖g_s − h_u‖² per unit (weighted)
+        spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit (weighted)
         c_parts: dict = {}
         scratch: list = []
+        members = self._members(key, n, layers) if hybrid else {}
+        idx_j = jnp.asarray(idx, jnp.int32)
 
         def finish(u, g, p):
             """g: per selected micro-batch gradients (hybrid) or the mean gradient (backprop)."""
             if not hybrid:
                 return sink(u, _f32(g, self.host), p)
-            g = _f32(g, self.host)
-            if not cv:
-                return sink(u, self._replace(u, keys, d, idx, g, p), p)
-            h_u = jax.tree.map(lambda a: a.sum(0) / s, g)
-            if weighted:
-                spread[u] = float(sum(np.sum((np.asarray(a) - np.asarray(b)[None]) ** 2)
-                                      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(h_u))))
-            scratch.extend(self.store.write_scratch(u, h_u))  # needed again once c_nk is complete
             with jax.default_device(self.host):
+                g, p_h = _f32(g, self.host), jax.device_put(p, self.host)
+                m = jnp.asarray(members[str(u)])
+                if not cv:
+                    return sink(u, K.unit_replace(self.spec, K.seg_keys(keys, u), jnp.asarray(d),
+                                                  g, m, idx_j, p_h), p)
+                h_u, spread[u] = K.unit_group(g, m, p_h)
                 c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
+            scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
 
         head_dev = self._to_device(hosts["head"])
         if hybrid:
@@ -415,63 +409,50 @@ class StreamedExecutor:
                 f.result()
             blocks = [c_parts[l] for l in layers]
             c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
-            # a selected micro-batch's residual is known exactly (its tangent part drops)
-            outside = np.ones((n, 1), np.float32)
-            outside[idx] = 0.0
-            coeffs = jnp.asarray(outside * (d - c) / (n * self.spec.num), jnp.float32)
-            beta = self._betas(layers, hosts, spread, s, d, c, outside[:, 0]) if weighted else {}
+            beta = self._betas(layers, hosts, spread, members, d, c, idx) if weighted else {}
 
             def uload(u):
                 p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
                 h_u = self.store.read_scratch(u).result()
                 with jax.default_device(self.host):
-                    r = K.unit_estimate(self.spec, K.seg_keys(keys, u), coeffs, p)
-                    b = beta.get(str(u), 1.0)
-                    return p, jax.tree.map(lambda hh, rr: hh + b * rr, h_u, r)
+                    return p, K.unit_control_variate(
+                        self.spec, K.seg_keys(keys, u), jnp.asarray(d), jnp.asarray(c), h_u,
+                        jnp.asarray(members[str(u)]), idx_j,
+                        jnp.float32(beta.get(str(u), 1.0)), jax.device_put(p, self.host))
 
             for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
                 sink(u, g, p)
         return float(np.mean(losses)), {}
 
     # ------------------------------------------------------------------ helpers
-    def _betas(self, layers, hosts, spread, s, d, c, outside) -> dict:
+    def _members(self, key, n, layers) -> dict:
+        """Per unit, which selected micro-batches have its exact gradient (nested groups:
+        micro-batch i reaches block l iff depth[i] <= l, the embed iff depth[i] <= 0)."""
+        depth = np.asarray(self.estimator.selection(n, key, self.store.num_layers)[1])
+        out = {"embed": (depth <= 0), "head": np.ones_like(depth, bool)}
+        out.update({str(l): depth <= l for l in layers})
+        return {u: m.astype(np.float32) for u, m in out.items()}
+
+    def _betas(self, layers, hosts, spread, members, d, c, idx) -> dict:
         """β per unit of the ``weighted`` correction (:func:`jaxstream.grad.corrections.shrinkage`
         with each unit a segment; the whole model's size for a single exact gradient)."""
         n, k = d.shape
         units = ["embed", *layers, "head"]
         sizes = {str(u): float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))
                  for u in units}
-        total = sizes["embed"] + sizes["head"] + sizes[str(layers[0])] * self.store.num_layers \
-            if layers else sizes["embed"] + sizes["head"]
+        per_layer = sizes[str(layers[0])] if layers else 0.0
+        total = sizes["embed"] + sizes["head"] + per_layer * self.store.num_layers
+        outside = np.ones(n, np.float32)
+        outside[idx] = 0.0  # the head's group holds every selected micro-batch
         q = cr.residual_q(jnp.asarray(d), jnp.asarray(c), jnp.asarray(outside))
-        counts = {str(u): jnp.float32(s) for u in units}
-        out = cr.shrinkage(counts, {str(u): jnp.float32(spread[u]) for u in units},
+        out = cr.shrinkage({str(u): jnp.float32(members[str(u)].sum()) for u in units},
+                           {str(u): jnp.float32(spread[u]) for u in units},
                            {k_: jnp.float32(v) for k_, v in sizes.items()}, q, n, k,
                            total_size=total)
         return {u: float(b) for u, b in out.items()}
 
     def _selection(self, key, n):
-        est: Hybrid = self.estimator
-        if est.exact_indices is not None:
-            bad = [i for i in est.exact_indices if not 0 <= i < n]
-            if bad:
-                raise ValueError(f"exact_indices {bad} out of range for N={n} micro-batches")
-            return np.asarray(est.exact_indices, np.int32)
-        if est.num_exact > n:
-            raise ValueError(f"num_exact={est.num_exact} exceeds the N={n} micro-batches")
-        return np.asarray(jax.random.choice(jax.random.fold_in(key, SELECT), n, (est.num_exact,),
-                                            replace=False))
-
-    def _replace(self, u, keys, d, idx, g_each, p):
-        """(1/N)[Σ_n ĝ_n] + (1/N) Σ_{s∈S} (g_s − ĝ_s): the exact gradient where available."""
-        n, k = d.shape
-        with jax.default_device(self.host):
-            p = jax.device_put(p, self.host)
-            plain = K.unit_estimate(self.spec, K.seg_keys(keys, u), jnp.asarray(d / (n * k)), p)
-            sk = K.seg_keys(keys[idx], u)
-            fsel = jax.vmap(lambda kk, dd: K.unit_estimate(self.spec, kk[None], dd[None] / k, p))(
-                sk, jnp.asarray(d[idx]))
-            return jax.tree.map(lambda a, g, f: a + (g - f).sum(0) / n, plain, g_each, fsel)
+        return np.asarray(self.estimator.selection(n, key, self.store.num_layers)[0])
 
     def _plain_sweep(self, batch, layers, t0):
         """Forward sweep without tangents, stashing every block's input (backprop)."""

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
 from jaxstream.grad.tangents import TangentSpec, combine, gram, project
 from jaxstream.models.stack import Stack
@@ -209,3 +210,30 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
 
     out, g = jax.vmap(one)(inp, keys, batch)
     return out, _sum0(g)
+
+
+# ----------------------------------------------------------------------------- corrections per unit
+# One unit is one segment of the core's corrections (``{"tree": ...}``); ``member`` (S,) says
+# which selected micro-batches have this unit's exact gradient (nested per-layer groups).
+@jax.jit
+def unit_group(g_each: Any, member: jax.Array, like: Any) -> tuple[Any, jax.Array]:
+    """(h, spread): the group's mean exact gradient and Σ_{s∈G} ‖g_s − h‖² of one unit."""
+    masks = {"tree": member}
+    h, _ = cr.group_mean(g_each, masks, like)
+    return h, cr.group_spread(g_each, h, masks, like)["tree"]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def unit_replace(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, g_each: Any,
+                 member: jax.Array, idx: jax.Array, like: Any) -> Any:
+    masks = {"tree": member}
+    rows = cr.outside_rows(masks, idx, d.shape[0])
+    return cr.replace(spec, seg_keys, d, g_each, masks, like, rows=rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def unit_control_variate(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, c: jax.Array,
+                         h: Any, member: jax.Array, idx: jax.Array, beta: jax.Array,
+                         like: Any) -> Any:
+    rows = cr.outside_rows({"tree": member}, idx, d.shape[0])
+    return cr.control_variate(spec, seg_keys, d, h, c, like, beta={"tree": beta}, rows=rows)
