@@ -218,15 +218,21 @@ def project(spec: TangentSpec, keys: jax.Array, tree: Any, first_layer: int = 0)
     return parts["embed"] + parts["blocks"].sum(axis=0) + parts["head"]
 
 
-def gram(spec: TangentSpec, key: jax.Array, like: Any) -> jax.Array:
-    """The (num, num) Gram matrix Vᵀ V of one micro-batch's tangents."""
+def gram_parts(spec: TangentSpec, key: jax.Array, like: Any, first_layer: int = 0) -> dict:
+    """Per segment, the (num, num) Gram matrix of one micro-batch's tangents (blocks summed
+    over their layers): a pipeline stage adds up the segments it holds."""
 
     def seg(seg_keys, t, _rows):
-        v = leaf_tangents(spec, seg_keys[0], t)
+        v = leaf_tangents(spec, seg_keys[0], jax.tree.map(_f32_like, t))
         flat = [x.reshape(spec.num, -1) for x in jax.tree.leaves(v)]
         return sum((f @ f.T for f in flat), jnp.zeros((spec.num, spec.num), jnp.float32))
 
-    parts = _segment_apply(seg, key[None], like)
+    parts = _segment_apply(seg, key[None], like, first_layer)
     if not is_stack_params(like):
-        return parts["tree"]
-    return parts["embed"] + parts["blocks"].sum(axis=0) + parts["head"]
+        return parts
+    return {**parts, "blocks": parts["blocks"].sum(axis=0)}
+
+
+def gram(spec: TangentSpec, key: jax.Array, like: Any) -> jax.Array:
+    """The (num, num) Gram matrix Vᵀ V of one micro-batch's tangents."""
+    return sum(gram_parts(spec, key, like).values())

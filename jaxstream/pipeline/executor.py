@@ -30,7 +30,7 @@ from jax import shard_map
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.grad import corrections as cr
-from jaxstream.grad.tangents import TangentSpec, combine, micro_key
+from jaxstream.grad.tangents import TangentSpec, combine, gram_parts, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.pipeline.lowering import FIELDS, Lowered, lower
 from jaxstream.pipeline.stage_ops import StageOps
@@ -72,6 +72,9 @@ class Pipeline:
     correction: str
     mesh: jax.sharding.Mesh
     lowered: Lowered
+    perturb: str = "weights"
+    local_losses: bool = False
+    aggregation: str = "mean"
     _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -108,9 +111,10 @@ class Pipeline:
         return _run(self, params, batch, key, carry)
 
 
-def pipeline(stack: Stack, schedule: Schedule, *, num_tangents: int = 1,
+def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tangents: int = 1,
              distribution: str = "rademacher", correction: str = "control_variate",
-             orthogonal: bool = False, antithetic: bool = False, devices=None) -> Pipeline:
+             orthogonal: bool = False, antithetic: bool = False, perturb: str = "weights",
+             local_losses: bool = False, aggregation: str = "mean", devices=None) -> Pipeline:
     """Builds the pipeline gradient of ``stack`` for ``schedule``; checks everything first.
 
     Args:
@@ -118,6 +122,12 @@ def pipeline(stack: Stack, schedule: Schedule, *, num_tangents: int = 1,
       schedule: any table that validates (see ``jaxstream.pipeline.validate``).
       num_tangents, distribution, orthogonal, antithetic: the tangents (as ``jaxstream.grad``).
       correction: "none" (plain forward estimate), "control_variate", "replace" or "weighted".
+      estimator: a ``jaxstream.grad`` estimator instead of the keywords: ``forward(...)`` (any
+        tangents, weight or activity perturbation, local losses, mean or projection; run with
+        tangents per micro-batch, ``fold_in(key, n)``), ``hybrid(correction=...)`` (its
+        tangents and correction; the selection is the table's) or ``backprop()``.
+      perturb, local_losses, aggregation: the forward estimate (as ``jaxstream.grad.forward``);
+        activity perturbation and projection need a forward-only table and correction "none".
       devices: devices for the ``stage`` axis (default ``jax.devices()``, the first M used).
 
     Returns:
@@ -126,6 +136,8 @@ def pipeline(stack: Stack, schedule: Schedule, *, num_tangents: int = 1,
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    if estimator is not None:
+        return pipeline(stack, schedule, devices=devices, **_from_estimator(estimator))
     if correction not in CORRECTIONS:
         raise ValueError(f"correction={correction!r}; allowed: {CORRECTIONS}")
     m = schedule.num_stages
@@ -141,14 +153,49 @@ def pipeline(stack: Stack, schedule: Schedule, *, num_tangents: int = 1,
         raise ValueError(f"schedule {schedule.name!r} has stale exact gradients (previous step): "
                          f"correction={correction!r} is not allowed; use 'control_variate' "
                          f"(still unbiased with a stale h) or 'weighted'")
+    if perturb not in ("weights", "activations"):
+        raise ValueError(f"perturb={perturb!r}; allowed: ('weights', 'activations')")
+    if aggregation not in ("mean", "projection"):
+        raise ValueError(f"aggregation={aggregation!r}; allowed: ('mean', 'projection')")
+    if local_losses and perturb != "activations":
+        raise ValueError("local_losses=True needs perturb='activations'")
+    if (perturb != "weights" or aggregation != "mean") and (lowered.backward or
+                                                            correction != "none"):
+        raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} run on a forward-only "
+                         f"table with correction='none' (got schedule {schedule.name!r}, "
+                         f"correction={correction!r})")
     spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
+    if aggregation == "projection" and antithetic:
+        raise ValueError("antithetic=True with aggregation='projection': the Gram matrix is "
+                         "singular; use aggregation='mean'")
     mesh = jax.sharding.Mesh(np.array(devices[:m]), (AXIS,))
-    return Pipeline(stack, schedule, spec, correction, mesh, lowered)
+    return Pipeline(stack, schedule, spec, correction, mesh, lowered, perturb, local_losses,
+                    aggregation)
 
 
-def _branches(pipe: Pipeline, ops: StageOps, params, prev_params):
+def _from_estimator(est: Any) -> dict:
+    """The pipeline keywords of a ``jaxstream.grad`` estimator (its own error for others)."""
+    from jaxstream.grad import Backprop, Forward, Hybrid
+
+    if isinstance(est, Backprop):
+        return {"correction": "replace"}
+    if not isinstance(est, (Forward, Hybrid)):
+        raise TypeError(f"estimator must be jaxstream.grad backprop(), forward() or hybrid(), "
+                        f"got {type(est).__name__}")
+    s = est.spec
+    kw = {"num_tangents": s.num, "distribution": s.distribution, "orthogonal": s.orthogonal,
+          "antithetic": s.antithetic}
+    if isinstance(est, Forward):
+        return {**kw, "correction": "none", "perturb": est.perturb,
+                "local_losses": est.local_losses, "aggregation": est.aggregation}
+    if est.correction == "guess":
+        raise ValueError("pipeline: correction 'guess' needs its direction before the forward "
+                         "pass (a second pass over the pipeline); not run by the executor")
+    return {**kw, "correction": est.correction}
+
+
+def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape):
     """One function per (kind, position, stale) used by the table; all return the same tuple."""
-    K = pipe.spec.num
 
     def build(kind, pos, stale):
         def fn(x):
@@ -156,8 +203,18 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params):
             hz = jnp.zeros_like(h_in)
             out = {"h": hz, "t": jnp.zeros_like(t_in), "c": hz,
                    "g": jax.tree.map(jnp.zeros_like, params),
-                   "loss": jnp.zeros((), jnp.float32), "d": jnp.zeros((K,), jnp.float32)}
-            if kind in (F, FBW):
+                   "loss": jnp.zeros((), jnp.float32), "d": jnp.zeros(dshape, jnp.float32)}
+            inp = bj["x"] if pos in ("first", "only") else h_in
+            if kind == F and pipe.local_losses:
+                h, out["g"] = ops.local_forward(pos, params, inp, kj, bj)
+                out["h" if pos in ("first", "mid") else "loss"] = h
+            elif kind == F and pipe.perturb == "activations":
+                a, b = ops.activity_forward(pos, params, inp, t_in, kj, bj)
+                if pos in ("first", "mid"):
+                    out["h"], out["t"] = a, b
+                else:
+                    out["loss"], out["d"] = a, b
+            elif kind in (F, FBW):
                 if pos == "first":
                     out["h"], out["t"] = ops.forward_first(params, bj["x"], kj)
                 elif pos == "mid":
@@ -196,7 +253,9 @@ def _run(pipe: Pipeline, params, batch, key, carry):
     if "fn" not in pipe._compiled:
         pipe._compiled["fn"] = _build(pipe)
     groups = low.groups.astype(np.float32).reshape(m, len(low.selected))
-    args = (params, batch, jax.random.key_data(key), low.tables, groups, carry)
+    sched = pipe.schedule
+    ain_w = np.where(sched.kind == F, sched.micro, sched.num_microbatches).astype(np.int32)
+    args = (params, batch, jax.random.key_data(key), low.tables, ain_w, groups, carry)
     shardings = _shardings(pipe.mesh, args)
     if jax.process_count() == 1:  # same input shardings every call: one compilation
         args = jax.device_put(args, shardings)
@@ -222,7 +281,8 @@ def _to_global(x, sharding):
 
 def _in_specs():
     pspec = _param_specs()
-    return (pspec, P(), P(), P(None, AXIS), P(AXIS), PipelineCarry(pspec, P(AXIS), P(), P()))
+    return (pspec, P(), P(), P(None, AXIS), P(None, AXIS), P(AXIS),
+            PipelineCarry(pspec, P(AXIS), P(), P()))
 
 
 def _shardings(mesh, args):
@@ -255,19 +315,24 @@ def _build(pipe: Pipeline):
     per = pipe.stack.num_layers // m
     n_sel, n_prev = len(low.selected), len(low.prev_selected)
 
-    def body(params, batch, key_data, tables, groups, carry):
+    activity = pipe.perturb == "activations" and not pipe.local_losses
+    accumulate = low.backward or pipe.local_losses
+
+    def body(params, batch, key_data, tables, ain_w, groups, carry):
         key = jax.random.wrap_key_data(key_data)
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
         hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
         hshape, hdtype = hsd.shape, hsd.dtype
+        dshape = (kt, x0.shape[0]) if activity else (kt,)  # per-example scalars for activities
         s = jax.lax.axis_index(AXIS)
         ops = StageOps(pipe.stack, spec, s * per)
-        fns = _branches(pipe, ops, params, carry.params)
+        fns = _branches(pipe, ops, params, carry.params, dshape)
         up = [(i, i + 1) for i in range(m - 1)]
         down = [(i + 1, i) for i in range(m - 1)]
 
-        def tick(c, row):
-            hbuf, tbuf, cbuf, ns, gacc, dacc, lacc, hr, tr, cr_ = c
+        def tick(c, xs):
+            row, aw = xs
+            hbuf, tbuf, cbuf, ns, ain, gacc, dacc, lacc, hr, tr, cr_ = c
             hbuf = hbuf.at[row[_C["h_w"]]].set(hr)
             tbuf = tbuf.at[row[_C["t_w"]]].set(tr)
             cbuf = cbuf.at[row[_C["c_w"]]].set(cr_)
@@ -279,14 +344,17 @@ def _build(pipe: Pipeline):
             h_o, t_o, c_o, g, loss, d = jax.lax.switch(
                 row[_C["branch"]], fns, (h_in, t_in, c_in, bj, micro_key(key, mb), sbj, sh))
             ns = ns.at[row[_C["ns_w"]]].set(h_in)
+            if activity:  # every micro-batch's stage input, for the weight estimates after
+                ain = ain.at[aw].set(h_in)
             dacc = dacc.at[row[_C["d_w"]]].set(d)
             lacc = lacc.at[row[_C["d_w"]]].set(loss)
-            if low.backward:
+            if accumulate:
                 gacc = jax.tree.map(lambda a, x: a.at[row[_C["g_w"]]].add(x), gacc, g)
+            if low.backward:
                 cr_ = jax.lax.ppermute(c_o, AXIS, down)
             hr = jax.lax.ppermute(h_o, AXIS, up)
             tr = jax.lax.ppermute(t_o, AXIS, up)
-            return (hbuf, tbuf, cbuf, ns, gacc, dacc, lacc, hr, tr, cr_), None
+            return (hbuf, tbuf, cbuf, ns, ain, gacc, dacc, lacc, hr, tr, cr_), None
 
         hz = jnp.zeros(hshape, hdtype)
         tz = jnp.zeros((kt, *hshape), hdtype)
@@ -295,18 +363,28 @@ def _build(pipe: Pipeline):
             jnp.zeros((low.t_slots + 1, kt, *hshape), hdtype),
             jnp.zeros((low.c_slots + 1, *hshape), hdtype),
             jnp.zeros((n_prev + 1, *hshape), hdtype),
+            jnp.zeros(((n if activity else 0) + 1, *hshape), hdtype),
             jax.tree.map(lambda a: jnp.zeros((n_sel + 1, *a.shape), a.dtype), params),
-            jnp.zeros((n + 1, kt), jnp.float32),
+            jnp.zeros((n + 1, *dshape), jnp.float32),
             jnp.zeros((n + 1,), jnp.float32),
             hz, tz, hz,
         )
-        out, _ = jax.lax.scan(tick, init, tables[:, 0])
-        _, _, _, ns, gacc, dacc, lacc, _, _, _ = out
+        out, _ = jax.lax.scan(tick, init, (tables[:, 0], ain_w[:, 0]))
+        _, _, _, ns, ain, gacc, dacc, lacc, _, _, _ = out
         last = (s == m - 1).astype(jnp.float32)
         d = jax.lax.psum(dacc[:n] * last, AXIS)
         losses = jax.lax.psum(lacc[:n] * last, AXIS)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
-        grads = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid)
+        if pipe.local_losses:  # each F op formed its stage's local estimates
+            grads = jax.tree.map(lambda a: a[0] / n, gacc)
+        elif activity:
+            first = (s == 0).astype(jnp.float32)
+            grads = jax.tree.map(lambda a: a.sum(0) / n, jax.lax.map(
+                lambda xs: ops.activity_grads(params, xs[0], xs[1], xs[2], xs[3], first, last),
+                (batch["x"], ain[:n], keys, d)))
+            d = jnp.zeros((n, kt), jnp.float32)  # the per-example scalars stay inside
+        else:
+            grads = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid)
         on = {"embed": (s == 0), "head": (s == m - 1)}
         grads = {
             "embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), grads["embed"]),
@@ -326,7 +404,16 @@ def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, val
     n_sel = len(pipe.lowered.selected)
     like = params
     if n_sel == 0 or pipe.correction == "none":
-        return combine(spec, keys, d / (n * kt), like, first_layer)
+        if pipe.aggregation == "mean":
+            return combine(spec, keys, d / (n * kt), like, first_layer)
+        s, m = jax.lax.axis_index(AXIS), pipe.schedule.num_stages
+
+        def coeffs(k, dn):  # (VᵀV)⁻¹ d of one micro-batch, the Gram summed over the stages
+            parts = gram_parts(spec, k, like, first_layer)
+            g = parts["blocks"] + parts["embed"] * (s == 0) + parts["head"] * (s == m - 1)
+            return jnp.linalg.solve(jax.lax.psum(g, AXIS), dn)
+
+        return combine(spec, keys, jax.vmap(coeffs)(keys, d) / n, like, first_layer)
     exact = jax.tree.map(lambda a: a[:n_sel] * valid, gacc)
     group_row = group_row * valid  # before the first stale step the groups are empty: h = 0
     num_local = jax.tree.leaves(params["blocks"])[0].shape[0]

@@ -56,6 +56,61 @@ class StageOps:
         h, dh = self.forward_first(p, x, key)
         return self._head_loss_jvp(p, h, dh, key, batch)
 
+    # ------------------------------------------------------------------ activity perturbation
+    def activity_forward(self, position: str, p, inp, dh, key, batch):
+        """F op with tangents on every segment's output: ``(h, dh)``, or on the last stage
+        ``(mean loss, d (K, B))`` with d the per-example scalars of :func:`sg.head_act`."""
+        st, spec = self.stack, self.spec
+        if position in ("first", "only"):
+            inp, dh = sg.embed_act(st, spec, p["embed"], inp, key)
+        h, dh = sg.blocks_act(st, spec, p["blocks"], self.first_layer, inp, dh, key)
+        if position in ("first", "mid"):
+            return h, dh
+        ex_loss, d = sg.head_act(st, spec, p["head"], h, dh, key, batch)
+        return jnp.mean(ex_loss), d
+
+    def activity_grads(self, p, x, h_in, key, d, is_first, is_last):
+        """The stage's weight estimates for one micro-batch from its scalars ``d`` (K, B): each
+        segment's forward recomputed and a vjp through it alone (:func:`sg.act_grad`). The
+        embed (first stage) and head (last stage) terms are zero elsewhere."""
+        st, spec, nb = self.stack, self.spec, d.shape[1]
+        h0, g_embed = sg.act_grad(lambda pe: st.embed(pe, x), p["embed"], spec, key, "embed", d, nb)
+        h = jnp.where(is_first, h0, h_in)
+
+        def body(h, xs):
+            pl, layer = xs
+            return sg.act_grad(lambda pp: st.block(pp, h), pl, spec, key, layer, d, nb)
+
+        n = jax.tree.leaves(p["blocks"])[0].shape[0]
+        h, g_blocks = jax.lax.scan(body, h, (p["blocks"], self.first_layer + jnp.arange(n)))
+        _, g_head = sg.act_grad(lambda ph: st.head(ph, h), p["head"], spec, key, "head", d, nb)
+        return {"embed": jax.tree.map(lambda g: g * is_first, g_embed), "blocks": g_blocks,
+                "head": jax.tree.map(lambda g: g * is_last, g_head)}
+
+    def local_forward(self, position: str, p, inp, key, batch):
+        """F op with local losses: ``(h or mean loss, weight estimates of the stage)``; every
+        segment's tangent reaches only its own loss (the head applied to its output)."""
+        st, spec = self.stack, self.spec
+        example = lambda lg: st.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
+        local = lambda h: example(st.head(p["head"], h))  # noqa: E731
+        g = jax.tree.map(jnp.zeros_like, p)
+        h = inp
+        if position in ("first", "only"):
+            h, g["embed"] = sg.local_act_grad(lambda pe: st.embed(pe, inp), p["embed"], spec, key,
+                                              "embed", local)
+
+        def body(h, xs):
+            pl, layer = xs
+            return sg.local_act_grad(lambda pp: st.block(pp, h), pl, spec, key, layer, local)
+
+        n = jax.tree.leaves(p["blocks"])[0].shape[0]
+        h, g["blocks"] = jax.lax.scan(body, h, (p["blocks"], self.first_layer + jnp.arange(n)))
+        if position in ("first", "mid"):
+            return h, g
+        logits, g["head"] = sg.local_act_grad(lambda ph: st.head(ph, h), p["head"], spec, key,
+                                              "head", example)
+        return jnp.mean(example(logits)), g
+
     # ------------------------------------------------------------------ primal (for vjp)
     def primal(self, position: str, p, inp, batch):
         """The stage's output: h (first/mid) or the micro-batch's mean loss (last/only)."""

@@ -79,6 +79,30 @@ def test_forward_only_equals_single_device():
     assert aux["directional"].shape == (n, K)
 
 
+@pytest.mark.parametrize("est", [
+    jg.forward(K, "gaussian", perturb="activations"),
+    jg.forward(K, perturb="activations", local_losses=True),
+    jg.forward(K, "gaussian", aggregation="projection"),
+], ids=["activations", "local_losses", "projection"])
+def test_forward_variants_equal_the_per_micro_batch_estimator(est):
+    """Activity perturbation, local losses and projection on a forward-only table equal the
+    in-memory estimator run per micro-batch n with key fold_in(key, n), averaged."""
+    m, n = 4, 3
+    stack, params, batch = _setup(m, n)
+    key = jax.random.key(5)
+    loss, grads, _ = pipeline(stack, gpipe_forward(m, n), est)(params, batch, key)
+
+    @jax.jit
+    def reference(params, batch):
+        out = [est(stack, params, jax.tree.map(lambda a: a[i], batch), micro_key(key, i))
+               for i in range(n)]
+        return (sum(o[0] for o in out) / n, jax.tree.map(lambda *g: sum(g) / n, *[o[1] for o in out]))
+
+    ref_loss, ref = reference(params, batch)
+    assert abs(float(loss - ref_loss)) <= 1e-6
+    assert _max_rel(grads, ref) <= 1e-5
+
+
 # Covering set (policy x correction), one pipeline compilation each, not the full product:
 #   complete + weighted, 2 layers per stage: test_policy_equals_hybrid_4_devices (hybrid);
 #   gpipe_forward + none: test_forward_only_equals_single_device (single-device forward);
@@ -188,5 +212,9 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
     pipe = pipeline(stack, gpipe_forward(4, 4))
     with pytest.raises(ValueError, match=r"batch\['x'\].*num_microbatches=4"):
         pipe(params, {"x": batch["x"][:3], "y": batch["y"][:3]}, jax.random.key(0))
+    with pytest.raises(ValueError, match="run on a forward-only table"):
+        pipeline(stack, complete(4, 4, (0,)), jg.forward(perturb="activations"))
+    with pytest.raises(ValueError, match="correction 'guess'"):
+        pipeline(stack, complete(4, 4, (0,)), jg.hybrid(exact_indices=(0,), correction="guess"))
     with pytest.raises(ValueError, match="pass carry"):
         pipeline(stack, delayed(4, 4, (0,)))(params, batch, jax.random.key(0))
