@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 #: Subpackages reachable as attributes of ``jaxstream`` (imported on first access).
 SUBPACKAGES = ("comm", "data", "experiment", "grad", "models", "optim", "pipeline", "placement",
-               "quality", "stream")
+               "plugins", "quality", "stream", "training")
 
 #: Top-level names re-exported from a submodule (imported on first access).
 _NAMES = {"train_step": "jaxstream.training", "from_sequential": "jaxstream.models.sequential"}
@@ -29,7 +29,7 @@ __all__ = [*SUBPACKAGES, *_NAMES, "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; not executed
     from jaxstream import (comm, data, experiment, grad, models, optim, pipeline,  # noqa: F401
-                           placement, quality, stream)
+                           placement, plugins, quality, stream, training)
     from jaxstream.models.sequential import from_sequential  # noqa: F401
     from jaxstream.training import train_step  # noqa: F401
 
