@@ -163,7 +163,7 @@ def user_error_line(e: BaseException) -> str | None:
         where = f"{mark.name}:{mark.line + 1}: " if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         if isinstance(e, yaml.constructor.ConstructorError) and "tag" in problem:
-            tag = problem.split(" for the tag ")[-1].strip().replace("tag:yaml.org,2002:", "!!")
+            tag = problem.split(" for the tag ")[-1].strip(" '").replace("tag:yaml.org,2002:", "!!")
             return (f"{where}{tag}: tags that build "
                     "Python objects are not allowed in experiment files (plain YAML only)")
         return f"{where}YAML syntax error: {problem}"
