@@ -25,13 +25,27 @@ SUBPACKAGES = ("comm", "data", "experiment", "grad", "models", "optim", "pipelin
 #: Top-level names re-exported from a submodule (imported on first access).
 _NAMES = {"train_step": "jaxstream.training", "from_sequential": "jaxstream.models.sequential"}
 
-__all__ = [*SUBPACKAGES, *_NAMES, "__version__"]
+__all__ = ["__version__", "comm", "data", "experiment", "from_sequential", "grad", "models",
+           "optim", "pipeline", "placement", "plugins", "quality", "stream", "train_step",
+           "training"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; not executed
-    from jaxstream import (comm, data, experiment, grad, models, optim, pipeline,  # noqa: F401
-                           placement, plugins, quality, stream, training)
-    from jaxstream.models.sequential import from_sequential  # noqa: F401
-    from jaxstream.training import train_step  # noqa: F401
+    from jaxstream import (
+        comm,
+        data,
+        experiment,
+        grad,
+        models,
+        optim,
+        pipeline,
+        placement,
+        plugins,
+        quality,
+        stream,
+        training,
+    )
+    from jaxstream.models.sequential import from_sequential
+    from jaxstream.training import train_step
 
 
 def __getattr__(name: str) -> Any:

@@ -29,7 +29,7 @@ from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.summary import format_table
 
 BLOCK = re.compile(r"(<!-- generated: (?P<cmd>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)",
-                   re.S)
+                   re.DOTALL)
 
 
 def read_run(run_dir: str | Path) -> dict[str, Any]:
@@ -73,8 +73,9 @@ def _arms(runs: Sequence[dict[str, Any]]) -> dict[str, dict]:
 def train_markdown(runs: Sequence[dict[str, Any]], target: float) -> str:
     """A Markdown table of the arms of train runs."""
     pct = format(target, ".0%")
-    lines = [f"| arm | estimator | lr | final loss | test acc | steps to {pct} | s to {pct} "
-             "| ms/step | mean cosine |", "|---|---|---|---|---|---|---|---|---|"]
+    head = (f"| arm | estimator | lr | final loss | test acc | steps to {pct} | s to {pct} "
+            "| ms/step | mean cosine |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for name, a in _arms(runs).items():
         lines.append(
             f"| {name} | {a.get('estimator', '')} | {_f(a.get('lr'), '.2g')} "

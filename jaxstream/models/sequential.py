@@ -187,7 +187,7 @@ class Sequential:
         akey = jax.random.fold_in(key, ACTIVITY)
         h, dh = batch["x"], None
         for l in range(self.num_layers):
-            f = lambda hh, l=l: self.layer(l, params[l], hh)[0]  # noqa: E731
+            f = lambda hh, l=l: self.layer(l, params[l], hh)[0]
             h, dh = (f(h), None) if dh is None else _jvp_k(f, h, dh)
             if self.layers[l].has_params:
                 u = spec.sample(block_key(akey, l), h.shape, h.dtype)
