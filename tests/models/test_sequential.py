@@ -56,10 +56,11 @@ def test_activity_unbiased(batch_norm, dropout, k):
     model = small_cnn(batch_norm, dropout).with_rng(jax.random.key(7))
     params, batch = model.init(jax.random.key(0)), tiny_batch()
     spec = TangentSpec(num=k)
-    exact = jax.grad(model)(params, batch)
+    exact = jax.jit(jax.grad(model))(params, batch)
     keys = jax.random.split(jax.random.key(1), R)
-    losses, est = jax.lax.map(lambda k: model.activity(spec, params, batch, k), keys)
-    np.testing.assert_allclose(losses, model(params, batch), rtol=1e-5)  # same dropout mask
+    losses, est = jax.jit(lambda ks: jax.lax.map(
+        lambda k: model.activity(spec, params, batch, k), ks))(keys)
+    np.testing.assert_allclose(losses, jax.jit(model)(params, batch), rtol=1e-5)  # same mask
     z, snr = z_scores(est, exact)
     # About 300 coordinates, each z ~ N(0, 1) by the CLT: max |z| above 5 has probability < 1e-4.
     assert np.abs(z).max() < 5.0, np.abs(z).max()
@@ -71,10 +72,11 @@ def test_activity_unbiased(batch_norm, dropout, k):
 def test_weight_perturbation_and_backprop_accept_sequential():
     model = small_cnn()
     params, batch, key = model.init(None), tiny_batch(), jax.random.key(3)
-    loss, g = js.grad.backprop()(model, params, batch, key)
-    ref = jax.grad(model)(params, batch)
+    loss, g = jax.jit(lambda p, k: js.grad.backprop()(model, p, batch, k))(params, key)
+    ref = jax.jit(jax.grad(model))(params, batch)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, ref)
-    loss_f, gf = js.grad.forward(num_tangents=2)(model, params, batch, key)
+    loss_f, gf = jax.jit(lambda p, k: js.grad.forward(num_tangents=2)(model, p, batch, k))(
+        params, key)
     assert np.isclose(loss_f, loss) and jax.tree.structure(gf) == jax.tree.structure(g)
 
 
@@ -128,12 +130,13 @@ def test_tutorial_cnn_trains_on_digits(estimator, lr, floor):
     step = js.train_step(estimator, optax.adam(lr), model)
     opt_state = step.init(params)
     test = {k: jnp.asarray(v) for k, v in data.test.items()}
-    before = float(model.accuracy(params, test))
+    accuracy = jax.jit(model.accuracy)
+    before = float(accuracy(params, test))
     rng = np.random.default_rng(0)
     for s in range(60):
         idx = rng.choice(len(data.train["y"]), 64, replace=False)
         batch = {k: jnp.asarray(v[idx]) for k, v in data.train.items()}
         params, opt_state, loss = step(params, opt_state, batch, jax.random.key(s))
-    after = float(model.accuracy(params, test))
+    after = float(accuracy(params, test))
     assert np.isfinite(float(loss))
     assert before < 0.2 and after > floor, (before, after)
