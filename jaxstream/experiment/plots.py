@@ -35,7 +35,7 @@ def style(i: int, n: int = 10) -> dict[str, Any]:
     about 10 markers per line, shifted per series so that coinciding lines show every marker."""
     every = max(1, n // 10)
     return {"marker": MARKERS[i % len(MARKERS)], "ls": LINESTYLES[(i // 2) % len(LINESTYLES)],
-            "markersize": 4, "lw": 1.2, "markevery": ((i * max(1, every // 3)) % every, every)}
+            "color": f"C{i % 10}", "markersize": 4, "lw": 1.2, "markevery": ((i * max(1, every // 3)) % every, every)}
 
 
 def series(records: Sequence[dict], x: str, y: str) -> tuple[list, list]:
@@ -107,8 +107,9 @@ def _panel(ax: Any, per_arm: dict[str, list[dict]], y: str, *, by_time: bool) ->
         _integer_x(ax)
 
 
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig: Any, path: Path, layout: bool = True) -> Path:
+    if layout:
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     _plt().close(fig)
     return path
@@ -185,7 +186,7 @@ def write_sweep_plots(summary: dict, records: Sequence[dict], out_dir: Path) -> 
     plt = _plt()
     out_dir = Path(out_dir)
     target = summary.get("target_accuracy")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     for i, (name, a) in enumerate(summary["arms"].items()):
         lrs = [float(lr) for lr in a["results"]]
         res = list(a["results"].values())
@@ -205,8 +206,10 @@ def write_sweep_plots(summary: dict, records: Sequence[dict], out_dir: Path) -> 
     ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-    ax1.legend(fontsize="small")
-    written = [_save(fig, out_dir / "lr_sweep.png")]
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize="small")
+    fig.tight_layout(rect=(0, 0.06 + 0.05 * ((len(labels) - 1) // 6), 1, 1))
+    written = [_save(fig, out_dir / "lr_sweep.png", layout=False)]
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     curves = {}
