@@ -1,8 +1,12 @@
-"""Command line: ``jaxstream run experiments/X.yaml key=value ... [--resume] [--out DIR]``.
+"""Command line: ``jaxstream run CONFIG [key=value ...] [--out DIR] [--resume] [--plugin MODULE]``.
 
 Subcommands:
-  run    run an experiment file (any registered ``kind:``) and write a run directory.
-  plan   (when the streaming package is installed) plan batch sizes for streamed layers.
+  run      run an experiment file (any registered ``kind:``) and write a run directory.
+  compare  print the arms of several run directories side by side and write one plot.
+  plan     (when the streaming package is installed) plan batch sizes for streamed layers.
+
+Overrides and flags may come in any order. A user error (missing or broken config file, bad
+value, unusable ``--out``) prints one line ``error: ...`` and exits with status 2.
 """
 
 from __future__ import annotations
@@ -10,30 +14,101 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+RUN_USAGE = ("jaxstream run CONFIG [key=value ...] [--out DIR] [--resume] [--plugin MODULE] "
+             "[--tensorboard]")
 
 
-def add_run_parser(subparsers: argparse._SubParsersAction) -> None:
+class UserError(Exception):
+    """A mistake in the command line or the config file: one line, exit status 2."""
+
+
+def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """The ``run`` subcommand."""
     p = subparsers.add_parser(
-        "run", help="run an experiment YAML and write a run directory",
+        "run", help="run an experiment YAML and write a run directory", usage=RUN_USAGE,
         description="Run an experiment. Overrides are dotted key=value pairs, values parsed as "
-                    "YAML (e.g. steps=100 arms.0.lr=3e-3 model.width=128).")
-    p.add_argument("config", help="experiment YAML, e.g. experiments/quickstart.yaml")
+                    "YAML (e.g. steps=100 arms.0.lr=3e-3 model.width=128); they may come before "
+                    "or after the flags.")
+    p.add_argument("config", nargs="?", help="experiment YAML, e.g. experiments/quickstart.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--out", default=None,
                    help="run directory (default: runs/<config name>, suffixed _2, _3... if taken)")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (default: the latest runs/<config name>*) "
                         "from its last checkpoints")
-    p.set_defaults(func=main_run)
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (it registers datasets, models, optimizers, engines "
+                        "or kinds); repeatable. Installed packages can use the entry-point group "
+                        "'jaxstream.plugins' instead")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to RUN_DIR/tensorboard")
+    p.set_defaults(func=main_run, intermixed=True)
+    return p
+
+
+def add_compare_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``compare`` subcommand."""
+    p = subparsers.add_parser(
+        "compare", help="print the arms of several runs side by side and write one plot",
+        description="Compare train runs: one table of every arm, and a plot of test accuracy "
+                    "and loss against steps and against training time.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument("--plot", default="compare.png", help="plot path (default: compare.png)")
+    p.add_argument("--markdown", action="store_true",
+                   help="print a Markdown table with the command and machine (for docs/)")
+    p.set_defaults(func=main_compare)
+    return p
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """The errors that need no config parsing: missing file, ``--out`` at a file."""
+    if args.config is None:
+        raise UserError("missing CONFIG, the experiment file; usage: " + RUN_USAGE)
+    if "=" in args.config and not Path(args.config).exists():
+        raise UserError(f"the first argument must be the experiment file, got {args.config!r}; "
+                        "usage: " + RUN_USAGE)
+    path = Path(args.config)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise UserError(f"config file {args.config} {what}")
+    import yaml
+
+    with path.open() as fh:  # a stream, so YAML errors carry the file name and line
+        yaml.safe_load(fh)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UserError(f"--out {args.out} is a file; give a directory (new or empty, or the run "
+                        "to --resume)")
 
 
 def main_run(args: argparse.Namespace) -> int:
-    """Run ``args.config``; print the run directory."""
+    """Run ``args.config``; print the run directory (and a headline table if the run has one)."""
+    check_run_args(args)
+    from jaxstream.experiment.registry import load_plugins
     from jaxstream.experiment.runner import run_experiment
 
+    load_plugins(extra=args.plugin)
     run_dir, _ = run_experiment(args.config, args.overrides, out=args.out, resume=args.resume)
+    headline = Path(run_dir) / "headline.txt"
+    if headline.is_file():
+        print(headline.read_text().rstrip())
+    if args.tensorboard:
+        from jaxstream.experiment.tensorboard import write_events
+
+        print(f"tensorboard: {write_events(run_dir)}")
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def main_compare(args: argparse.Namespace) -> int:
+    """Print the arms of ``args.run_dirs`` side by side and write the comparison plot."""
+    from jaxstream.experiment.doctable import compare_runs
+
+    for d in args.run_dirs:
+        if not (Path(d) / "metrics.jsonl").is_file():
+            raise UserError(f"{d} is not a run directory (no metrics.jsonl)")
+    print(compare_runs(args.run_dirs, plot=args.plot, markdown=args.markdown))
     return 0
 
 
@@ -43,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxstream",
         description="jaxstream: forward-gradient training experiments. "
                     "Example: jaxstream run experiments/quickstart.yaml steps=100")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{run,compare,plan}")
     add_run_parser(sub)
+    add_compare_parser(sub)
     # Subcommands of optional packages register here when those packages are present.
     try:
         from jaxstream.stream.plan_cli import add_plan_parser
@@ -52,25 +128,71 @@ def build_parser() -> argparse.ArgumentParser:
         if e.name not in ("jaxstream.stream", "jaxstream.stream.plan_cli"):
             raise
     else:
-        add_plan_parser(sub)  # sets func=main_plan on its parser
+        add_plan_parser(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``jaxstream`` command; config errors exit with status 2."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        from jaxstream.stream.plan_cli import main_plan
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; a subcommand with positional lists accepts flags anywhere."""
+    argv = list(argv)
+    if argv and argv[0] in ("run",):
+        sub = _subparser(parser, argv[0])
+        args = sub.parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)
 
-        func = main_plan
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def user_error_line(e: BaseException) -> str | None:
+    """One line for the errors a user makes (None for anything else: a bug, with traceback)."""
+    import yaml
+
     from jaxstream.experiment.config import ConfigError
 
+    if isinstance(e, (UserError, ConfigError)):
+        return str(e)
+    if isinstance(e, yaml.YAMLError):
+        mark = getattr(e, "problem_mark", None)
+        where = f"{mark.name}:{mark.line + 1}: " if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if isinstance(e, yaml.constructor.ConstructorError) and "tag" in problem:
+            tag = problem.split(" for the tag ")[-1].strip(" '").replace("tag:yaml.org,2002:", "!!")
+            return (f"{where}{tag}: tags that build "
+                    "Python objects are not allowed in experiment files (plain YAML only)")
+        return f"{where}YAML syntax error: {problem}"
+    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                      PermissionError)):
+        return f"{e.strerror}: {e.filename}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``jaxstream`` command; user errors exit with status 2."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        parser.print_usage(sys.stderr)
+        print("error: choose a command, e.g. jaxstream run experiments/quickstart.yaml",
+              file=sys.stderr)
+        return 2
+    args = parse(parser, argv)
     try:
-        return int(func(args) or 0)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        line = user_error_line(e)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
         return 2
 
 

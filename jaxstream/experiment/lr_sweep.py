@@ -171,6 +171,9 @@ def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
     summary = {"target_accuracy": cfg.target_accuracy, "stable_accuracy": cfg.stable_accuracy,
                "arms": arms}
     print(format_sweep(summary, cfg.lrs))
+    from jaxstream.experiment.plots import write_sweep_plots
+
+    write_sweep_plots(summary, log.read(), Path(run_dir))
     return summary
 
 

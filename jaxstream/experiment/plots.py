@@ -1,68 +1,229 @@
-"""PNG plots of a train run (matplotlib, Agg backend): loss, test accuracy vs steps and vs
-training time, and the cosine of each estimate to the exact gradient."""
+"""PNG plots of train, lr_sweep and compared runs (matplotlib, Agg backend).
+
+Lines stay distinguishable when arms coincide (each arm has its own marker and line style, and
+a note names the arms whose curves are identical); axes are labelled in words; the cosine is a
+smoothed line over faint raw points; reference lines carry a label; step axes have integer
+ticks; wall-time axes start after ``WARMUP_STEPS`` steps of each arm, so the first arm is not
+charged with the process's warm-up (caches, allocator, first dispatches).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from jaxstream.experiment.summary import arm_records
 
+#: Steps of each arm left out of wall-time axes (time is counted from the end of this step).
+WARMUP_STEPS = 5
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
-def _series(records: Sequence[dict], x: str, y: str) -> tuple[list, list]:
-    pts = [(r[x], r[y]) for r in records if r.get(x) is not None and r.get(y) is not None]
-    return [p[0] for p in pts], [p[1] for p in pts]
 
-
-def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
-                target: float | None = None) -> list[Path]:
-    """Write ``loss.png``, ``test_accuracy.png`` and (if logged) ``cosine.png``; return paths."""
+def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def style(i: int, n: int = 10) -> dict[str, Any]:
+    """Line style of series ``i`` with ``n`` points: a marker and a dash pattern of its own;
+    about 10 markers per line, shifted per series so that coinciding lines show every marker."""
+    every = max(1, n // 10)
+    return {"marker": MARKERS[i % len(MARKERS)], "ls": LINESTYLES[(i // 2) % len(LINESTYLES)],
+            "color": f"C{i % 10}", "markersize": 4, "lw": 1.2, "markevery": ((i * max(1, every // 3)) % every, every)}
+
+
+def series(records: Sequence[dict], x: str, y: str) -> tuple[list, list]:
+    """Points of ``y`` against ``x`` where both are logged."""
+    pts = [(r[x], r[y]) for r in records if r.get(x) is not None and r.get(y) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def time_series(records: Sequence[dict], y: str, skip: int = WARMUP_STEPS) -> tuple[list, list]:
+    """``y`` against training seconds counted from the end of step ``skip`` (warm-up excluded)."""
+    t0 = next((r["train_time"] for r in records
+               if r.get("step") == skip and r.get("train_time") is not None), None)
+    if t0 is None:
+        return [], []
+    pts = [(r["train_time"] - t0, r[y]) for r in records if r.get("step", 0) >= skip
+           and r.get("train_time") is not None and r.get(y) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def smooth(ys: Sequence[float], window: int = 5) -> list[float]:
+    """Centred moving average (shorter windows at the ends)."""
+    h = window // 2
+    return [sum(ys[max(0, i - h):i + h + 1]) / len(ys[max(0, i - h):i + h + 1])
+            for i in range(len(ys))]
+
+
+def coinciding(curves: dict[str, tuple[list, list]]) -> list[list[str]]:
+    """Groups (2 or more) of names whose curves are identical point for point."""
+    groups: dict[tuple, list[str]] = {}
+    for name, (xs, ys) in curves.items():
+        if ys:
+            groups.setdefault((tuple(xs), tuple(round(v, 9) for v in ys)), []).append(name)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def note_coinciding(ax: Any, curves: dict[str, tuple[list, list]]) -> None:
+    """Write "lines coincide: a = b" in the corner of ``ax`` where that happens."""
+    groups = coinciding(curves)
+    if groups:
+        text = "lines coincide: " + "; ".join(" = ".join(g) for g in groups)
+        ax.text(0.01, 0.01, text, transform=ax.transAxes, fontsize=7, va="bottom",
+                color="dimgray", wrap=True)
+
+
+def _integer_x(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _target_line(ax: Any, target: float | None) -> None:
+    if target is not None:
+        ax.axhline(target, color="gray", ls="--", lw=0.8, label=f"target {target:.0%}")
+
+
+def _panel(ax: Any, per_arm: dict[str, list[dict]], y: str, *, by_time: bool) -> None:
+    curves = {}
+    for i, (a, rs) in enumerate(per_arm.items()):
+        xs, ys = time_series(rs, y) if by_time else series(rs, "step", y)
+        curves[a] = (xs, ys)
+        if xs:
+            ax.plot(xs, ys, label=a, **style(i, len(xs)))
+    note_coinciding(ax, curves)
+    ax.grid(alpha=0.3)
+    if by_time:
+        ax.set_xlabel(f"training time (s, from step {WARMUP_STEPS}; evaluation excluded)")
+    else:
+        ax.set_xlabel("step")
+        _integer_x(ax)
+
+
+def _save(fig: Any, path: Path, layout: bool = True) -> Path:
+    if layout:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
+def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
+                target: float | None = None) -> list[Path]:
+    """Write ``loss.png``, ``test_accuracy.png`` and (if logged) ``cosine.png``; return paths."""
+    plt = _plt()
     out_dir = Path(out_dir)
-    written = []
     per_arm = {a: arm_records(records, a) for a in arms}
+    written = []
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for a, rs in per_arm.items():
-        ax.plot(*_series(rs, "step", "loss"), label=a, lw=1)
-    ax.set(xlabel="step", ylabel="train loss (batch)", yscale="log", title="training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss.png", dpi=110)
-    plt.close(fig)
-    written.append(out_dir / "loss.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    _panel(ax, per_arm, "loss", by_time=False)
+    ax.set(ylabel="training loss (batch, before the update)", yscale="log", title="training loss")
+    ax.legend(fontsize="small")
+    written.append(_save(fig, out_dir / "loss.png"))
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for a, rs in per_arm.items():
-        ax1.plot(*_series(rs, "step", "test_accuracy"), label=a, marker=".")
-        ax2.plot(*_series(rs, "train_time", "test_accuracy"), label=a, marker=".")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4), sharey=True)
+    _panel(ax1, per_arm, "test_accuracy", by_time=False)
+    _panel(ax2, per_arm, "test_accuracy", by_time=True)
     for ax in (ax1, ax2):
-        if target is not None:
-            ax.axhline(target, color="gray", ls="--", lw=0.8)
-        ax.grid(alpha=0.3)
-    ax1.set(xlabel="step", ylabel="test accuracy", title="test accuracy vs steps")
-    ax2.set(xlabel="training time (s, excl. evaluation)", title="test accuracy vs wall time")
-    ax1.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "test_accuracy.png", dpi=110)
-    plt.close(fig)
-    written.append(out_dir / "test_accuracy.png")
+        _target_line(ax, target)
+    ax1.set(ylabel="test accuracy", title="test accuracy against steps")
+    ax2.set(title="test accuracy against training time")
+    ax1.legend(fontsize="small")
+    written.append(_save(fig, out_dir / "test_accuracy.png"))
 
     if any(r.get("cosine") is not None for r in records):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for a, rs in per_arm.items():
-            xs, ys = _series(rs, "step", "cosine")
-            if xs:
-                ax.plot(xs, ys, label=a, marker=".")
-        ax.set(xlabel="step", ylabel="cosine(estimate, exact gradient)", title="estimate quality")
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        curves, smoothed = {}, False
+        for i, (a, rs) in enumerate(per_arm.items()):
+            xs, ys = series(rs, "step", "cosine")
+            curves[a] = (xs, ys)
+            if not xs:
+                continue
+            window = 5 if len(ys) >= 20 else 1  # few diagnostics: the points themselves
+            smoothed |= window > 1
+            label = f"{a} (moving average of {window})" if window > 1 else a
+            line, = ax.plot(xs, smooth(ys, window), label=label, **style(i, len(xs)))
+            ax.scatter(xs, ys, s=8, alpha=0.25, color=line.get_color())
+        note_coinciding(ax, curves)
+        ax.set(xlabel="step", ylabel="cosine(estimate, exact gradient of the batch)",
+               title="estimate quality" + (" (faint points: single steps)" if smoothed else ""))
+        _integer_x(ax)
         ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / "cosine.png", dpi=110)
-        plt.close(fig)
-        written.append(out_dir / "cosine.png")
+        ax.legend(fontsize="small")
+        written.append(_save(fig, out_dir / "cosine.png"))
+    return written
+
+
+def write_compare_plot(records: Sequence[dict], arms: Sequence[str], path: Path,
+                       target: float | None = None) -> Path:
+    """One figure of several runs' arms: test accuracy and loss against steps and time."""
+    plt = _plt()
+    per_arm = {a: arm_records(records, a) for a in arms}
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharey="row")
+    for col, by_time in enumerate((False, True)):
+        _panel(axes[0][col], per_arm, "test_accuracy", by_time=by_time)
+        _target_line(axes[0][col], target)
+        _panel(axes[1][col], per_arm, "loss", by_time=by_time)
+        axes[1][col].set_yscale("log")
+    axes[0][0].set(ylabel="test accuracy", title="against steps")
+    axes[0][1].set(title="against training time")
+    axes[1][0].set(ylabel="training loss (batch)")
+    axes[0][0].legend(fontsize="small")
+    return _save(fig, Path(path))
+
+
+def write_sweep_plots(summary: dict, records: Sequence[dict], out_dir: Path) -> list[Path]:
+    """``lr_sweep.png`` (final accuracy and steps to target against learning rate) and
+    ``lr_sweep_curves.png`` (each arm's test accuracy at its picked learning rate)."""
+    plt = _plt()
+    out_dir = Path(out_dir)
+    target = summary.get("target_accuracy")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    for i, (name, a) in enumerate(summary["arms"].items()):
+        lrs = [float(lr) for lr in a["results"]]
+        res = list(a["results"].values())
+        ax1.plot(lrs, [r["final_accuracy"] for r in res], label=name, **style(i, 1))
+        pts = [(lr, r["steps_to_target"]) for lr, r in zip(lrs, res)
+               if r["steps_to_target"] is not None]
+        if pts:
+            ax2.plot(*zip(*pts), label=name, **style(i, 1))
+    _target_line(ax1, target)
+    ax1.set(xscale="log", xlabel="learning rate", ylabel="final test accuracy (mean of last evals)",
+            title="accuracy against learning rate")
+    ax2.set(xscale="log", xlabel="learning rate",
+            ylabel=f"steps to {target:.0%} test accuracy" if target else "steps to target",
+            title="speed against learning rate (missing: never reached)")
+    from matplotlib.ticker import MaxNLocator
+
+    ax2.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize="small")
+    fig.tight_layout(rect=(0, 0.06 + 0.05 * ((len(labels) - 1) // 6), 1, 1))
+    written = [_save(fig, out_dir / "lr_sweep.png", layout=False)]
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    curves = {}
+    for i, (name, a) in enumerate(summary["arms"].items()):
+        rs = sorted((r for r in records if r.get("arm") == name
+                     and r.get("lr") == a["picked_lr"]), key=lambda r: r["step"])
+        xs, ys = series(rs, "step", "test_accuracy")
+        curves[name] = (xs, ys)
+        ax.plot(xs, ys, label=f"{name} (lr {a['picked_lr']:.0e})", **style(i, len(xs)))
+    note_coinciding(ax, curves)
+    _target_line(ax, target)
+    ax.set(xlabel="step", ylabel="test accuracy", title="each arm at its picked learning rate")
+    _integer_x(ax)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    written.append(_save(fig, out_dir / "lr_sweep_curves.png"))
     return written

@@ -3,7 +3,9 @@
 A kind pairs a frozen config dataclass with a ``run(config, run_dir) -> summary`` function.
 ``train`` is built in (:mod:`jaxstream.experiment.train`); other packages register theirs from
 their own modules, which :func:`load_plugins` imports (a module that is not installed is
-skipped; any other import error is raised).
+skipped; any other import error is raised). A user's own modules register the same way: named
+with ``jaxstream run CONFIG --plugin MODULE`` or, for an installed package, as an entry point of
+the group ``jaxstream.plugins`` (the entry point names a module, or a function called once).
 
 Example:
     >>> @dataclasses.dataclass(frozen=True)
@@ -83,23 +85,75 @@ def get_experiment(kind: str) -> Experiment:
     return _EXPERIMENTS[kind]
 
 
+#: Entry-point group of installed packages that register datasets, models, optimizers,
+#: engines or experiment kinds (``[project.entry-points."jaxstream.plugins"]``).
+ENTRY_POINT_GROUP = "jaxstream.plugins"
+
 _LOADED = False
+_IMPORTED: set[str] = set()
 
 
-def load_plugins(modules: Iterable[str] = PLUGIN_MODULES) -> None:
-    """Import the modules that register kinds, engines and optimizers (once)."""
+def load_plugins(modules: Iterable[str] = PLUGIN_MODULES, extra: Iterable[str] = (),
+                 entry_points: bool = True) -> None:
+    """Import the modules that register kinds, engines, models, datasets and optimizers.
+
+    Args:
+      modules: the library's own registering modules (imported once; one that is not
+        installed is skipped, any other import error is raised).
+      extra: a user's modules (``jaxstream run --plugin MODULE``); each must import.
+      entry_points: also load every entry point of the group ``jaxstream.plugins``.
+
+    Example (a plugin module ``my_data.py`` adding a dataset)::
+
+        import dataclasses
+        from jaxstream.plugins import DataConfig, Dataset, register_dataset
+
+        @register_dataset("my_data")
+        @dataclasses.dataclass(frozen=True)
+        class MyData(DataConfig):
+            test_fraction: float = 0.2
+
+            def load(self, seed: int) -> Dataset:
+                ...  # train / test dicts of numpy arrays and info (in_dim, num_classes)
+
+        # jaxstream run cfg.yaml --plugin my_data data.type=my_data
+    """
     global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    for name in modules:
+    if not _LOADED:
+        _LOADED = True
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as e:
+                # Skip only when the plugin module itself (or its package) is absent.
+                if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
+                    _LOADED = False
+                    raise
+        if entry_points:
+            _load_entry_points()
+    for name in extra:
+        if name in _IMPORTED:
+            continue
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as e:
-            # Skip only when the plugin module itself (or its package) is absent.
-            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
-                _LOADED = False
-                raise
+            if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+                raise ConfigError(f"--plugin {name}: no module named {e.name!r} (is it installed "
+                                  "or on PYTHONPATH?)") from e
+            raise
+        _IMPORTED.add(name)
+
+
+def _load_entry_points() -> None:
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.value in _IMPORTED:
+            continue
+        obj = ep.load()  # importing the module registers; a callable is called once
+        if callable(obj) and not isinstance(obj, type):
+            obj()
+        _IMPORTED.add(ep.value)
 
 
 def load_experiment(

@@ -19,13 +19,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxstream.data.batches import batch_at
 from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.estimators import describe, family
 from jaxstream.experiment.plots import write_plots
+from jaxstream.experiment.progress import arm_bar, arm_done, status
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.summary import compare_families, format_table, summarize_arm
@@ -85,9 +85,9 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         return {"records": records, "compile_time": None, "diverged": diverged}
 
     first = batch_at(data.train, cfg.batch_size, cfg.seed, start)
+    status(f"{arm.name}: compiling the first step")
     compile_time = _warm_up(engine, state, first, jax.random.fold_in(step_root, 0))
-    bar = tqdm(range(start, stop), desc=arm.name, initial=start, total=stop,
-               disable=None if cfg.progress else True, leave=False)
+    bar = arm_bar(range(start, stop), arm.name, start=start, total=stop, enabled=cfg.progress)
     s = start
     for s in bar:
         batch = batch_at(data.train, cfg.batch_size, cfg.seed, s)
@@ -114,6 +114,8 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         if diverged:
             break
     bar.close()
+    arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
+             cfg.progress)
     ckpt.close()
     return {"records": records, "compile_time": compile_time, "diverged": diverged}
 
@@ -121,6 +123,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
 def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """Train every arm; write metrics.jsonl, plots; print and return the summary."""
     run_dir = Path(run_dir)
+    status(f"loading data ({type(cfg.data).__name__})")
     data = cfg.data.load(cfg.seed)
     stack = model_for(cfg, data.info)
     init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))

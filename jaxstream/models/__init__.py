@@ -1,6 +1,8 @@
-"""Models as stacks: embed -> L blocks -> head -> loss, over a params pytree with stacked blocks."""
+"""Models as stacks (embed -> L identical blocks -> head -> loss, over a params pytree with stacked
+blocks, the fast path) and as sequences of layers written as an ``nnx.Sequential``."""
 
 from jaxstream.models.nnx_stack import from_nnx, nnx_stack_factory
+from jaxstream.models.sequential import Sequential, from_sequential
 from jaxstream.models.stack import (
     Batch,
     Params,
@@ -15,11 +17,13 @@ from jaxstream.models.zoo import char_transformer, cnn, mlp
 __all__ = [
     "Batch",
     "Params",
+    "Sequential",
     "Stack",
     "char_transformer",
     "cnn",
     "cross_entropy",
     "from_nnx",
+    "from_sequential",
     "is_stack_params",
     "layer_slice",
     "mlp",

@@ -1,7 +1,11 @@
 """Matplotlib figures of gradient-quality rows (per layer, sweeps, settings side by side).
 
 Every function takes plain rows (dicts, as in :class:`~jaxstream.quality.table.QualityTable`)
-and returns a ``Figure``; the caller saves it (``fig.savefig(path)``) or shows it.
+and returns a ``Figure``; the caller saves it (``fig.savefig(path)``) or shows it. Each series
+has its own marker and line style and is shifted slightly along x, so estimators that give the
+same numbers (e.g. ``guess``, ``weighted`` and the exact subset when the forward part is shrunk
+away) stay visible; a note in the panel names the series that coincide. Axes are labelled in
+words (:data:`LABELS`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,49 @@ from jaxstream.quality.groups import WHOLE
 
 Rows = Sequence[Mapping[str, Any]]
 
+#: Words for the fields used as axes.
+LABELS = {
+    "cosine_mean": "cosine to exact gradient",
+    "cosine_std": "std of cosine over seeds",
+    "norm_ratio_mean": "norm ratio |est| / |exact|",
+    "relative_error_mean": "relative error",
+    "relative_variance": "relative variance (var / |exact|²)",
+    "bias": "bias |mean - exact| / |exact|",
+    "snr": "signal-to-noise |exact|² / var",
+    "num_tangents": "tangents per micro-batch K",
+    "num_exact": "micro-batches with an exact gradient",
+    "group": "layer group",
+}
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_STYLES = ("-", "--", "-.", ":")
+
+
+def label(field: str) -> str:
+    """The words for an axis field (the field name itself if unknown)."""
+    return LABELS.get(field, field.replace("_", " "))
+
+
+def _style(i: int) -> dict[str, Any]:
+    return {"marker": _MARKERS[i % len(_MARKERS)], "ls": _STYLES[(i // 2) % len(_STYLES)],
+            "capsize": 3, "markersize": 5}
+
+
+def _note_coinciding(ax: Any, curves: Mapping[str, Sequence[float]]) -> None:
+    """Add "lines coincide: a = b" (equal to 3 significant digits) under the panel's title."""
+    groups: dict[tuple, list[str]] = {}
+    for name, ys in curves.items():
+        groups.setdefault(tuple(float(f"{float(y):.3g}") for y in ys), []).append(str(name))
+    same = [g for g in groups.values() if len(g) > 1]
+    if same:
+        ax.text(0.5, 0.98, "lines coincide: " + "; ".join(" = ".join(g) for g in same),
+                transform=ax.transAxes, fontsize=7, color="dimgray", va="top", ha="center",
+                bbox={"facecolor": "white", "alpha": 0.8, "lw": 0})
+
+
+def _shift(i: int, n: int, width: float = 0.25) -> float:
+    """Offset of series ``i`` of ``n`` along x (fraction of one step) so bars do not overlap."""
+    return 0.0 if n < 2 else (i - (n - 1) / 2) * width / (n - 1)
+
 
 def _unique(rows: Rows, key: str) -> list[Any]:
     return list(dict.fromkeys(r[key] for r in rows))
@@ -33,14 +80,20 @@ def plot_per_layer(
     """
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 3.5))
     groups = [g for g in _unique(rows, "group") if g != WHOLE] or [WHOLE]
-    for name in _unique(rows, "estimator"):
+    names = _unique(rows, "estimator")
+    curves = {}
+    for i, name in enumerate(names):
         sel = {r["group"]: r for r in rows if r["estimator"] == name}
         y = [sel[g][metric] for g in groups]
         err = [sel[g][spread] for g in groups] if spread else None
-        ax.errorbar(range(len(groups)), y, yerr=err, marker="o", capsize=3, label=name)
+        xs = [j + _shift(i, len(names)) for j in range(len(groups))]
+        ax.errorbar(xs, y, yerr=err, label=name, **_style(i))
+        curves[name] = y
+    _note_coinciding(ax, curves)
     ax.set_xticks(range(len(groups)), groups, rotation=45, ha="right")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} per layer")
+    ax.set_xlabel(label("group"))
+    ax.set_ylabel(label(metric))
+    ax.set_title(f"{label(metric).split(' (')[0]} per layer")
     if metric.startswith("relative_variance") or metric == "snr":
         ax.set_yscale("log")
     ax.legend(fontsize="small")
@@ -77,19 +130,29 @@ def plot_sweep(
         for j, col in enumerate(cols):
             ax = axes[i][j]
             sub = [r for r in rows if r[panels] == col]
-            for name in _unique(sub, series):
+            names = _unique(sub, series)
+            log_x = x in ("num_tangents",)
+            curves, ticks = {}, set()
+            for k, name in enumerate(names):
                 pts = sorted((r for r in sub if r[series] == name), key=lambda r: r[x])
                 xs = [r[x] for r in pts]
+                ticks.update(xs)
                 ys = [r[metric] for r in pts]
                 err = [r[spread] for r in pts] if spread else None
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=str(name))
-            ax.set_xlabel(x)
-            ax.set_ylabel(metric)
+                d = _shift(k, len(names), 0.15 if log_x else 0.25)
+                xs = [v * 2.0**d for v in xs] if log_x else [v + d for v in xs]
+                ax.errorbar(xs, ys, yerr=err, label=str(name), **_style(k))
+                curves[str(name)] = ys
+            _note_coinciding(ax, curves)
+            ax.set_xlabel(label(x))
+            ax.set_ylabel(label(metric))
             ax.set_title(f"{col}")
             if metric in log_metrics:
                 ax.set_yscale("log")
-            if x in ("num_tangents",):
+            if log_x:
                 ax.set_xscale("log", base=2)
+            ax.minorticks_off()
+            ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])  # counts: integers
     axes[0][-1].legend(fontsize="small")
     fig.tight_layout()
     return fig
@@ -124,7 +187,7 @@ def plot_settings_bars(
             label=str(s),
         )
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    ax.set_ylabel(metric)
+    ax.set_ylabel(label(metric))
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -35,7 +36,36 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.set_defaults(func=main_plan)
     return p
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """Every flag checked before anything is measured; errors name the flag."""
+    from jaxstream.experiment.config import ConfigError
+
+    for name in ("width", "depth", "in_dim", "num_classes", "tangents"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("device_flops", "read_bandwidth", "device_memory"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.prefetch < 0:
+        raise ConfigError(f"--prefetch must be >= 0, got {args.prefetch}")
+    if args.probe_dir is not None:
+        if not os.path.isdir(args.probe_dir):
+            raise ConfigError(f"--probe-dir {args.probe_dir} is not a directory")
+        if not os.access(args.probe_dir, os.W_OK):
+            raise ConfigError(f"--probe-dir {args.probe_dir} is not writable")
+    if args.json is not None:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(parent):
+            raise ConfigError(f"--json {args.json}: needs a file path in an existing directory")
+
+
+def _status(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def measure_device_flops(n: int = 1024, repeats: int = 5) -> float:
@@ -74,20 +104,25 @@ def measure_read_bandwidth(directory: str | None, size: int = 64 << 20) -> float
 
 def main_plan(args: argparse.Namespace) -> int:
     """Runs the ``plan`` sub-command; returns the exit status."""
+    check_plan_args(args)
     import jax
 
     from jaxstream.models import mlp
     from jaxstream.stream.planner import format_plan, layer_cost, plan
 
-    for name in ("width", "depth", "in_dim", "num_classes", "tangents"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     stack = mlp(args.in_dim, args.width, args.depth, args.num_classes)
     params = jax.eval_shape(stack.init, jax.random.key(0))
     sample = {"x": jax.ShapeDtypeStruct((8, args.in_dim), np.float32)}
     cost = layer_cost(stack, params, sample, tangents=args.tangents)
-    flops = args.device_flops or measure_device_flops()
-    bw = args.read_bandwidth or measure_read_bandwidth(args.probe_dir)
+    flops = args.device_flops
+    if flops is None:
+        _status("measuring device FLOP/s (a 1024x1024 matmul; pass --device-flops to skip) ...")
+        flops = measure_device_flops()
+    bw = args.read_bandwidth
+    if bw is None:
+        _status(f"measuring read bandwidth in {args.probe_dir or tempfile.gettempdir()} (a 64 MiB "
+                "file; pass --read-bandwidth to skip) ...")
+        bw = measure_read_bandwidth(args.probe_dir)
     result = plan(cost, device_flops=flops, read_bandwidth=bw, device_memory=args.device_memory,
                   prefetch=args.prefetch, compute_bytes=2 if args.compute_dtype == "bfloat16" else 4)
     print(f"device {flops / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.2f} GB/s")

@@ -1,0 +1,171 @@
+"""Result tables written from run directories, never by hand: for the terminal and for docs/.
+
+``jaxstream compare RUN_DIR...`` prints the arms of train runs side by side and writes one plot.
+Docs mark each generated table with the command that writes it::
+
+    <!-- generated: compare runs/quickstart -->
+    ... (replaced) ...
+    <!-- end generated -->
+
+and ``python -m jaxstream.experiment.doctable docs/experiments.md`` rewrites every marked block
+from the run directories it names (``compare RUN...`` for train runs, ``sweep RUN`` for an
+``lr_sweep`` run). Each table ends with a line naming the command, the run's config and the
+machine it ran on (from the run's ``env.json``).
+
+Example:
+    >>> print(compare_runs(["runs/quickstart"], plot=None))
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxstream.experiment.rundir import MetricsLog
+from jaxstream.experiment.summary import format_table
+
+BLOCK = re.compile(r"(<!-- generated: (?P<cmd>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)",
+                   re.DOTALL)
+
+
+def read_run(run_dir: str | Path) -> dict[str, Any]:
+    """``summary.json``, ``env.json`` and ``metrics.jsonl`` of a run directory."""
+    d = Path(run_dir)
+    out: dict[str, Any] = {"dir": d, "records": MetricsLog(d / "metrics.jsonl").read()}
+    for name in ("summary", "env"):
+        path = d / f"{name}.json"
+        out[name] = json.loads(path.read_text()) if path.is_file() else {}
+    return out
+
+
+def machine(env: dict[str, Any]) -> str:
+    """One phrase for the machine of a run, from its ``env.json``."""
+    v = env.get("versions", {})
+    return (f"{env.get('platform', '?')}, JAX {v.get('jax', '?')} on {env.get('backend', '?')} "
+            f"({env.get('device_count', '?')} x {env.get('device', '?')})")
+
+
+def provenance(run: dict[str, Any], command: str) -> str:
+    """The line under a generated table: command, config, overrides, machine."""
+    env = run["env"]
+    over = " ".join(env.get("overrides", []) or [])
+    cfg = f"`jaxstream run {env.get('config', '?')}{' ' + over if over else ''}`"
+    return (f"Written by `{command}` from `{run['dir']}` ({cfg}) on {machine(env)}.")
+
+
+def _f(v: Any, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def _arms(runs: Sequence[dict[str, Any]]) -> dict[str, dict]:
+    many = len(runs) > 1
+    out = {}
+    for run in runs:
+        for name, a in run["summary"].get("arms", {}).items():
+            out[f"{run['dir'].name}/{name}" if many else name] = a
+    return out
+
+
+def train_markdown(runs: Sequence[dict[str, Any]], target: float) -> str:
+    """A Markdown table of the arms of train runs."""
+    pct = format(target, ".0%")
+    head = (f"| arm | estimator | lr | final loss | test acc | steps to {pct} | s to {pct} "
+            "| ms/step | mean cosine |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for name, a in _arms(runs).items():
+        lines.append(
+            f"| {name} | {a.get('estimator', '')} | {_f(a.get('lr'), '.2g')} "
+            f"| {_f(a.get('final_loss'), '.3f')} | {_f(a.get('final_test_accuracy'), '.3f')} "
+            f"| {_f(a.get('steps_to_target'), 'd')} | {_f(a.get('seconds_to_target'), '.2f')} "
+            f"| {_f(a.get('ms_per_step'), '.2f')} | {_f(a.get('mean_cosine'), '.3f')} |")
+    return "\n".join(lines)
+
+
+def sweep_markdown(run: dict[str, Any]) -> str:
+    """A Markdown table of an ``lr_sweep`` run: steps to target / final accuracy per lr."""
+    arms = run["summary"]["arms"]
+    lrs = list(next(iter(arms.values()))["results"])
+    lines = ["| estimator | " + " | ".join(f"{float(lr):.0e}" for lr in lrs) + " | picked |",
+             "|---" * (len(lrs) + 2) + "|"]
+    for name, a in arms.items():
+        cells = []
+        for lr in lrs:
+            r = a["results"][lr]
+            cell = f"{_f(r['steps_to_target'], 'd')} / {r['final_accuracy']:.3f}"
+            cells.append(f"**{cell}**" if float(lr) == a["picked_lr"] else cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {a['picked_lr']:.0e} |")
+    return "\n".join(lines)
+
+
+def compare_runs(run_dirs: Sequence[str | Path], plot: str | Path | None = "compare.png",
+                 markdown: bool = False) -> str:
+    """The arms of train runs side by side (text or Markdown); writes ``plot`` if given."""
+    runs = [read_run(d) for d in run_dirs]
+    target = runs[0]["summary"].get("target_accuracy", 0.95)
+    if markdown:
+        cmd = "jaxstream compare " + " ".join(str(d) for d in run_dirs) + " --markdown"
+        text = train_markdown(runs, target) + "\n\n" + provenance(runs[0], cmd)
+    else:
+        text = format_table(_arms(runs), target)
+    if plot is not None:
+        from jaxstream.experiment.plots import write_compare_plot
+
+        many = len(runs) > 1
+        records = [{**r, "arm": f"{run['dir'].name}/{r['arm']}" if many else r["arm"]}
+                   for run in runs for r in run["records"]]
+        write_compare_plot(records, list(_arms(runs)), Path(plot), target)
+        text += f"\nplot: {plot}"
+    return text
+
+
+def generate(command: str, root: Path = Path(".")) -> str:
+    """The Markdown written for one ``<!-- generated: COMMAND -->`` block."""
+    words = command.split()
+    what, dirs = words[0], [root / w for w in words[1:]]
+    full = f"python -m jaxstream.experiment.doctable {command}"
+    if what == "compare":
+        runs = [read_run(d) for d in dirs]
+        target = runs[0]["summary"].get("target_accuracy", 0.95)
+        return train_markdown(runs, target) + "\n\n" + provenance(runs[0], full)
+    if what == "sweep":
+        run = read_run(dirs[0])
+        return sweep_markdown(run) + "\n\n" + provenance(run, full)
+    raise ValueError(f"generated block: {what!r} is not known; choose 'compare' or 'sweep'")
+
+
+def update_doc(path: str | Path, root: Path = Path(".")) -> int:
+    """Rewrite every generated block of a Markdown file; returns the number of blocks."""
+    path = Path(path)
+    text = path.read_text()
+    count = 0
+
+    def sub(m: re.Match) -> str:
+        nonlocal count
+        count += 1
+        return m.group(1) + generate(m.group("cmd"), root) + "\n" + m.group(4)
+
+    path.write_text(BLOCK.sub(sub, text))
+    return count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxstream.experiment.doctable DOC.md...`` or ``... compare|sweep RUN...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m jaxstream.experiment.doctable DOC.md... | compare RUN... | "
+              "sweep RUN", file=sys.stderr)
+        return 2
+    if argv[0] in ("compare", "sweep"):
+        print(generate(" ".join(argv)))
+        return 0
+    for doc in argv:
+        print(f"{doc}: {update_doc(doc)} tables written", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Models as users write them: an ``nnx.Sequential`` as a layered loss function.
+
+Each element of the sequence is a *layer*: an nnx module (with parameters, batch statistics or
+dropout) or a plain callable (``nnx.relu``, a pooling lambda, a reshape). Layers may change the
+shape of the activations. The model is a ``loss_fn(params, batch) -> scalar`` that every
+estimator accepts (backprop, forward weight perturbation, hybrid); activity perturbation runs on
+its own layered pass (:meth:`Sequential.activity`), which puts a tangent on the output of every
+layer that has parameters. A stack of identical blocks (:class:`~jaxstream.models.Stack`) stays
+the fast path (one compiled block, ``lax.scan``); a sequential model unrolls its layers.
+
+Parameters are a tuple with one ``nnx.Param`` pure dict per layer (``{}`` for a layer without
+parameters). Non-differentiated state -- BatchNorm's running averages -- lives in a tuple of the
+same layout (:attr:`Sequential.state`): the loss uses the statistics of the batch (training
+mode), :meth:`Sequential.update_state` computes the new running averages after a step, and
+:meth:`Sequential.apply` uses them for evaluation.
+
+Key schedule (on top of :mod:`jaxstream.grad.tangents`):
+
+* activity tangents of layer ``l``: ``block_key(fold_in(key, 3), l)``;
+* dropout of layer ``l``: ``fold_in(fold_in(step_key, DROPOUT), l)``, bound with
+  :meth:`Sequential.with_rng` (``jaxstream.train_step`` does it for every step). The same mask
+  serves every tangent, the exact gradient and both passes of activity perturbation. Without a
+  bound key, dropout is off.
+
+Example:
+    >>> rngs = nnx.Rngs(0)
+    >>> model = from_sequential(nnx.Sequential(
+    ...     nnx.Linear(64, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 10, rngs=rngs)),
+    ...     loss="cross_entropy")
+    >>> params = model.init(jax.random.key(0))
+    >>> loss, grads = jaxstream.grad.backprop()(model, params, batch, key)
+    >>> loss, grads = model.activity(TangentSpec(num=4), params, batch, key)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxstream.models.stack import Batch, cross_entropy
+
+if TYPE_CHECKING:  # jaxstream.grad imports jaxstream.models: import it lazily at run time
+    from jaxstream.grad.tangents import TangentSpec
+
+ACTIVITY = 3  # key segment of activation tangents (as for a stack)
+DROPOUT = 5  # key segment of dropout masks
+
+LOSSES: dict[str, Callable[[jax.Array, Batch], jax.Array]] = {"cross_entropy": cross_entropy}
+
+
+def mean_squared_error(out: jax.Array, batch: Batch) -> jax.Array:
+    """Per-example mean squared error against float targets ``batch["y"]``."""
+    err = (out - batch["y"].reshape(out.shape)).astype(jnp.float32) ** 2
+    return err.reshape(err.shape[0], -1).mean(axis=1)
+
+
+LOSSES["mse"] = mean_squared_error
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Layer:
+    """One element: an nnx graph definition (``fn`` None) or a plain callable."""
+
+    graphdef: Any = None
+    other: Any = None  # constant non-param, non-statistic variables (e.g. RNG streams)
+    fn: Callable | None = None
+    has_params: bool = False
+    has_stats: bool = False
+    has_dropout: bool = False
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sequential:
+    """A sequence of layers with a per-example loss; itself a ``loss_fn(params, batch)``.
+
+    Build it with :func:`from_sequential`. Attributes: ``params`` and ``state`` (initial
+    values), ``example_loss``, ``rng`` (dropout key bound by :meth:`with_rng`), ``name``.
+    """
+
+    layers: tuple[_Layer, ...]
+    params: tuple
+    state: tuple
+    example_loss: Callable[[jax.Array, Batch], jax.Array]
+    rng: jax.Array | None = None
+    name: str = "sequential"
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def num_layers(self) -> int:
+        """Number of elements of the sequence."""
+        return len(self.layers)
+
+    @property
+    def has_state(self) -> bool:
+        """True if some layer keeps batch statistics (BatchNorm)."""
+        return any(layer.has_stats for layer in self.layers)
+
+    @property
+    def cross_example(self) -> bool:
+        """True if a layer mixes examples in training mode (batch statistics)."""
+        return self.has_state
+
+    def init(self, key: jax.Array) -> tuple:
+        """The initial parameters (nnx modules are initialised when built; ``key`` unused)."""
+        del key
+        return self.params
+
+    def with_rng(self, key: jax.Array | None) -> Sequential:
+        """The same model with dropout masks drawn from ``key`` (None: dropout off)."""
+        return dataclasses.replace(self, rng=key)
+
+    # ------------------------------------------------------------------ layers
+    def layer(self, l: int, p: Any, h: jax.Array, *, train: bool = True,
+              state: Any = None) -> tuple[jax.Array, Any]:
+        """Apply layer ``l`` to ``h``; returns ``(output, new batch statistics)``."""
+        layer = self.layers[l]
+        if layer.fn is not None:
+            return layer.fn(h), {}
+        stats = state if state is not None else self.state[l]
+        module = nnx.merge(layer.graphdef, p, stats, layer.other)
+        dropout_on = train and self.rng is not None
+        module.set_attributes(deterministic=not dropout_on, use_running_average=not train,
+                              raise_if_not_found=False)
+        if dropout_on and layer.has_dropout:
+            _bind_dropout(module, jax.random.fold_in(self.rng, l))
+        out = module(h)
+        new = nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)) if layer.has_stats else stats
+        return out, new
+
+    def layer_fn(self, l: int, train: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
+        """``(params_l, h) -> output`` of layer ``l`` (training mode by default)."""
+        return lambda p, h: self.layer(l, p, h, train=train)[0]
+
+    # ------------------------------------------------------------------ whole model
+    def apply(self, params: tuple, x: jax.Array, state: tuple | None = None,
+              train: bool = False) -> jax.Array:
+        """Outputs of inputs ``x``; evaluation mode (running averages of ``state``) by default."""
+        state = self.state if state is None else state
+        h = x
+        for l in range(self.num_layers):
+            h, _ = self.layer(l, params[l], h, train=train, state=state[l])
+        return h
+
+    def update_state(self, params: tuple, state: tuple, x: jax.Array) -> tuple:
+        """New running averages after a training-mode pass over ``x`` (not differentiated)."""
+        params = jax.lax.stop_gradient(params)
+        h, new = x, []
+        for l in range(self.num_layers):
+            h, s = self.layer(l, params[l], h, train=True, state=state[l])
+            new.append(s)
+        return tuple(new)
+
+    def example_losses(self, params: tuple, batch: Batch) -> jax.Array:
+        """Per-example losses in training mode, shape (B,)."""
+        return self.example_loss(self.apply(params, batch["x"], train=True), batch)
+
+    def __call__(self, params: tuple, batch: Batch) -> jax.Array:
+        """Mean training loss of ``batch``."""
+        _check_batch(self, params, batch)
+        return jnp.mean(self.example_losses(params, batch))
+
+    def accuracy(self, params: tuple, batch: Batch, state: tuple | None = None) -> jax.Array:
+        """Share of correct argmax predictions (evaluation mode)."""
+        out = self.apply(params, batch["x"], state)
+        return jnp.mean(jnp.argmax(out, axis=-1) == batch["y"])
+
+    # ------------------------------------------------------------------ activity perturbation
+    def activity(self, spec: TangentSpec, params: tuple, batch: Batch,
+                 key: jax.Array) -> tuple[jax.Array, tuple]:
+        """Activity-perturbation forward gradient: ``(loss, grads)``, unbiased.
+
+        Tangents u_l (K per example) go on the output of every layer with parameters; one jvp
+        pass gives per-example scalars ``d[k, b]``; layer l's output cotangent is estimated by
+        ``(1/(K·B)) Σ_k d[k, b] u_l[k, b]`` and its weight estimate is a vjp through that layer
+        alone (a second pass recomputes the forward). With batch statistics (BatchNorm) an
+        example's loss depends on the other examples, so the scalar of the mean loss
+        ``Σ_b d[k, b] / B`` is used for every example instead (still unbiased, noisier).
+        """
+        from jaxstream.grad.tangents import block_key
+
+        _check_batch(self, params, batch)
+        akey = jax.random.fold_in(key, ACTIVITY)
+        h, dh = batch["x"], None
+        for l in range(self.num_layers):
+            f = lambda hh, l=l: self.layer(l, params[l], hh)[0]
+            h, dh = (f(h), None) if dh is None else _jvp_k(f, h, dh)
+            if self.layers[l].has_params:
+                u = spec.sample(block_key(akey, l), h.shape, h.dtype)
+                dh = u if dh is None else dh + u
+        if dh is None:
+            raise ValueError("activity perturbation: the model has no parameters")
+        ex_loss, d = _jvp_k(lambda out: self.example_loss(out, batch), h, dh)  # d: (K, B)
+        k, b = d.shape
+        coef = jnp.broadcast_to(d.mean(axis=1, keepdims=True), d.shape) if self.cross_example \
+            else d / b
+
+        h, grads = batch["x"], []
+        for l in range(self.num_layers):
+            if not self.layers[l].has_params:
+                h = self.layer(l, params[l], h)[0]
+                grads.append(params[l])
+                continue
+            h, pull = jax.vjp(lambda p, l=l, h=h: self.layer(l, p, h)[0], params[l])
+            u = spec.sample(block_key(akey, l), h.shape, h.dtype)
+            cot = jnp.einsum("kb...,kb->b...", u, coef.astype(u.dtype)) / k
+            grads.append(pull(cot)[0])
+        return jnp.mean(ex_loss), tuple(grads)
+
+
+def _bind_dropout(module: nnx.Module, key: jax.Array) -> None:
+    """Give dropout ``j`` of a freshly merged layer the key ``fold_in(key, j)`` (a plain key, so
+    no RNG counter is mutated inside a trace)."""
+    dropouts = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Dropout)]
+    for j, m in enumerate(dropouts):
+        object.__setattr__(m, "rngs", jax.random.fold_in(key, j))
+
+
+def _jvp_k(fn: Callable, primal: Any, tangents_k: Any):
+    """jvp of ``fn`` for a batch of K tangents; the primal is computed once."""
+    return jax.vmap(lambda t: jax.jvp(fn, (primal,), (t,)), out_axes=(None, 0))(tangents_k)
+
+
+def _check_batch(model: Sequential, params: Any, batch: Any) -> None:
+    """Clear errors (before tracing the layers) for the common mistakes."""
+    if not isinstance(params, tuple) or len(params) != model.num_layers:
+        raise TypeError(f"params: expected the tuple of {model.num_layers} per-layer dicts from "
+                        f"model.init(key), got {type(params).__name__}")
+    if not isinstance(batch, dict) or "x" not in batch or "y" not in batch:
+        raise TypeError("batch: expected a dict with 'x' and 'y'")
+    nx, ny = jnp.shape(batch["x"])[:1], jnp.shape(batch["y"])[:1]
+    if nx != ny:
+        raise ValueError(f"batch: 'x' has {nx[0] if nx else 0} examples, 'y' has "
+                         f"{ny[0] if ny else 0}")
+    if model.example_loss is cross_entropy and not jnp.issubdtype(
+            jnp.result_type(batch["y"]), jnp.integer):
+        raise TypeError(f"batch['y']: cross_entropy needs integer class labels, got "
+                        f"{jnp.result_type(batch['y'])}")
+
+
+def _split_layer(element: Any, i: int) -> tuple[_Layer, Any, Any]:
+    if not isinstance(element, nnx.Module):
+        if not callable(element):
+            raise TypeError(f"layer {i}: expected an nnx module or a callable, got "
+                            f"{type(element).__name__}")
+        return _Layer(fn=element), {}, {}
+    graphdef, params, stats, other = nnx.split(element, nnx.Param, nnx.BatchStat, ...)
+    has_dropout = any(isinstance(m, nnx.Dropout) for _, m in nnx.iter_graph(element))
+    layer = _Layer(graphdef=graphdef, other=other, has_params=bool(jax.tree.leaves(params)),
+                   has_stats=bool(jax.tree.leaves(stats)), has_dropout=has_dropout)
+    return layer, nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
+
+
+def from_sequential(
+    model: nnx.Sequential | Sequence[Any],
+    loss: str | Callable[[jax.Array, Batch], jax.Array] = "cross_entropy",
+    name: str = "sequential",
+) -> Sequential:
+    """A :class:`Sequential` loss function from an ``nnx.Sequential`` (or a list of layers).
+
+    Args:
+      model: the sequence; each element is a layer (nnx module or plain callable).
+      loss: ``"cross_entropy"`` (integer labels), ``"mse"`` (float targets), or a function
+        ``(outputs, batch) -> (B,)`` per-example losses.
+      name: a label for tables and plots.
+
+    Returns:
+      the model; ``model.init(key)`` gives its parameters.
+
+    Example:
+      >>> rngs = nnx.Rngs(0)
+      >>> cnn = from_sequential(nnx.Sequential(
+      ...     nnx.Conv(1, 8, (3, 3), rngs=rngs), nnx.relu,
+      ...     lambda x: nnx.avg_pool(x, (2, 2), strides=(2, 2)),
+      ...     lambda x: x.reshape(x.shape[0], -1), nnx.Linear(128, 10, rngs=rngs)))
+    """
+    elements = list(model.layers) if isinstance(model, nnx.Sequential) else list(model)
+    if not elements:
+        raise ValueError("model: the sequence has no layers")
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(f"loss: {loss!r} is not known; choose one of {sorted(LOSSES)} or "
+                             "pass a function (outputs, batch) -> per-example losses")
+        loss = LOSSES[loss]
+    layers, params, stats = zip(*(_split_layer(e, i) for i, e in enumerate(elements)))
+    return Sequential(tuple(layers), tuple(params), tuple(stats), loss, None, name)

@@ -1,0 +1,102 @@
+"""A jitted training step from an estimator and an optax optimizer: a notebook's loop in 3 lines.
+
+Example:
+    >>> step = jaxstream.train_step(jaxstream.grad.forward(num_tangents=4), optax.adam(1e-3),
+    ...                             stack)
+    >>> opt_state = step.init(params)
+    >>> for s in range(100):
+    ...     params, opt_state, loss = step(params, opt_state, batch_at(s), jax.random.key(s))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from jaxstream.models.sequential import DROPOUT, Sequential
+
+
+class WithModelState(NamedTuple):
+    """Optimizer state plus a model's non-differentiated state (BatchNorm running averages)."""
+
+    optimizer: Any
+    model: Any
+
+
+class TrainStep:
+    """``step(params, opt_state, batch, key) -> (params, opt_state, loss)``, compiled once.
+
+    ``step.init(params)`` gives the matching ``opt_state`` (for a model with batch statistics it
+    also carries them: ``opt_state.model``, for ``model.apply(params, x, opt_state.model)``).
+    """
+
+    def __init__(self, estimator: Callable, optimizer: optax.GradientTransformation,
+                 loss_fn: Callable):
+        if not callable(estimator):
+            raise TypeError(f"estimator: expected an estimator such as jaxstream.grad.forward(), "
+                            f"got {type(estimator).__name__}")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(f"optimizer: expected an optax GradientTransformation, got "
+                            f"{type(optimizer).__name__}")
+        self.estimator, self.optimizer, self.loss_fn = estimator, optimizer, loss_fn
+        self.stateful = isinstance(loss_fn, Sequential) and loss_fn.has_state
+        self._step = jax.jit(self._update)
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state for ``params`` (plus the model state where there is one)."""
+        opt = self.optimizer.init(params)
+        return WithModelState(opt, self.loss_fn.state) if self.stateful else opt
+
+    def gradients(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
+        """``(loss, grads)`` of the estimator; a sequential model gets its dropout key and,
+        for activity perturbation, its own layered pass."""
+        model = self.loss_fn
+        if isinstance(model, Sequential):
+            model = model.with_rng(jax.random.fold_in(key, DROPOUT))
+            if getattr(self.estimator, "perturb", None) == "activations":
+                if getattr(self.estimator, "local_losses", False):
+                    raise ValueError("local_losses=True is not available for a sequential model")
+                return model.activity(self.estimator.spec, params, batch, key)
+        out = self.estimator(model, params, batch, key)
+        return out[0], out[1]
+
+    def _update(self, params, opt_state, batch, key):
+        loss, grads = self.gradients(params, batch, key)
+        opt = opt_state.optimizer if self.stateful else opt_state
+        updates, opt = self.optimizer.update(grads, opt, params)
+        if self.stateful:
+            model_state = self.loss_fn.update_state(params, opt_state.model, batch["x"])
+            opt = WithModelState(opt, model_state)
+        return optax.apply_updates(params, updates), opt, loss
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any,
+                 key: jax.Array) -> tuple[Any, Any, jax.Array]:
+        if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype,
+                                                                     jax.dtypes.prng_key)):
+            raise TypeError(f"key: expected a typed PRNG key from jax.random.key(seed), got "
+                            f"{type(key).__name__} {getattr(key, 'dtype', '')}".rstrip())
+        return self._step(params, opt_state, batch, key)
+
+
+def train_step(estimator: Callable, optimizer: optax.GradientTransformation,
+               loss_fn: Callable) -> TrainStep:
+    """A jitted ``(params, opt_state, batch, key) -> (params, opt_state, loss)``.
+
+    Args:
+      estimator: e.g. ``jaxstream.grad.backprop()`` or ``jaxstream.grad.forward(...)``.
+      optimizer: an optax ``GradientTransformation`` (learning rate included).
+      loss_fn: the model: a :class:`~jaxstream.models.Stack`, a
+        :class:`~jaxstream.models.sequential.Sequential` or any ``(params, batch) -> scalar``.
+
+    Returns:
+      a :class:`TrainStep`; ``step.init(params)`` makes the first ``opt_state``.
+
+    Example:
+      >>> step = train_step(jaxstream.grad.backprop(), optax.adam(1e-2), stack)
+      >>> opt_state = step.init(params)
+      >>> params, opt_state, loss = step(params, opt_state, batch, jax.random.key(0))
+    """
+    return TrainStep(estimator, optimizer, loss_fn)

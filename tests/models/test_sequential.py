@@ -1,0 +1,142 @@
+"""from_sequential: an nnx.Sequential as a layered loss; activity perturbation unbiased against
+jax.grad (tolerance from the sample variance, fixed seeds); the flax tutorial CNN trains."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxstream as js
+from jaxstream.grad.tangents import TangentSpec
+from jaxstream.models.sequential import from_sequential
+
+R = 256  # estimates per unbiasedness check
+
+
+def flatten(x):
+    return x.reshape(x.shape[0], -1)
+
+
+def pool(x):
+    return nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+
+
+def small_cnn(batch_norm=False, dropout=0.0):
+    """conv -> [BN] -> relu -> pool -> flatten -> [dropout] -> dense -> relu -> dense, 6x6 input."""
+    rngs = nnx.Rngs(0)
+    layers = [lambda x: x.reshape(x.shape[0], 6, 6, 1), nnx.Conv(1, 3, (3, 3), rngs=rngs)]
+    if batch_norm:
+        layers.append(nnx.BatchNorm(3, rngs=rngs))
+    layers += [nnx.relu, pool, flatten]
+    if dropout:
+        layers.append(nnx.Dropout(dropout, rngs=rngs))
+    layers += [nnx.Linear(27, 8, rngs=rngs), nnx.relu, nnx.Linear(8, 4, rngs=rngs)]
+    return from_sequential(nnx.Sequential(*layers), loss="cross_entropy")
+
+
+def tiny_batch(n=6):
+    kx, ky = jax.random.split(jax.random.key(42))
+    return {"x": jax.random.normal(kx, (n, 36)), "y": jax.random.randint(ky, (n,), 0, 4)}
+
+
+def z_scores(estimates, exact):
+    """Per-coordinate (mean - exact) / standard error of the mean, all leaves concatenated."""
+    est = jnp.concatenate([e.reshape(R, -1) for e in jax.tree.leaves(estimates)], axis=1)
+    ref = jnp.concatenate([g.reshape(-1) for g in jax.tree.leaves(exact)])
+    se = est.std(axis=0, ddof=1) / np.sqrt(R)
+    return np.asarray((est.mean(axis=0) - ref) / jnp.maximum(se, 1e-12)), np.asarray(ref / se)
+
+
+# With batch statistics every example's tangents reach every loss (noisier): more tangents.
+@pytest.mark.parametrize("batch_norm,dropout,k", [(False, 0.0, 2), (True, 0.3, 16)],
+                         ids=["plain", "batchnorm+dropout"])
+def test_activity_unbiased(batch_norm, dropout, k):
+    model = small_cnn(batch_norm, dropout).with_rng(jax.random.key(7))
+    params, batch = model.init(jax.random.key(0)), tiny_batch()
+    spec = TangentSpec(num=k)
+    exact = jax.jit(jax.grad(model))(params, batch)
+    keys = jax.random.split(jax.random.key(1), R)
+    losses, est = jax.jit(lambda ks: jax.lax.map(
+        lambda k: model.activity(spec, params, batch, k), ks))(keys)
+    np.testing.assert_allclose(losses, jax.jit(model)(params, batch), rtol=1e-5)  # same mask
+    z, snr = z_scores(est, exact)
+    # About 300 coordinates, each z ~ N(0, 1) by the CLT: max |z| above 5 has probability < 1e-4.
+    assert np.abs(z).max() < 5.0, np.abs(z).max()
+    # The check has power: an estimate missing (zero) where the gradient is would give
+    # |z| = |g| / standard error, far above the threshold for many coordinates.
+    assert (np.abs(snr) > 10.0).sum() >= 5, np.sort(np.abs(snr))[-5:]
+
+
+def test_weight_perturbation_and_backprop_accept_sequential():
+    model = small_cnn()
+    params, batch, key = model.init(None), tiny_batch(), jax.random.key(3)
+    loss, g = jax.jit(lambda p, k: js.grad.backprop()(model, p, batch, k))(params, key)
+    ref = jax.jit(jax.grad(model))(params, batch)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g, ref)
+    loss_f, gf = jax.jit(lambda p, k: js.grad.forward(num_tangents=2)(model, p, batch, k))(
+        params, key)
+    assert np.isclose(loss_f, loss) and jax.tree.structure(gf) == jax.tree.structure(g)
+
+
+def test_batch_statistics_are_state():
+    model = small_cnn(batch_norm=True)
+    params, batch = model.init(None), tiny_batch()
+    assert model.has_state and all(not jax.tree.leaves(s) for s in model.state[:2])
+    new = model.update_state(params, model.state, batch["x"])
+    h = model.layer(1, params[1], model.layer(0, params[0], batch["x"])[0])[0]
+    mean = np.asarray(h).mean(axis=(0, 1, 2))
+    # flax's default momentum 0.99: new = 0.99 * old + 0.01 * batch mean.
+    np.testing.assert_allclose(new[2]["mean"], 0.99 * np.asarray(model.state[2]["mean"])
+                               + 0.01 * mean, rtol=1e-5, atol=1e-7)
+    # Batch statistics get no gradient entry: only parameters are differentiated.
+    assert set(jax.grad(model)(params, batch)[2]) == {"bias", "scale"}
+
+
+def test_errors_name_the_argument():
+    model = small_cnn()
+    params, batch = model.init(None), tiny_batch()
+    with pytest.raises(TypeError, match=r"batch\['y'\].*integer"):
+        model(params, {"x": batch["x"], "y": batch["y"].astype(jnp.float32)})
+    with pytest.raises(ValueError, match="'x' has 6 examples, 'y' has 5"):
+        model(params, {"x": batch["x"], "y": batch["y"][:5]})
+    with pytest.raises(ValueError, match="loss: 'hinge'"):
+        from_sequential([nnx.relu], loss="hinge")
+    step = js.train_step(js.grad.backprop(), optax.sgd(0.1), model)
+    with pytest.raises(TypeError, match="key: expected a typed PRNG key"):
+        step(params, step.init(params), batch, 0)
+
+
+def tutorial_cnn(rngs):
+    """The flax nnx MNIST-tutorial CNN (narrower), for 8x8 digits."""
+    return nnx.Sequential(
+        nnx.Conv(1, 8, (3, 3), rngs=rngs), nnx.relu, pool,
+        nnx.Conv(8, 16, (3, 3), rngs=rngs), nnx.relu, pool,
+        flatten, nnx.Linear(16 * 2 * 2, 32, rngs=rngs), nnx.relu, nnx.Linear(32, 10, rngs=rngs))
+
+
+# 60 steps of batch 64 (chance is 0.1): backprop is close to done, forward well on its way.
+@pytest.mark.parametrize("estimator,lr,floor", [
+    (js.grad.backprop(), 1e-2, 0.8),
+    (js.grad.forward(num_tangents=4, perturb="activations"), 1e-2, 0.3)],
+    ids=["backprop", "forward-activity"])
+def test_tutorial_cnn_trains_on_digits(estimator, lr, floor):
+    from jaxstream.data.digits import load_digits
+
+    data = load_digits(seed=0, images=True)
+    model = from_sequential(tutorial_cnn(nnx.Rngs(0)), loss="cross_entropy")
+    params = model.init(None)
+    step = js.train_step(estimator, optax.adam(lr), model)
+    opt_state = step.init(params)
+    test = {k: jnp.asarray(v) for k, v in data.test.items()}
+    accuracy = jax.jit(model.accuracy)
+    before = float(accuracy(params, test))
+    rng = np.random.default_rng(0)
+    for s in range(60):
+        idx = rng.choice(len(data.train["y"]), 64, replace=False)
+        batch = {k: jnp.asarray(v[idx]) for k, v in data.train.items()}
+        params, opt_state, loss = step(params, opt_state, batch, jax.random.key(s))
+    after = float(accuracy(params, test))
+    assert np.isfinite(float(loss))
+    assert before < 0.2 and after > floor, (before, after)
