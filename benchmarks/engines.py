@@ -93,24 +93,16 @@ def per_micro_forward(est, stack, params, micro, key):
 
 
 def run_pipeline(name, est, stack, params, micro, key):
-    """(grads, reference) or raises ValueError/TypeError when the pipeline refuses."""
+    """(grads, own reference or None); raises ValueError/TypeError when the pipeline refuses.
+    Forward estimators run on a forward-only table with tangents per micro-batch (reference:
+    :func:`per_micro_forward`); hybrids on ``complete`` (``truncated`` for nested groups)."""
     if isinstance(est, jg.Backprop):
-        pipe = pipeline(stack, gpipe_backprop(M, N), correction="replace")
-        return pipe(params, micro, key)[1], None
+        return pipeline(stack, gpipe_backprop(M, N), est)(params, micro, key)[1], None
     if isinstance(est, jg.Forward):
-        if est.perturb != "weights" or est.aggregation != "mean":
-            raise ValueError(f"pipeline: forward(perturb={est.perturb!r}, aggregation="
-                             f"{est.aggregation!r}) is not run by the pipeline executor")
-        s = est.spec
-        pipe = pipeline(stack, gpipe_forward(M, N), correction="none", num_tangents=s.num,
-                        distribution=s.distribution, orthogonal=s.orthogonal,
-                        antithetic=s.antithetic)
-        return pipe(params, micro, key)[1], per_micro_forward(est, stack, params, micro, key)[1]
+        grads = pipeline(stack, gpipe_forward(M, N), est)(params, micro, key)[1]
+        return grads, per_micro_forward(est, stack, params, micro, key)[1]
     sched = truncated(M, N, SEL) if est.exact_from is not None else complete(M, N, SEL)
-    s = est.spec
-    pipe = pipeline(stack, sched, correction=est.correction, num_tangents=s.num,
-                    distribution=s.distribution)
-    return pipe(params, micro, key)[1], None
+    return pipeline(stack, sched, est)(params, micro, key)[1], None
 
 
 def run_stream(est, stack, params, micro, key, root):

@@ -93,9 +93,17 @@ class Forward:
         if isinstance(loss_fn, Stack):
             check_examples(batch, "forward")
         if self.perturb == "activations":
+            if not isinstance(loss_fn, Stack) and callable(getattr(loss_fn, "activity", None)):
+                # a layered model that runs its own activity pass (models.from_sequential)
+                if self.local_losses:
+                    raise ValueError("local_losses=True needs a model Stack (a shared head for "
+                                     f"every block); got {type(loss_fn).__name__}")
+                loss, grads = loss_fn.activity(self.spec, params, batch, key)
+                return _finish(loss, grads, {}, diagnostics)
             if not isinstance(loss_fn, Stack):
                 raise TypeError(
-                    "perturb='activations' needs a model Stack as loss_fn (it perturbs each "
+                    "perturb='activations' needs a model Stack or a layered model "
+                    "(jaxstream.models.from_sequential) as loss_fn (it perturbs each "
                     f"block's outputs); got {type(loss_fn).__name__}"
                 )
             loss, grads = stack_activity(loss_fn, self.spec, params, batch, key, self.local_losses)

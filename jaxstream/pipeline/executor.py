@@ -144,7 +144,8 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
     devices = list(jax.devices() if devices is None else devices)
     if m > len(devices):
         raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
-                         f"available (one stage per device)")
+                         f"available (one stage per device); on CPU set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={m} before JAX starts")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
                          f"equal stages")
