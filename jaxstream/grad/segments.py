@@ -161,3 +161,22 @@ def local_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segm
     u = _u(spec, key, segment, out)
     _, d = jvp_k(local_loss, (out,), (u,))
     return out, pull(act_cotangent(spec, key, segment, out, d, d.shape[1]))[0]
+
+
+# ----------------------------------------------------------------------- one given direction
+# The ``guess`` correction differentiates along a direction it already has (the exact mean h),
+# not along drawn tangents: the same passes with the tangent given.
+def embed_jvp_along(stack: Stack, p: Any, v: Any, x: jax.Array):
+    """``(h, dh)`` of the embed along the weight direction ``v``."""
+    return jax.jvp(lambda pp: stack.embed(pp, x), (p,), (v,))
+
+
+def block_jvp_along(stack: Stack, p: Any, v: Any, h: jax.Array, dh: jax.Array):
+    """``(h, dh)`` through one block along its weight direction ``v``."""
+    return jax.jvp(stack.block, (p, h), (v, dh.astype(h.dtype)))
+
+
+def head_jvp_along(stack: Stack, p: Any, v: Any, h: jax.Array, dh: jax.Array, batch: dict):
+    """``(loss, dloss)``: the micro-batch's mean loss and its derivative along the direction."""
+    logits, dlogits = jax.jvp(stack.head, (p, h), (v, dh.astype(h.dtype)))
+    return jax.jvp(_mean_loss(stack, batch), (logits,), (dlogits,))

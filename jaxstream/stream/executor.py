@@ -77,9 +77,6 @@ def _kind(estimator: Any, update: str) -> str:
     elif isinstance(estimator, Forward):
         kind = "forward" if estimator.perturb == "weights" else "activity"
     elif isinstance(estimator, Hybrid):
-        if estimator.correction not in ("replace", "control_variate", "weighted"):
-            raise ValueError("stream: hybrid correction must be one of ('replace', "
-                             f"'control_variate', 'weighted'), got {estimator.correction!r}")
         kind = "hybrid"
     else:
         raise TypeError("stream: estimator must be jaxstream.grad backprop(), forward() or "
@@ -361,12 +358,14 @@ class StreamedExecutor:
         sel = jax.tree.map(lambda a: a[idx], x)
         s = len(idx)
         h_in = jax.device_put(stash["head"], self.device)
-        cv = hybrid and self.estimator.correction in ("control_variate", "weighted")
+        guess = hybrid and self.estimator.correction == "guess"
+        cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "guess")
         weighted = hybrid and self.estimator.correction == "weighted"
         spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit (weighted)
         c_parts: dict = {}
         scratch: list = []
         members = self._members(key, n, layers) if hybrid else {}
+        sq: dict = {}  # ‖h_u‖² per unit (guess)
         idx_j = jnp.asarray(idx, jnp.int32)
 
         def finish(u, g, p):
@@ -380,7 +379,9 @@ class StreamedExecutor:
                     return sink(u, K.unit_replace(self.spec, K.seg_keys(keys, u), jnp.asarray(d),
                                                   g, m, idx_j, p_h), p)
                 h_u, spread[u] = K.unit_group(g, m, p_h)
-                c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
+                if not guess:
+                    c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
+                sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(jax.device_get(h_u))))
             scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
 
         head_dev = self._to_device(hosts["head"])
@@ -404,7 +405,11 @@ class StreamedExecutor:
         g = (K.embed_vjp_each if hybrid else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
         finish("embed", g, hosts["embed"])
 
-        if cv:  # third sweep, now that c_nk = Σ_u h_u·v_nk,u is complete
+        if guess:
+            for f in scratch:
+                f.result()
+            self._guess_sweeps(batch, layers, hosts, sink, t0, np.sqrt(sum(sq.values())))
+        elif cv:  # third sweep, now that c_nk = Σ_u h_u·v_nk,u is complete
             for f in scratch:
                 f.result()
             blocks = [c_parts[l] for l in layers]
@@ -423,6 +428,35 @@ class StreamedExecutor:
             for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
                 sink(u, g, p)
         return float(np.mean(losses)), {}
+
+    def _guess_sweeps(self, batch, layers, hosts, sink, t0, norm: float) -> None:
+        """``guess``: a forward sweep along u = h / ‖h‖ (h from the store's scratch) gives each
+        micro-batch's derivative ∇L_n·u; an update sweep applies (mean_n ∇L_n·u) u."""
+        x = self._cast_batch(batch)
+        scale = 1.0 / max(norm, 1e-30)
+        units = ["embed", *layers, "head"]
+
+        def gload(u):
+            host, dev = self._load_both(u) if u not in hosts else (hosts[u], self._to_device(hosts[u]))
+            v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
+            return dev, self._to_device(v)
+
+        for u, (dev, v) in self._sweep(units, gload, t0, "guess"):
+            if u == "embed":
+                h, dh = K.embed_along(self.stack, dev, v, x["x"])
+            elif u == "head":
+                _, dg = K.head_along(self.stack, dev, v, h, dh, x)
+            else:
+                h, dh = K.block_along(self.stack, dev, v, h, dh)
+        coef = float(np.mean(jax.device_get(dg))) * scale
+
+        def uload(u):
+            p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
+            h_u = self.store.read_scratch(u).result()
+            return p, jax.tree.map(lambda a: np.asarray(a, np.float32) * np.float32(coef), h_u)
+
+        for u, (p, g) in self._sweep(units, uload, t0, "update"):
+            sink(u, g, p)
 
     # ------------------------------------------------------------------ helpers
     def _members(self, key, n, layers) -> dict:

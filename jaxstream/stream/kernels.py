@@ -237,3 +237,20 @@ def unit_control_variate(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, c
                          like: Any) -> Any:
     rows = cr.outside_rows({"tree": member}, idx, d.shape[0])
     return cr.control_variate(spec, seg_keys, d, h, c, like, beta={"tree": beta}, rows=rows)
+
+
+# ----------------------------------------------------------------------------- along a direction
+@functools.partial(jax.jit, static_argnums=(0,))
+def embed_along(stack: Stack, p: Any, v: Any, x: jax.Array):
+    return jax.vmap(lambda xn: sg.embed_jvp_along(stack, p, v, xn))(x)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def block_along(stack: Stack, p: Any, v: Any, h: jax.Array, dh: jax.Array):
+    return jax.vmap(lambda hn, dhn: sg.block_jvp_along(stack, p, v, hn, dhn))(h, dh)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def head_along(stack: Stack, p: Any, v: Any, h: jax.Array, dh: jax.Array, batch: dict):
+    """Per micro-batch mean loss (N,) and its derivative along the direction (N,)."""
+    return jax.vmap(lambda hn, dhn, bn: sg.head_jvp_along(stack, p, v, hn, dhn, bn))(h, dh, batch)

@@ -56,6 +56,7 @@ ESTIMATORS = {
                                     perturb="activations"), "flat"),
     "forward_local": (jg.forward(num_tangents=2, distribution="gaussian", perturb="activations",
                                  local_losses=True), "flat"),
+    "hybrid_guess": (jg.hybrid(num_exact=2, correction="guess", num_tangents=2), "micro"),
     "hybrid_weighted": (jg.hybrid(num_exact=2, correction="weighted", num_tangents=2), "micro"),
     # nested per-layer groups (L = 3): micro-batch 0 exact everywhere, 1 from block 2 up, 3 only
     # at the head, 2 nowhere
@@ -194,8 +195,6 @@ def test_bad_config_errors(tmp_path, data):
     with pytest.raises(ValueError, match="lazy' needs the forward estimator with perturb"):
         StreamedExecutor(STACK, jg.forward(perturb="activations"), SGD, store,
                          StreamConfig(update="lazy"))
-    with pytest.raises(ValueError, match="hybrid correction must be one of"):
-        StreamedExecutor(STACK, jg.hybrid(1, correction="guess"), SGD, store)
     with pytest.raises(ValueError, match="store has 3 layers"):
         StreamedExecutor(mlp(6, 8, 2, 3), jg.backprop(), SGD, store)
 
