@@ -27,7 +27,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.ring import ring_all_reduce_tree
-from jaxstream.grad import Forward, directional
+from jaxstream.grad import Forward, Hybrid, directional
 from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.tangents import combine, gram
 
@@ -104,6 +104,10 @@ class DataParallel:
     def _body(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array):
         if self.exchange == "scalars":
             return self._scalar_body(loss_fn, params, batch, key)
+        if isinstance(self.estimator, Hybrid) and self.tangents == "shared":
+            # reduce the per-micro-batch scalars and exact gradients, then correct once: equal
+            # to the whole-batch hybrid for every correction (weighted and guess included)
+            return self.estimator(loss_fn, params, batch, key, reduce=self._mean)[:2]
         loss, grads = self.estimator(loss_fn, params, batch, self._key(key))[:2]
         return self._mean(loss), self._mean(grads)
 

@@ -79,7 +79,14 @@ class Hybrid:
         return jnp.array(sel, jnp.int32), jnp.array(depth)
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
-                 *, diagnostics: bool = False, guess: Any = None):
+                 *, diagnostics: bool = False, guess: Any = None,
+                 reduce: Callable[[Any], Any] | None = None):
+        """``reduce``: applied to the per-micro-batch quantities (losses, directional
+        derivatives, exact gradients, guess derivatives) before any correction is formed — a
+        data-parallel engine passes a mean over its replicas (each holding a shard of every
+        micro-batch, tangents shared), so every correction, nonlinear ones included, equals the
+        estimator on the whole batch."""
+        reduce = reduce or (lambda t: t)
         check_key(key, "hybrid")
         n = num_micro_batches(batch)
         check_labels(loss_fn, batch, "hybrid")
@@ -89,6 +96,7 @@ class Hybrid:
         losses, d = jax.vmap(lambda b, k: directional(loss_fn, spec, params, b, k))(batch, keys)
         sel_batch = jax.tree.map(lambda x: x[idx], batch)
         exact = jax.vmap(lambda b: jax.grad(loss_fn)(params, b))(sel_batch)
+        losses, d, exact = reduce((losses, d, exact))
         masks = cr.group_masks(params, depth)
         rows = cr.outside_rows(masks, idx, n)
         h, counts = cr.group_mean(exact, masks, params)
@@ -98,7 +106,7 @@ class Hybrid:
             grads = cr.replace(spec, keys, d, exact, masks, params, rows=rows)
         elif self.correction == "guess":
             direction = h if guess is None else guess
-            grads, diag["guess_directional"] = _guess(loss_fn, params, batch, direction)
+            grads, diag["guess_directional"] = _guess(loss_fn, params, batch, direction, reduce)
         else:
             c = cr.residual_scalars(spec, keys, h)
             beta = None
@@ -111,12 +119,12 @@ class Hybrid:
         return _finish(jnp.mean(losses), grads, diag, diagnostics)
 
 
-def _guess(loss_fn, params, batch, direction) -> tuple[Any, jax.Array]:
+def _guess(loss_fn, params, batch, direction, reduce=lambda t: t) -> tuple[Any, jax.Array]:
     """Project the gradient onto a guessed direction: ĝ = (mean_n ∇L_n·u) u, u = h / ‖h‖.
     Biased (only the component along u survives) but with no tangent noise."""
     norm = jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(direction)))
     u = jax.tree.map(lambda x: x / jnp.maximum(norm, 1e-30), direction)
-    dg = jax.vmap(lambda b: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1])(batch)
+    dg = reduce(jax.vmap(lambda b: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1])(batch))
     return jax.tree.map(lambda x: jnp.mean(dg) * x, u), dg
 
 

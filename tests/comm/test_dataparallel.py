@@ -89,11 +89,13 @@ def _linear_loss(p, b):
 LINEAR = {"w": jnp.linspace(-0.3, 0.3, 60).reshape(12, 5), "b": jnp.zeros(5)}
 
 
-def test_hybrid_shared_tangents_equal_whole_batch_estimate(setup):
-    """Control variate is linear in the per-shard scalars and exact gradients."""
+@pytest.mark.parametrize("correction", ["control_variate", "weighted", "guess"])
+def test_hybrid_shared_tangents_equal_whole_batch_estimate(setup, correction):
+    """The replicas reduce the per-micro-batch scalars and exact gradients, then correct once:
+    equal to the whole-batch hybrid, nonlinear corrections (weighted, guess) included."""
     _, _, batch, mesh = setup
-    micro = jax.tree.map(lambda a: a.reshape(2, 16, *a.shape[1:]), batch)  # N=2 micro-batches
-    est = hybrid(num_exact=1, correction="control_variate", num_tangents=2)
+    micro = jax.tree.map(lambda a: a.reshape(4, 8, *a.shape[1:]), batch)  # N=4 micro-batches
+    est = hybrid(num_exact=2, correction=correction, num_tangents=2)
     dp = data_parallel(est, mesh, tangents="shared", batch_axis=1, allreduce="ring")
     loss, grads = _run(dp, _linear_loss, LINEAR, micro)
     ref_loss, ref_grads = _run(est, _linear_loss, LINEAR, micro)
