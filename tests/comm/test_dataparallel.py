@@ -12,6 +12,7 @@ from jaxstream.comm import collectives, traffic_summary
 from jaxstream.comm.dataparallel import data_parallel, device_keys
 from jaxstream.grad import backprop, forward, hybrid
 from jaxstream.models import mlp
+from tests.trees import assert_trees_close
 
 N = 8
 
@@ -29,10 +30,7 @@ def setup():
     return stack, params, batch, mesh
 
 
-def _close(a, b, rtol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        scale = float(jnp.max(jnp.abs(y)))
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol * scale)
+_close = assert_trees_close
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from jaxstream.pipeline import (
 from jaxstream.pipeline import executor as ex
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
+from tests.trees import max_rel_err
 
 K = 2  # tangents
 
@@ -51,10 +52,7 @@ def _setup(m, n, layers_per_stage=1, seed=0):
     return stack, params, batch
 
 
-def _max_rel(a, b):
-    fa = np.concatenate([np.ravel(x) for x in jax.tree.leaves(a)])
-    fb = np.concatenate([np.ravel(x) for x in jax.tree.leaves(b)])
-    return float(np.max(np.abs(fa - fb)) / np.max(np.abs(fb)))
+_max_rel = max_rel_err
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -13,6 +13,7 @@ from jaxstream.models import mlp
 from jaxstream.stream import LayerStore
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from tests.trees import max_rel_err
 
 N, B = 4, 3
 STACK = mlp(6, 8, 3, 3)
@@ -21,12 +22,6 @@ FP32 = StreamConfig(compute_dtype="float32", prefetch=2)
 # once per optimizer instance.
 SGD, ADAM = optax.sgd(0.1), optax.adam(1e-2)
 
-
-def max_rel_err(a, b) -> float:
-    """max over leaves of ‖a − b‖∞ / ‖b‖∞."""
-    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))
-                     / (np.max(np.abs(np.asarray(v, np.float64))) + 1e-30))
-               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 @pytest.fixture(scope="module")
