@@ -37,7 +37,7 @@ from jaxstream.pipeline.stage_ops import StageOps
 from jaxstream.pipeline.table import BW, FBW, IDLE, B, F, Schedule, W
 
 AXIS = "stage"
-CORRECTIONS = ("none", "control_variate", "replace", "weighted")
+CORRECTIONS = ("none", "control_variate", "replace", "weighted", "guess")
 _C = {f: i for i, f in enumerate(FIELDS)}
 
 
@@ -102,13 +102,22 @@ class Pipeline:
         return PipelineCarry(params, stash, micro, jnp.zeros((), jnp.float32))
 
     def __call__(self, params: dict, batch: dict, key: jax.Array,
-                 carry: PipelineCarry | None = None):
-        """(loss, grads, aux): aux has "directional" (N, K) and, for stale tables, "carry"."""
+                 carry: PipelineCarry | None = None, *, guess: Any = None):
+        """(loss, grads, aux): aux has "directional" (N, K) and, for stale tables, "carry".
+
+        ``guess`` (correction "guess" only): the direction to differentiate along, known before
+        the forward pass — pass the previous step's ``aux["direction"]`` (its exact-subset mean
+        h). The estimate is (mean_n ∇L_n·u) u with u = guess / ‖guess‖, as the in-memory
+        ``hybrid(correction="guess")(..., guess=...)``. Without it (the first step) the estimate
+        is this step's exact-subset mean h.
+        """
         self.check_batch(batch)
         if self.stale and carry is None:
             raise ValueError(f"schedule {self.schedule.name!r} corrects the previous step: pass "
                              "carry=pipe.init_carry(params, batch) (then the returned aux['carry'])")
-        return _run(self, params, batch, key, carry)
+        if guess is not None and self.correction != "guess":
+            raise ValueError(f"guess= is for correction='guess', not {self.correction!r}")
+        return _run(self, params, batch, key, carry, guess)
 
 
 def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tangents: int = 1,
@@ -150,6 +159,9 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
                          f"equal stages")
     lowered = lower(schedule)  # raises ScheduleError before anything is compiled
+    if correction == "guess" and (lowered.stale or not lowered.selected):
+        raise ValueError(f"correction='guess' needs exact gradients of this step (the next "
+                         f"step's direction); schedule {schedule.name!r} has none")
     if lowered.stale and correction not in ("control_variate", "weighted", "none"):
         raise ValueError(f"schedule {schedule.name!r} has stale exact gradients (previous step): "
                          f"correction={correction!r} is not allowed; use 'control_variate' "
@@ -189,13 +201,10 @@ def _from_estimator(est: Any) -> dict:
     if isinstance(est, Forward):
         return {**kw, "correction": "none", "perturb": est.perturb,
                 "local_losses": est.local_losses, "aggregation": est.aggregation}
-    if est.correction == "guess":
-        raise ValueError("pipeline: correction 'guess' needs its direction before the forward "
-                         "pass (a second pass over the pipeline); not run by the executor")
     return {**kw, "correction": est.correction}
 
 
-def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape):
+def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direction=None):
     """One function per (kind, position, stale) used by the table; all return the same tuple."""
 
     def build(kind, pos, stale):
@@ -206,7 +215,13 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape):
                    "g": jax.tree.map(jnp.zeros_like, params),
                    "loss": jnp.zeros((), jnp.float32), "d": jnp.zeros(dshape, jnp.float32)}
             inp = bj["x"] if pos in ("first", "only") else h_in
-            if kind == F and pipe.local_losses:
+            if kind in (F, FBW) and direction is not None:
+                a, b = ops.along_forward(pos, params, direction, inp, t_in, bj)
+                if pos in ("first", "mid"):
+                    out["h"], out["t"] = a, b
+                else:
+                    out["loss"], out["d"] = a, b
+            elif kind == F and pipe.local_losses:
                 h, out["g"] = ops.local_forward(pos, params, inp, kj, bj)
                 out["h" if pos in ("first", "mid") else "loss"] = h
             elif kind == F and pipe.perturb == "activations":
@@ -242,7 +257,7 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape):
     return [build(*b) if b[0] != IDLE else build(IDLE, "any", False) for b in pipe.lowered.branches]
 
 
-def _run(pipe: Pipeline, params, batch, key, carry):
+def _run(pipe: Pipeline, params, batch, key, carry, guess=None):
     low, m = pipe.lowered, pipe.schedule.num_stages
     if carry is None:  # a dummy, so that one body serves every table
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
@@ -256,14 +271,19 @@ def _run(pipe: Pipeline, params, batch, key, carry):
     groups = low.groups.astype(np.float32).reshape(m, len(low.selected))
     sched = pipe.schedule
     ain_w = np.where(sched.kind == F, sched.micro, sched.num_microbatches).astype(np.int32)
-    args = (params, batch, jax.random.key_data(key), low.tables, ain_w, groups, carry)
+    direction = params if guess is None else guess  # a stand-in when there is no direction
+    has_dir = jnp.float32(guess is not None)
+    args = (params, batch, jax.random.key_data(key), low.tables, ain_w, groups, carry,
+            direction, has_dir)
     shardings = _shardings(pipe.mesh, args)
     if jax.process_count() == 1:  # same input shardings every call: one compilation
         args = jax.device_put(args, shardings)
     else:  # several processes: host values (the same on every process) become global arrays
         args = jax.tree.map(_to_global, args, shardings)
-    loss, grads, d, ns = pipe._compiled["fn"](*args)
+    loss, grads, d, ns, h = pipe._compiled["fn"](*args)
     aux = {"directional": d, "exact_indices": low.selected, "stale": low.stale}
+    if pipe.correction == "guess":
+        aux["direction"] = h
     if low.stale:
         prev_idx = np.array(low.prev_selected, np.int32)
         micro = jax.tree.map(
@@ -283,7 +303,7 @@ def _to_global(x, sharding):
 def _in_specs():
     pspec = _param_specs()
     return (pspec, P(), P(), P(None, AXIS), P(None, AXIS), P(AXIS),
-            PipelineCarry(pspec, P(AXIS), P(), P()))
+            PipelineCarry(pspec, P(AXIS), P(), P()), pspec, P())
 
 
 def _shardings(mesh, args):
@@ -318,8 +338,11 @@ def _build(pipe: Pipeline):
 
     activity = pipe.perturb == "activations" and not pipe.local_losses
     accumulate = low.backward or pipe.local_losses
+    guess = pipe.correction == "guess"
+    if guess:
+        kt = 1  # one derivative per micro-batch, along the given direction
 
-    def body(params, batch, key_data, tables, ain_w, groups, carry):
+    def body(params, batch, key_data, tables, ain_w, groups, carry, direction, has_dir):
         key = jax.random.wrap_key_data(key_data)
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
         hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
@@ -327,7 +350,8 @@ def _build(pipe: Pipeline):
         dshape = (kt, x0.shape[0]) if activity else (kt,)  # per-example scalars for activities
         s = jax.lax.axis_index(AXIS)
         ops = StageOps(pipe.stack, spec, s * per)
-        fns = _branches(pipe, ops, params, carry.params, dshape)
+        u = _unit_direction(direction, s, m) if guess else None
+        fns = _branches(pipe, ops, params, carry.params, dshape, u)
         up = [(i, i + 1) for i in range(m - 1)]
         down = [(i + 1, i) for i in range(m - 1)]
 
@@ -384,18 +408,24 @@ def _build(pipe: Pipeline):
                 lambda xs: ops.activity_grads(params, xs[0], xs[1], xs[2], xs[3], first, last),
                 (batch["x"], ain[:n], keys, d)))
             d = jnp.zeros((n, kt), jnp.float32)  # the per-example scalars stay inside
+        elif guess:
+            grads, h = _guess_estimate(pipe, params, gacc, groups[0], d, u, has_dir)
         else:
             grads = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid)
         on = {"embed": (s == 0), "head": (s == m - 1)}
-        grads = {
-            "embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), grads["embed"]),
-            "blocks": grads["blocks"],
-            "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), grads["head"]),
-        }
-        return jnp.mean(losses), grads, d, ns
+
+        def gather(t):  # embed and head from the stage that computes them
+            return {"embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), t["embed"]),
+                    "blocks": t["blocks"],
+                    "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), t["head"])}
+
+        grads = gather(grads)
+        h = gather(h) if guess else jnp.zeros(())
+        return jnp.mean(losses), grads, d, ns, h
 
     fn = shard_map(body, mesh=pipe.mesh, in_specs=_in_specs(),
-                   out_specs=(P(), _param_specs(), P(), P(AXIS)), check_vma=False)
+                   out_specs=(P(), _param_specs(), P(), P(AXIS),
+                              _param_specs() if guess else P()), check_vma=False)
     return jax.jit(fn)
 
 
@@ -438,3 +468,27 @@ def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, val
         total = sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers
         beta = cr.shrinkage(counts, spread, sizes, q, n, kt, total_size=total)
     return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta, rows=rows)
+
+
+def _unit_direction(direction, s, m):
+    """direction / ‖direction‖ over the whole model (blocks summed over stages; the replicated
+    embed and head counted once)."""
+    sq = lambda t: sum(jnp.vdot(a, a) for a in jax.tree.leaves(t))  # noqa: E731
+    nrm2 = jax.lax.psum(sq(direction["blocks"]), AXIS) + sq(direction["embed"]) + \
+        sq(direction["head"])
+    scale = 1.0 / jnp.sqrt(jnp.maximum(nrm2, 1e-30))
+    return jax.tree.map(lambda a: a * scale, direction)
+
+
+def _guess_estimate(pipe: Pipeline, params, gacc, group_row, d, u, has_dir):
+    """(estimate, h): (mean_n ∇L_n·u) u with a direction, this step's exact mean h without;
+    h (per stage group) becomes the next step's direction."""
+    n_sel = len(pipe.lowered.selected)
+    exact = jax.tree.map(lambda a: a[:n_sel], gacc)
+    num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
+    masks = {"embed": group_row, "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local)),
+             "head": group_row}
+    h, _ = cr.group_mean(exact, masks, params)
+    coef = jnp.mean(d[:, 0])
+    grads = jax.tree.map(lambda uu, hh: jnp.where(has_dir > 0, coef * uu, hh), u, h)
+    return grads, h

@@ -111,6 +111,26 @@ class StageOps:
                                               "head", example)
         return jnp.mean(example(logits)), g
 
+    # ------------------------------------------------------------------ along a given direction
+    def along_forward(self, position: str, p, u, inp, dh, batch):
+        """F op of the ``guess`` correction: derivatives along the direction ``u`` (params-like,
+        this stage's slice) instead of drawn tangents; ``(h, dh (1, ...))`` or on the last stage
+        ``(mean loss, d (1,))``."""
+        st = self.stack
+        if position in ("first", "only"):
+            inp, dh = sg.embed_jvp_along(st, p["embed"], u["embed"], inp)
+        else:
+            dh = dh[0]
+
+        def body(c, xs):
+            return sg.block_jvp_along(st, xs[0], xs[1], *c), None
+
+        (h, dh), _ = jax.lax.scan(body, (inp, dh), (p["blocks"], u["blocks"]))
+        if position in ("first", "mid"):
+            return h, dh[None]
+        loss, dl = sg.head_jvp_along(st, p["head"], u["head"], h, dh, batch)
+        return loss, dl[None]
+
     # ------------------------------------------------------------------ primal (for vjp)
     def primal(self, position: str, p, inp, batch):
         """The stage's output: h (first/mid) or the micro-batch's mean loss (last/only)."""
