@@ -1,14 +1,19 @@
 """Data parallel on 8 simulated CPU devices: ring vs psum, forward vs backprop bytes, codecs, placement.
 
   python benchmarks/dataparallel.py --quick --json dp.json
+  python benchmarks/dataparallel.py --quick --doc docs/dataparallel.md   # rewrite its tables
 
 Prints one table per part and writes the headline figures to JSON:
 psum_max_rel_err / ring_max_rel_err (data-parallel backprop gradients vs single-device
 whole-batch gradients), codec_bytes_ratio (packed vs dense all-reduce, bytes on the wire),
 cholesky_max_rel_err (rebuilt L L^T vs the matrix sent), balance_before / balance_after
 (slowest / mean stage time, count-even split vs optimal placement of a widening MLP on
-devices of speeds 1, 1, 2, 0.5; slowest / ideal and the equal-speed case are reported too).
+devices of speeds 1, 1, 2, 0.5; slowest / ideal and the equal-speed case are reported too),
+exchange_* (Max-AdaBelief with the gradient all-reduced vs the m̂ / s_max exchange of
+jaxstream.optim.max_adabelief_exchange: bytes per step, final loss and test accuracy on digits).
 Bytes are read from the compiled HLO (jaxstream.comm.traffic), times are medians.
+``--doc`` rewrites the ``<!-- benchmark: dataparallel.py NAME -->`` blocks of a Markdown file
+with the tables of this run (see benchmarks/docblocks.py).
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import json
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from docblocks import write_blocks
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -33,16 +41,20 @@ from sklearn.datasets import load_digits
 from jaxstream.comm import (
     collectives,
     ring_all_reduce,
+    ring_all_reduce_tree,
     send_symmetric,
     symmetric_traffic,
     traffic_summary,
 )
 from jaxstream.comm.dataparallel import data_parallel
+from jaxstream.data.digits import load_digits as load_digits_split
 from jaxstream.grad import backprop, forward
 from jaxstream.models import mlp
+from jaxstream.optim import max_adabelief, max_adabelief_exchange
 from jaxstream.placement import measure_layer_costs, place_stages, uniform_placement
 
 N = 8
+TABLES: dict[str, str] = {}  # name -> Markdown table of this run (for --doc)
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -66,12 +78,15 @@ def _rel(a, b) -> float:
     )
 
 
-def _table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+def _table(name: str, title: str, header: list[str], rows: list[list]) -> None:
+    """Print a Markdown table and keep it in ``TABLES[name]`` (with its title) for --doc."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        print("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r) + " |")
+        lines.append(
+            "| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r) + " |"
+        )
+    TABLES[name] = f"{title}:\n\n" + "\n".join(lines)
+    print(f"\n## {title}\n" + "\n".join(lines))
 
 
 def allreduce_part(mesh: Mesh, lengths: list[int], repeats: int) -> None:
@@ -106,6 +121,7 @@ def allreduce_part(mesh: Mesh, lengths: list[int], repeats: int) -> None:
             ]
         )
     _table(
+        "allreduce",
         "all-reduce of one float32 vector, 8 devices (sent bytes per device, ring model)",
         [
             "length",
@@ -165,6 +181,7 @@ def gradient_part(mesh: Mesh, width: int, repeats: int) -> dict:
             ]
         )
     _table(
+        "gradients",
         f"one gradient estimate, MLP 64-{width}-{width}-10 ({num_params} params, "
         f"{4 * num_params} B), batch 512 over 8 devices",
         ["estimator", "ms", "payload B / device", "sent B / device", "max rel err vs 1 device"],
@@ -215,6 +232,7 @@ def codec_part(mesh: Mesh, dims: list[int]) -> dict:
             ]
         )
     _table(
+        "codecs",
         "symmetric codecs, 8 devices (bytes sent per device, from HLO)",
         [
             "d",
@@ -264,6 +282,7 @@ def placement_part(repeats: int) -> dict:
             )
         out[label] = (before, after)
     _table(
+        "placement",
         f"stage placement: {len(widths)} uneven layers (measured ms: "
         f"{' '.join(f'{c * 1e3:.3f}' for c in costs)})",
         [
@@ -290,10 +309,116 @@ def placement_part(repeats: int) -> dict:
     }
 
 
+def _dp_step(stack, opt, mesh: Mesh, grads: str | None):
+    """One data-parallel training step in ``shard_map``: per-replica optimizer state.
+
+    ``grads``: ``"psum"`` / ``"ring"`` to all-reduce the gradient before ``opt``, or ``None``
+    when ``opt`` exchanges itself (``max_adabelief_exchange``).  Losses stay per replica so
+    the compiled step holds only the optimizer's traffic.
+    """
+
+    def body(params, state, batch):
+        state = jax.tree.map(lambda x: x[0], state)
+        loss, g = jax.value_and_grad(stack)(params, batch)
+        if grads == "psum":
+            g = jax.lax.pmean(g, "data")
+        elif grads == "ring":
+            g = ring_all_reduce_tree(g, "data", mean=True)
+        updates, state = opt.update(g, state, params)
+        new_state = jax.tree.map(lambda x: x[None], state)
+        return optax.apply_updates(params, updates), new_state, loss[None]
+
+    return jax.jit(
+        shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=(P(), P("data"), P("data")),
+            check_vma=False,
+        )
+    )
+
+
+def exchange_part(mesh: Mesh, width: int, steps: int, repeats: int) -> dict:
+    """Max-AdaBelief after a gradient all-reduce vs the m̂ / s_max exchange, on digits."""
+    ds = load_digits_split(seed=0)
+    stack = mlp(in_dim=64, width=width, depth=2, num_classes=10)
+    params0 = stack.init(jax.random.key(0))
+    num_params = sum(leaf.size for leaf in jax.tree.leaves(params0))
+    batch_size = 64 * N
+    idx = np.random.default_rng(0).integers(0, len(ds.train["y"]), size=(steps, batch_size))
+    test = {k: jnp.asarray(v) for k, v in ds.test.items()}
+    kw = {"eps": 1e-8, "eps_root": 1e-12, "max_of": "corrected"}
+    arms = {
+        "gradients psum, max_adabelief": (max_adabelief(3e-3, **kw), "psum"),
+        "gradients ring, max_adabelief": (max_adabelief(3e-3, **kw), "ring"),
+        "moments psum (m̂, s_max)": (max_adabelief_exchange(3e-3, **kw), None),
+        "moments ring (m̂, s_max)": (max_adabelief_exchange(3e-3, **kw, allreduce="ring"), None),
+    }
+    accuracy = jax.jit(stack.accuracy)
+    rows, finals = [], {}
+    for name, (opt, grads) in arms.items():
+        step = _dp_step(stack, opt, mesh, grads)
+        params = jax.device_put(params0, jax.sharding.NamedSharding(mesh, P()))
+        state = jax.tree.map(lambda x: jnp.stack([x] * N), opt.init(params0))
+        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, P("data")))
+        first = {k: jnp.asarray(v[idx[0]]) for k, v in ds.train.items()}
+        traffic = traffic_summary(collectives(step, params, state, first, num_devices=N))
+        payload = traffic["all-reduce"] + traffic["all-gather"] / N + traffic["collective-permute"]
+        ms = _time(step, params, state, first, repeats=repeats) * 1e3
+        losses = []
+        for t in range(steps):
+            batch = {k: jnp.asarray(v[idx[t]]) for k, v in ds.train.items()}
+            params, state, loss = step(params, state, batch)
+            losses.append(float(np.mean(loss)))
+        finals[name] = params
+        rows.append(
+            [
+                name,
+                int(payload),
+                int(traffic["sent_bytes"]),
+                traffic["sent_bytes"] / (4 * num_params),
+                ms,
+                float(np.mean(losses[-10:])),
+                float(accuracy(params, test)),
+            ]
+        )
+    gap = _rel(finals["moments psum (m̂, s_max)"], finals["gradients psum, max_adabelief"])
+    ring_gap = _rel(finals["moments ring (m̂, s_max)"], finals["moments psum (m̂, s_max)"])
+    _table(
+        "exchange",
+        f"data-parallel Max-AdaBelief (max_of corrected, lr 3e-3), MLP 64-{width}-{width}-10 "
+        f"({num_params} params), digits, batch {batch_size} over {N} devices, {steps} steps; "
+        f"final params, moments vs gradients (psum): max rel diff {gap:.3g}; "
+        f"moments ring vs psum: {ring_gap:.3g}",
+        [
+            "exchange",
+            "payload B / device",
+            "sent B / device",
+            "sent / params B",
+            "ms / step",
+            "train loss (last 10)",
+            "test acc",
+        ],
+        rows,
+    )
+    return {
+        "exchange_gradients_bytes": rows[0][1],
+        "exchange_moments_bytes": rows[2][1],
+        "exchange_moments_ring_sent_bytes": rows[3][2],
+        "exchange_final_params_rel_diff": gap,
+        "exchange_ring_vs_psum_rel_diff": ring_gap,
+        "exchange_test_acc": {r[0]: r[6] for r in rows},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (< 2 minutes)")
     parser.add_argument("--json", type=str, default=None, help="write the figures here")
+    parser.add_argument(
+        "--doc", type=str, default=None, help="rewrite this Markdown file's benchmark blocks"
+    )
     args = parser.parse_args()
     if jax.device_count() < N:
         raise SystemExit(
@@ -311,13 +436,18 @@ def main() -> None:
     out = gradient_part(mesh, 128 if args.quick else 512, repeats)
     out |= codec_part(mesh, [16, 64] if args.quick else [16, 64, 256])
     out |= placement_part(repeats)
+    out |= exchange_part(mesh, 64 if args.quick else 128, 200 if args.quick else 400, repeats)
     out["devices"] = N
     out["backend"] = jax.default_backend()
     out["seconds"] = time.perf_counter() - t0
     print("\n" + json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(out | {"tables": TABLES}, f, indent=1)
+    if args.doc:
+        command = "python benchmarks/dataparallel.py " + " ".join(sys.argv[1:])
+        names = write_blocks(args.doc, "dataparallel.py", TABLES, command)
+        print(f"{args.doc}: {len(names)} tables written ({', '.join(names)})", file=sys.stderr)
 
 
 if __name__ == "__main__":
