@@ -1,6 +1,6 @@
 """Crash experiment: streamed training killed with SIGKILL at random moments, then resumed.
 
-A worker (``python -m jaxstream.stream.crash PATH STEPS``) trains a small MLP whose layers
+A test harness, not part of the library. A worker (``python crash_harness.py PATH STEPS``) trains a small MLP whose layers
 live in the store at PATH, continuing from the store's committed step; its keys and batches
 are pure functions of the step, so a resumed run must end with the parameters of an
 uninterrupted one. :func:`run_crash_experiment` kills workers at random moments and checks
@@ -109,7 +109,7 @@ def run_crash_experiment(kills: int = 10, steps: int = 12, seed: int = 0,
     trials = []
     for i in range(kills):
         path = str(root / f"run{i}")
-        cmd = [sys.executable, "-m", "jaxstream.stream.crash", path, str(steps), update]
+        cmd = [sys.executable, str(Path(__file__).resolve()), path, str(steps), update]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # wait for the second commit (start-up and both compiled paths done), then a random moment
         deadline = time.time() + 300
