@@ -40,7 +40,6 @@ import tensorstore as ts
 
 from jaxstream.stream.errors import (
     StoreError,
-    StoreMismatchError,
     StoreNonFiniteError,
     StoreNotFoundError,
     StoreStaleError,
@@ -48,14 +47,12 @@ from jaxstream.stream.errors import (
 )
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
 from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
+from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
     ReadInto,
     TreeFuture,
     WriteFuture,
     check_config,
-    leaf_table,
-    master_dtype,
-    nested_from_names,
     read_error,
     write_manifest,
 )
@@ -99,7 +96,7 @@ class LayerStore:
                 for i, e in enumerate(self._m["leaves"][kind][part]):
                     try:
                         arr = open_array(root, f"{kind}/{part}/{i}", context)
-                    except Exception as err:  # noqa: BLE001
+                    except Exception as err:
                         raise read_error(err, f"{where}: array {kind}/{part}/{i} ({e['name']})") from err
                     check_array(file, f"leaves.{kind}.{part}[{i}]", arr, tuple(lead + e["shape"]),
                                 e["dtype"])
@@ -145,73 +142,21 @@ class LayerStore:
         lock.acquire()  # nobody else writes while the store is (re)created
         try:
             exists = root.read(MANIFEST).result().state == "value"
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise read_error(err, f"{location}/{MANIFEST}") from err
         if exists and not overwrite:
             lock.release()
             raise StoreError(f"a store already exists at {location}; pass overwrite=True to replace it")
         try:
-            cls._write_new(root, ctx, location, params, optimizer, model_config, step, num_layers)
+            write_new_store(root, ctx, location, params, optimizer, model_config, step, num_layers)
         except StoreError:
             raise
-        except Exception as err:  # noqa: BLE001 - e.g. a full disk during creation
+        except Exception as err:
             raise StoreWriteError(f"creating the store at {location} failed ({err}); no store was "
                                   "committed there") from err
         finally:
             lock.release()
         return cls.open(location, optimizer=optimizer, model_config=model_config, context=ctx)
-
-    @staticmethod
-    def _write_new(root, ctx, location, params, optimizer, model_config, step, num_layers) -> None:
-        """Allocates every array, writes slot 0 of every unit, then the manifest."""
-        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
-        if abstract:  # shapes only: allocate, write zeros for the optimizer, leave params to write()
-            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, master_dtype(x)), params)
-            zeros = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t)
-            layer0 = zeros(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                        params["blocks"]))
-            params = {"embed": zeros(params["embed"]), "blocks": params["blocks"],
-                      "head": zeros(params["head"])}
-        else:
-            params = jax.tree.map(lambda x: np.asarray(x, master_dtype(x)), params)
-            layer0 = jax.tree.map(lambda x: x[0], params["blocks"])
-        templates = {"embed": params["embed"], "blocks": layer0, "head": params["head"]}
-        opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
-        opt_init = jax.tree.map(np.asarray, opt_init)
-        manifest = {
-            "format": FORMAT, "step": int(step), "generation": 0, "num_layers": num_layers,
-            "model_config": dict(model_config or {}),
-            "leaves": {"params": {p: leaf_table(templates[p]) for p in PARTS},
-                       "opt": {p: leaf_table(opt_init[p]) for p in PARTS}},
-            "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
-            "extra": {},
-        }
-        for kind, trees in (("params", templates), ("opt", opt_init)):
-            for part in PARTS:
-                for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
-                    shape = tuple(np.shape(leaf))
-                    lead = (num_layers, 2) if part == "blocks" else (2,)
-                    open_array(root, f"{kind}/{part}/{i}", ctx, create=True, shape=lead + shape,
-                               chunk=(1,) * len(lead) + shape, dtype=str(np.asarray(leaf).dtype))
-        futs = []
-        for kind, trees in (("params", params), ("opt", opt_init)):
-            for part in PARTS:
-                for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
-                    arr = open_array(root, f"{kind}/{part}/{i}", ctx)
-                    if part == "blocks" and kind == "params":
-                        if not abstract:
-                            futs.append(arr[:, 0].write(leaf))
-                        else:  # zeros, layer by layer: a never-written chunk is an error on read
-                            zero = np.zeros(leaf.shape[1:], leaf.dtype)
-                            for l in range(num_layers):
-                                arr[l, 0].write(zero).result()
-                    elif part == "blocks":
-                        futs.append(arr[:, 0].write(np.broadcast_to(leaf, (num_layers,) + np.shape(leaf))))
-                    else:
-                        futs.append(arr[0].write(leaf))
-        for f in futs:
-            f.result()
-        write_manifest(root, manifest, str(location))
 
     @classmethod
     def open(cls, location: KvSpec, *, template: dict | None = None, optimizer: Any = None,
@@ -243,41 +188,7 @@ class LayerStore:
         m = decode(res.value, f"{str(location).rstrip('/')}/{MANIFEST}")
         if model_config is not None:
             check_config(m["model_config"], dict(model_config), str(location))
-        treedefs = {}
-        for part in PARTS:
-            table = m["leaves"]["params"][part]
-            if template is not None:
-                t = template[part] if part != "blocks" else jax.tree.map(lambda x: x[0], template[part])
-                found = leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, master_dtype(x)), t))
-                for a, b in zip(table, found):
-                    if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
-                        raise StoreMismatchError(
-                            f"store at {location} holds another model: {part} leaf {a['name']!r} has "
-                            f"shape {a['shape']} {a['dtype']}, the model needs {b['shape']} {b['dtype']}")
-                if len(found) != len(table):
-                    raise StoreMismatchError(f"store at {location} holds another model: {part} has "
-                                             f"{len(table)} leaves, the model has {len(found)}")
-                treedefs[part] = jax.tree_util.tree_structure(t)
-            else:
-                names = [e["name"] for e in table]
-                treedefs[part] = jax.tree_util.tree_structure(nested_from_names(names, [0] * len(names)))
-        if template is not None:
-            nl = jax.tree_util.tree_leaves(template["blocks"])[0].shape[0]
-            if nl != m["num_layers"]:
-                raise StoreMismatchError(f"store at {location} holds another model: num_layers is "
-                                         f"{m['num_layers']} in the store, the model has {nl}")
-        opt_treedefs = {}
-        if optimizer is not None:
-            for part in PARTS:
-                shapes = [jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
-                          for e in m["leaves"]["params"][part]]
-                t = jax.tree_util.tree_unflatten(treedefs[part], shapes)
-                st = jax.eval_shape(optimizer.init, t)
-                if len(jax.tree_util.tree_leaves(st)) != len(m["leaves"]["opt"][part]):
-                    raise StoreMismatchError(f"store at {location}: optimizer state of {part} has "
-                                             f"{len(m['leaves']['opt'][part])} leaves, this optimizer has "
-                                             f"{len(jax.tree_util.tree_leaves(st))}")
-                opt_treedefs[part] = jax.tree_util.tree_structure(st)
+        treedefs, opt_treedefs = tree_structures(m, location, template, optimizer)
         return cls(root, ctx, m, str(location), treedefs, opt_treedefs, WriterLock(location))
 
     # ------------------------------------------------------------------ properties
@@ -359,7 +270,7 @@ class LayerStore:
         for i, name in enumerate(names):
             try:
                 futs.append(ReadInto(self._arrays[(kind, part, i)][idx]))
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 raise read_error(err, name) from err
         post = None if (staged or self._wrote) else (lambda t: self._check_fresh([(part, l, slot)]) or t)
         return TreeFuture(treedef, futs, post, names)
@@ -369,7 +280,7 @@ class LayerStore:
         overwritten: the writer reuses a slot in the second commit after it was left."""
         try:
             res = self._root.read(MANIFEST).result()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise read_error(err, self.manifest_file) from err
         if res.state != "value":
             raise StoreStaleError(f"{self.manifest_file} disappeared while reading step {self.step}")
@@ -425,7 +336,7 @@ class LayerStore:
         try:
             return [WriteFuture(self._scratch_array(part, i)[idx].write(np.asarray(x, np.float32)), what)
                     for i, x in enumerate(jax.tree_util.tree_leaves(tree))]
-        except Exception as err:  # noqa: BLE001 - e.g. a full disk creating the scratch array
+        except Exception as err:
             raise self._write_error(what, err) from err
 
     def read_scratch(self, unit: Unit) -> TreeFuture:
@@ -437,7 +348,7 @@ class LayerStore:
                  for i in range(n)]
         try:
             futs = [self._scratch_array(part, i)[idx].read() for i in range(n)]
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             raise read_error(err, names[0]) from err
         return TreeFuture(self._treedefs[part], futs, None, names)
 
@@ -529,7 +440,7 @@ class LayerStore:
         try:
             res = self._root.read(MANIFEST).result()
             m = decode(res.value, self.manifest_file) if res.state == "value" else None
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             self._writer.release()
             raise read_error(err, self.manifest_file) from err
         if m is None or int(m["generation"]) != int(self._m["generation"]):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,8 +45,8 @@ def _chunk(root, kind, layer, slot, leaf=0):
     import glob
 
     base = os.path.join(root, kind, "blocks", str(leaf), "c", str(layer), str(slot))
-    return base if os.path.isfile(base) else sorted(
-        f for f in glob.glob(base + "/**", recursive=True) if os.path.isfile(f))[0]
+    return base if os.path.isfile(base) else min(
+        f for f in glob.glob(base + "/**", recursive=True) if os.path.isfile(f))
 
 
 @pytest.fixture
@@ -63,12 +64,12 @@ def test_damaged_chunk_is_an_error_naming_leaf_and_layer(store_path, damage):
 
     kind = "opt" if damage == "delete_opt" else "params"
     f = _chunk(store_path, kind, 1, 0, leaf=1 if kind == "opt" else 0)
-    data = bytearray(open(f, "rb").read())
+    data = bytearray(Path(f).read_bytes())
     if damage == "flip":
         data[7] ^= 0x10
-        open(f, "wb").write(data)
+        Path(f).write_bytes(data)
     elif damage == "truncate":
-        open(f, "wb").write(data[:9])
+        Path(f).write_bytes(data[:9])
     else:
         os.remove(f)
     store = LayerStore.open(store_path, optimizer=optax.adam(1e-3))
@@ -79,7 +80,7 @@ def test_damaged_chunk_is_an_error_naming_leaf_and_layer(store_path, damage):
 
 
 def test_manifest_pointing_at_never_written_slot(store_path):
-    m = json.load(open(os.path.join(store_path, "manifest.json")))
+    m = json.loads(Path(store_path, "manifest.json").read_text())
     m["slots"]["blocks"][2] = 1
     _rewrite_manifest(store_path, m, fix_checksum=True)
     with pytest.raises(StoreCorruptError, match="layer 2 .*missing"):
@@ -90,7 +91,7 @@ def _rewrite_manifest(path, m, fix_checksum):
     from jaxstream.stream.manifest import encode
 
     data = encode(m) if fix_checksum else json.dumps(m).encode()
-    open(os.path.join(path, "manifest.json"), "wb").write(data)
+    Path(path, "manifest.json").write_bytes(data)
 
 
 @pytest.mark.parametrize("edit, match", [
@@ -104,8 +105,6 @@ def _rewrite_manifest(path, m, fix_checksum):
     ({"leaf_shape": [4, 5]}, r"field 'leaves.params.blocks\[0\]' says shape \[3, 2, 4, 5\]"),
 ])
 def test_invalid_manifest_names_file_and_field(store_path, edit, match):
-    from pathlib import Path
-
     f = Path(store_path) / "manifest.json"
     if callable(edit):
         edit(f)
@@ -155,7 +154,7 @@ def test_second_writer_process_is_refused_naming_the_pid(store_path):
         s = LayerStore.open(sys.argv[1])
         s.write(0, {"w": np.zeros((4, 4), np.float32)})
     """)
-    out = subprocess.run([sys.executable, "-c", other, store_path], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", other, store_path], capture_output=True, text=True, check=False,
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
     assert out.returncode != 0
     assert f"pid {os.getpid()}" in out.stderr and "StoreLockedError" in out.stderr

@@ -79,7 +79,7 @@ def test_store_ahead_of_checkpoint_resumes_from_the_store(tmp_path):
 def test_new_run_refuses_an_existing_store(tmp_path):
     """Case 2: a new run whose engine.store holds a store is refused before anything is written."""
     store = tmp_path / "stores" / "fwd"
-    full, _ = run_experiment(_config(tmp_path, steps=2), [f"engine.store={tmp_path}/stores/{{arm}}"],
+    run_experiment(_config(tmp_path, steps=2), [f"engine.store={tmp_path}/stores/{{arm}}"],
                              out=tmp_path / "first")
     assert LayerStore.open(store).step == 2
     with pytest.raises(ConfigError, match=r"engine.store: a layer store already exists .*--resume"):
