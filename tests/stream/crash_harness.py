@@ -16,6 +16,7 @@ and compares. The full scans are run by hand (not by the test suite)::
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -29,7 +30,10 @@ import numpy as np
 WIDTH, DEPTH, IN_DIM, CLASSES, BATCH, MICRO = 32, 6, 16, 4, 16, 2
 
 
+@functools.cache
 def _setup(mode: str = "lazy"):
+    """The model, initial params, estimator and optimizer (one object each per process, so
+    the streamed kernels, jitted with them as static arguments, compile once)."""
     import jax
     import optax
 
@@ -87,7 +91,7 @@ def _committed_params(path: str) -> list[np.ndarray]:
     from jaxstream.stream.store import LayerStore
 
     stack, _, est, opt = _setup()
-    store = LayerStore.open(path, optimizer=opt)
+    store = LayerStore.open(path, optimizer=opt)  # forward/adam: only the pending records
     params = store.read_params()
     if any(store.extra.get("pending", {}).values()):
         ex = StreamedExecutor(stack, est, opt, store, StreamConfig(compute_dtype="float32", update="lazy"))
