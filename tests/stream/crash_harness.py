@@ -12,6 +12,9 @@ different point of creation and training each time, then frees the space, reopen
 and compares. The full scans are run by hand (not by the test suite)::
 
     python tests/stream/crash_harness.py scan --kills 30 --disk 60 --out crash.json
+
+:func:`run_corruption_scan` damages every chunk file of a store in turn (a flipped bit,
+truncation, deletion) and counts the damages detected on read.
 """
 
 from __future__ import annotations
@@ -242,6 +245,52 @@ def run_disk_scan(points: int = 60, steps: int = 6, modes: tuple = ("lazy", "hyb
             "resumed_equal": sum(t["resumed_equal"] for t in trials), "trials": trials}
 
 
+def run_corruption_scan(seed: int = 0) -> dict:
+    """Damages every chunk file of a fresh store in turn (one flipped bit, truncation,
+    deletion) and reads the whole store back: counts the damages that raised
+    StoreCorruptError (detected) against those read silently."""
+    import shutil
+
+    from jaxstream.stream.errors import StoreCorruptError
+    from jaxstream.stream.store import LayerStore
+
+    rng = np.random.default_rng(seed)
+    _, params, _, opt = _setup("eager")
+    root = Path(tempfile.mkdtemp(prefix="jaxstream-corrupt-"))
+    clean = root / "clean"
+    LayerStore.create(str(clean), params, optimizer=opt)
+    chunks = sorted(f.relative_to(clean) for f in clean.rglob("*") if f.is_file()
+                    and f.name not in ("zarr.json", "manifest.json", "writer.lock"))
+    counts = {"flip": [0, 0], "truncate": [0, 0], "delete": [0, 0]}
+    try:
+        for rel in chunks:
+            for how in counts:
+                work = root / "work"
+                shutil.rmtree(work, ignore_errors=True)
+                shutil.copytree(clean, work)
+                f = work / rel
+                data = bytearray(f.read_bytes())
+                if how == "flip":
+                    bit = int(rng.integers(0, 8 * len(data)))
+                    data[bit // 8] ^= 1 << (bit % 8)
+                    f.write_bytes(data)
+                elif how == "truncate":
+                    f.write_bytes(data[: int(rng.integers(0, len(data)))])
+                else:
+                    f.unlink()
+                store = LayerStore.open(str(work), optimizer=opt)
+                try:
+                    store.read_params()
+                    for u in ["embed", *range(store.num_layers), "head"]:
+                        store.read_opt(u).result()
+                except StoreCorruptError:
+                    counts[how][0] += 1
+                counts[how][1] += 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {how: {"detected": d, "total": t} for how, (d, t) in counts.items()}
+
+
 def _main(argv: list[str]) -> None:
     if argv and argv[0] == "scan":
         import argparse
@@ -253,7 +302,8 @@ def _main(argv: list[str]) -> None:
         ap.add_argument("--disk", type=int, default=60)
         ap.add_argument("--out", default="crash_scan.json")
         a = ap.parse_args(argv[1:])
-        out: dict = {}
+        out: dict = {"corruption": run_corruption_scan()}
+        print(out["corruption"], flush=True)
         if a.disk:
             out["disk"] = run_disk_scan(a.disk)
             print({k: v for k, v in out["disk"].items() if k != "trials"}, flush=True)
