@@ -264,7 +264,7 @@ def run_corruption_scan(seed: int = 0) -> dict:
     counts = {"flip": [0, 0], "truncate": [0, 0], "delete": [0, 0]}
     try:
         for rel in chunks:
-            for how in counts:
+            for how in ("flip", "truncate", "delete"):
                 work = root / "work"
                 shutil.rmtree(work, ignore_errors=True)
                 shutil.copytree(clean, work)
