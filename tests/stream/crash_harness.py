@@ -310,6 +310,7 @@ def _main(argv: list[str]) -> None:
         if a.kills:
             out["kill"] = run_crash_experiment(kills=a.kills, steps=12, manifest_kills=a.manifest_kills)
             k = out["kill"]
+            subprocess.run(["rm", "-rf", k["workdir"]], check=False)
             print({"kills": k["kills"], "resumed_equal": sum(t["resumed_equal"] for t in k["trials"]),
                    "opened_at_committed_step": sum(t["opened_at_committed_step"] for t in k["trials"]),
                    "in_manifest_write": sum(t["in_manifest_write"] for t in k["trials"])}, flush=True)
