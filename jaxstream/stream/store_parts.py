@@ -55,7 +55,7 @@ class TreeFuture:
         for f, name in zip(self._futures, self._names):
             try:
                 leaves.append(np.asarray(f.result()))
-            except Exception as err:  # noqa: BLE001 - every read failure becomes a StoreError
+            except Exception as err:  # every read failure becomes a StoreError
                 raise read_error(err, name) from err
         tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
         return self._post(tree) if self._post else tree
@@ -73,7 +73,7 @@ class WriteFuture:
     def result(self) -> None:
         try:
             self._future.result()
-        except Exception as err:  # noqa: BLE001 - every write failure becomes a StoreWriteError
+        except Exception as err:  # every write failure becomes a StoreWriteError
             raise StoreWriteError(f"writing {self._what} failed ({err})") from err
 
 
