@@ -516,7 +516,13 @@ def main() -> None:
         sections["scale"] = round(time.perf_counter() - t0, 2)
         shutil.rmtree(work / "scale", ignore_errors=True)
         if args.crash_kills:
-            from jaxstream.stream.crash import run_crash_experiment
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location(
+                "crash_harness", Path(__file__).parent.parent / "tests" / "stream" / "crash_harness.py")
+            harness = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(harness)
+            run_crash_experiment = harness.run_crash_experiment
 
             crash = timed("crash", run_crash_experiment, kills=args.crash_kills, steps=12,
                           workdir=str(work))

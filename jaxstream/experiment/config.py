@@ -354,9 +354,27 @@ def dump_yaml(cfg: Any, extra: Mapping[str, Any] | None = None) -> str:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping from ``path`` (an empty file gives ``{}``)."""
-    text = Path(path).read_text()
-    data = yaml.safe_load(text)
+    """Read a YAML mapping from ``path`` (an empty file gives ``{}``).
+
+    A missing file, a YAML syntax error (with its line and column) or a tag that safe loading
+    refuses (``!!python/...``) is a :class:`ConfigError` naming the file.
+    """
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as e:
+        mark = e.problem_mark
+        at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        raise ConfigError(f"{path}:{at} {e.problem} (only plain YAML is read, no tags)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        raise ConfigError(f"{path}:{at} YAML syntax error: {getattr(e, 'problem', e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

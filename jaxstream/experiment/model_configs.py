@@ -19,6 +19,23 @@ class ModelConfig:
         raise NotImplementedError
 
 
+def _positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+
+
+def _estimate(layer_params: int, depth: int, acts_per_sample: int, batch: int,
+              per_layer: bool) -> int:
+    """Bytes: fp32 parameters x 4 (params, gradients, two optimizer moments) of the whole
+    model (or of one layer when streamed), plus fp32 activations and their tangents. A lower
+    bound: embedding and head are left out, so it never refuses a model that fits."""
+    params = layer_params * (1 if per_layer else depth)
+    acts = 2 * batch * acts_per_sample * (1 if per_layer else depth)
+    return 4 * (4 * params + acts)
+
+
 def _need(info: dict[str, int], key: str, model: str) -> int:
     if key not in info:
         raise ValueError(f"model: {model!r} needs data with {key!r}; the data gives {sorted(info)}")
@@ -33,6 +50,13 @@ class MLPConfig(ModelConfig):
     width: int = 64
     depth: int = 2
     activation: Literal["tanh", "relu", "gelu"] = "tanh"
+
+    def __post_init__(self):
+        _positive(self, "width", "depth")
+
+    def memory_estimate(self, batch_size: int, per_layer: bool = False) -> int:
+        """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
+        return _estimate(self.width * (self.width + 1), self.depth, self.width, batch_size, per_layer)
 
     def build(self, info: dict[str, int]) -> Any:
         from jaxstream.models import mlp
@@ -50,6 +74,17 @@ class CNNConfig(ModelConfig):
     depth: int = 2
     image_shape: tuple[int, int, int] = (8, 8, 1)
 
+    def __post_init__(self):
+        _positive(self, "channels", "depth")
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.image_shape):
+            raise ValueError(f"image_shape: sizes must be integers >= 1, got {self.image_shape}")
+
+    def memory_estimate(self, batch_size: int, per_layer: bool = False) -> int:
+        """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
+        h, w, _ = self.image_shape
+        c = self.channels
+        return _estimate(9 * c * c, self.depth, h * w * c, batch_size, per_layer)
+
     def build(self, info: dict[str, int]) -> Any:
         from jaxstream.models import cnn
 
@@ -64,6 +99,15 @@ class CharTransformerConfig(ModelConfig):
     d_model: int = 64
     num_heads: int = 4
     depth: int = 2
+
+    def __post_init__(self):
+        _positive(self, "d_model", "num_heads", "depth")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads: must divide d_model={self.d_model}, got {self.num_heads}")
+
+    def memory_estimate(self, batch_size: int, per_layer: bool = False) -> int:
+        """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
+        return _estimate(12 * self.d_model ** 2, self.depth, self.d_model, batch_size, per_layer)
 
     def build(self, info: dict[str, int]) -> Any:
         from jaxstream.models import char_transformer

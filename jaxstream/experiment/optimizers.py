@@ -62,6 +62,8 @@ class OptimizerConfig:
                              "'constant', 'cosine'")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm: must be > 0 or null, got {self.clip_norm}")
 
 
 def check_optimizer(cfg: OptimizerConfig, path: str = "optimizer") -> None:
@@ -76,11 +78,28 @@ def check_optimizer(cfg: OptimizerConfig, path: str = "optimizer") -> None:
         return
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return
-    for key in cfg.options:
+    for key, value in cfg.options.items():
         if key not in params or key == "learning_rate":
             allowed = [p for p in params if p != "learning_rate"]
             raise ValueError(f"{path}.options.{key}: unknown option for {cfg.name!r}; "
                              f"allowed: {allowed}")
+        _check_option_type(f"{path}.options.{key}", value, params[key].default)
+
+
+def _check_option_type(field: str, value: Any, default: Any) -> None:
+    """An option must have the type of the factory's default (a number for ``b1``, ...)."""
+    if default is inspect.Parameter.empty or default is None:
+        return
+    if isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, (int, float)):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"{field}: expected {want} (the default is {default!r}), got {value!r}")
 
 
 def build_optimizer(

@@ -33,6 +33,8 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
         if found is None:
             raise ConfigError(f"--resume: no run directory with a config.yaml at {base}")
         return found
+    if base.exists() and not base.is_dir():
+        raise ConfigError(f"--out: {base} is a file, not a directory")
     if out is not None:
         if base.exists() and any(base.iterdir()):
             raise ConfigError(f"--out: {base} already holds files; pass --resume to continue that "
@@ -52,6 +54,14 @@ def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
     overrides = list(overrides)
     kind, cfg = load_experiment(config_path, overrides)
     exp = get_experiment(kind)
+    check_run = getattr(cfg, "check_run", None)  # memory, existing stores: before any write
+    if check_run is not None:
+        try:
+            check_run(resume=resume)
+        except ConfigError:
+            raise
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     run_dir = resolve_run_dir(config_path, out, resume)
     if resume:
         saved_kind, saved = load_experiment(run_dir / "config.yaml")

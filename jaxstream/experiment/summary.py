@@ -41,6 +41,7 @@ def summarize_arm(records: Sequence[dict], target: float) -> dict[str, Any]:
         "train_time": steps[-1].get("train_time") if steps else None,
         "ms_per_step": 1e3 * statistics.median(times) if times else None,
         "mean_cosine": statistics.fmean(cos) if cos else None,
+        "lost_steps": [r["step"] for r in records if r.get("lost")],
     }
 
 

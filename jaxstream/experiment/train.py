@@ -73,7 +73,14 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     if resume:
         step, state, meta = ckpt.restore_latest(state)
         start = step or 0
+    resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
+    if resume_at is not None:
+        state, start = resume_at(state, start, run_dir=run_dir, resume=resume)
     records = [r for r in kept if r["step"] <= start] if start else []
+    logged = {r["step"] for r in records}  # steps done whose records the log lost
+    records += [{"arm": arm.name, "step": k, "lost": True} for k in range(1, start + 1)
+                if k not in logged]
+    records.sort(key=lambda r: r["step"])
     if start == 0:
         records = [{"arm": arm.name, "step": 0,
                     **_eval_record(evaluate, engine.params(state), data.train, data.test)}]

@@ -14,6 +14,7 @@ Example (YAML):
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from jaxstream.data.configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
@@ -83,6 +84,10 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        if self.seed < 0:
+            raise ValueError(f"seed: must be >= 0, got {self.seed}")
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy: must be in [0, 1], got {self.target_accuracy}")
         for name in ("steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -103,8 +108,37 @@ class TrainConfig:
                                  f" is not divisible by micro_batches={n}")
             if arm.optimizer is not None:
                 check_optimizer(arm.optimizer, f"arms.{i}.optimizer")
+            check_arm = getattr(self.engine, "check_arm", None)  # engine/estimator compatibility
+            if check_arm is not None:
+                check_arm(arm, f"arms.{i}")
         check_optimizer(self.optimizer, "optimizer")
+        check_arms = getattr(self.engine, "check_arms", None)
+        if check_arms is not None:
+            check_arms(names)
+
+    def check_run(self, resume: bool) -> None:
+        """Checks that need the machine or the disk, before anything is written: the memory
+        estimate of the model against the machine's memory, and the engine's own checks
+        (e.g. a new run must not reuse an existing layer store)."""
+        streamed = type(self.engine).__name__ == "StreamEngineConfig"
+        estimate = getattr(self.model, "memory_estimate", None)
+        if estimate is not None:
+            need = estimate(self.batch_size, per_layer=streamed)
+            have = machine_memory()
+            if need > have:
+                raise ValueError(
+                    f"model: needs about {need / 2**30:.3g} GiB ({'one streamed layer' if streamed else 'parameters'}"
+                    f" with optimizer state, plus activations of batch_size={self.batch_size}); "
+                    f"this machine has {have / 2**30:.3g} GiB of memory; make the model smaller")
+        check_run = getattr(self.engine, "check_run", None)
+        if check_run is not None:
+            check_run([a.name for a in self.arms], resume)
 
     def arm_optimizer(self, arm: ArmConfig) -> OptimizerConfig:
         """The optimizer section that applies to ``arm``."""
         return arm.optimizer if arm.optimizer is not None else self.optimizer
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine in bytes."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))

@@ -1,28 +1,37 @@
 """The ``stream`` engine: ``engine: {type: stream, ...}`` trains with layers streamed from a store.
 
 The store *is* the checkpoint of the parameters and optimizer state: every step commits to it
-atomically, so the engine's own state (saved by the runner with orbax) is just the step
-counter. On resume, the runner restores that counter and the engine reopens the same store;
-steps the store already committed (a run killed between the store's commit and the orbax
-save) are not recomputed but reported from the loss history kept in the store.
+atomically, and its step is the truth for the streamed parameters. The runner's orbax
+checkpoint holds only the step counter. On a resume (:meth:`StreamEngine.resume_at`) the
+engine reopens the store and the run continues from the *store's* step, which may be ahead of
+the last checkpoint (a run killed between checkpoints): those steps are not redone, and their
+metrics come from the run's log (or are marked lost). A store behind the checkpoint, a missing
+store, or an existing store in a new run is an error that says what to do.
+
+Each arm has its own store (``{arm}`` in ``engine.store``; a store records the arm that owns
+it); ``store: null`` keeps it in the run directory (``<run>/stores/<arm>``). Non-finite
+parameters are never committed: a diverging step leaves the store at its last finite step and
+reports a non-finite loss, which stops the run as diverged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import tempfile
+import os
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import register_engine, split_micro_batches
 from jaxstream.stream.depth import DepthPolicy
-from jaxstream.stream.errors import StoreError, StoreNotFoundError
+from jaxstream.stream.errors import StoreError, StoreNonFiniteError, StoreNotFoundError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from jaxstream.stream.layout import kvstore_spec
+from jaxstream.stream.manifest import MANIFEST
 from jaxstream.stream.store import LayerStore
-
-HISTORY = 64  # losses of the last steps kept in the store's manifest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +39,11 @@ class StreamEngineConfig:
     """Options of ``engine: {type: stream}``.
 
     Attributes:
-      store: where the layer store lives (a path or a TensorStore kvstore URL; ``{arm}`` is
-        replaced by the arm's name). ``null``: a new temporary directory per arm.
+      store: where the layer stores live (a path or a TensorStore kvstore URL); ``{arm}`` is
+        replaced by the arm's name and is required when there are several arms. ``null``:
+        ``<run directory>/stores/<arm>``, so the run can be resumed.
+      continue_store: a new run may train on from an existing store at ``store`` (otherwise
+        an existing store is refused; ``--resume`` always continues it).
       prefetch: layers read ahead of the computing one.
       compute_dtype: dtype on the device; the master copy and optimizer stay fp32.
       update: "eager" or "lazy" (forward estimator only).
@@ -41,6 +53,7 @@ class StreamEngineConfig:
     """
 
     store: str | None = None
+    continue_store: bool = False
     prefetch: int = 2
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     update: Literal["eager", "lazy"] = "eager"
@@ -55,6 +68,46 @@ class StreamEngineConfig:
             raise ValueError(f"engine.micro_batches: must be >= 1, got {self.micro_batches}")
         if self.file_io_concurrency < 1:
             raise ValueError(f"engine.file_io_concurrency: must be >= 1, got {self.file_io_concurrency}")
+        if self.store is not None and not str(self.store).strip():
+            raise ValueError("engine.store: must be a path, a kvstore URL or null, got ''")
+
+    def location(self, arm: str, run_dir: str | Path | None = None) -> str | None:
+        """The store of ``arm`` (None for ``store: null`` without a run directory)."""
+        if self.store is None:
+            return None if run_dir is None else str(Path(run_dir) / "stores" / arm)
+        return self.store.replace("{arm}", arm)
+
+    def check_arms(self, names: list[str]) -> None:
+        """Arms never share a store: several arms need ``{arm}`` in ``engine.store``."""
+        if self.store is not None and len(names) > 1 and "{arm}" not in self.store:
+            raise ValueError(f"engine.store: {self.store!r} would be shared by the arms "
+                             f"{', '.join(names)}; put {{arm}} in the path (e.g. "
+                             f"{self.store.rstrip('/')}/{{arm}}) or use null")
+
+    def check_arm(self, arm: Any, field: str) -> None:
+        """The streamed executor runs the arm's estimator with this ``update`` (checked when
+        the config is loaded, before any arm trains)."""
+        from jaxstream.stream.executor import _kind
+
+        try:
+            _kind(arm.estimator.build(), self.update)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{field}.estimator: {err}") from None
+
+    def check_run(self, names: list[str], resume: bool) -> None:
+        """Before anything is written: a new run refuses an existing store (unless
+        ``continue_store``); only local paths can be checked here."""
+        if resume or self.continue_store or self.store is None:
+            return
+        for name in names:
+            where = self.location(name)
+            spec = kvstore_spec(where)
+            if isinstance(spec, dict) and spec.get("driver") == "file" and os.path.exists(
+                    os.path.join(spec["path"], MANIFEST)):
+                raise ConfigError(
+                    f"engine.store: a layer store already exists at {where} (arm {name!r}); "
+                    "pass --resume to continue that run, set engine.continue_store=true to train "
+                    "on from it, or choose another path")
 
 
 class StreamState(NamedTuple):
@@ -64,31 +117,47 @@ class StreamState(NamedTuple):
 
 
 class StreamEngine:
-    """Engine protocol over a :class:`StreamedExecutor` (see module docstring)."""
+    """Engine protocol over a :class:`StreamedExecutor` (see module docstring).
+
+    Example::
+
+        eng = StreamEngine(StreamEngineConfig(store="/nvme/s"), stack=stack, estimator=est,
+                           optimizer=optax.adam(1e-3))
+        state = eng.init(params, key)            # the store is created on first use
+        state, metrics = eng.step(state, batch, key)
+    """
 
     def __init__(self, cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
                  config: Any = None, arm: Any = None, micro_batches: int = 1, **_: Any):
         self.cfg, self.stack, self.estimator, self.optimizer = cfg, stack, estimator, optimizer
         self.micro_batches = micro_batches if micro_batches > 1 else cfg.micro_batches
-        name = getattr(arm, "name", "arm")
-        self.location = (cfg.store.replace("{arm}", name) if cfg.store
-                         else tempfile.mkdtemp(prefix=f"jaxstream-store-{name}-"))
+        self.arm = getattr(arm, "name", "arm")
+        self.location = cfg.location(self.arm)
         model = getattr(config, "model", None)
         self.model_config = ({"type": type(model).__name__, **dataclasses.asdict(model)}
                              if dataclasses.is_dataclass(model) else {"name": stack.name})
         self.model_config["num_layers"] = stack.num_layers
+        self.model_config["arm"] = self.arm  # a store belongs to one arm
         self.executor: StreamedExecutor | None = None
+        self._init_params: Any = None
 
-    def _executor(self, params: Any = None) -> StreamedExecutor:
+    def _open(self) -> LayerStore | None:
+        if self.location is None:
+            raise StoreError("engine.store is null and no run directory was given: the runner "
+                             "keeps the store in the run directory; give engine.store a path "
+                             "when using StreamEngine directly")
+        try:
+            return LayerStore.open(self.location, optimizer=self.optimizer,
+                                   model_config=self.model_config,
+                                   file_io_concurrency=self.cfg.file_io_concurrency)
+        except StoreNotFoundError:
+            return None
+
+    def _executor(self) -> StreamedExecutor:
         if self.executor is None:
-            try:
-                store = LayerStore.open(self.location, optimizer=self.optimizer,
-                                        model_config=self.model_config,
-                                        file_io_concurrency=self.cfg.file_io_concurrency)
-            except StoreNotFoundError:
-                if params is None:
-                    raise
-                store = LayerStore.create(self.location, jax.device_get(params),
+            store = self._open()
+            if store is None:
+                store = LayerStore.create(self.location, jax.device_get(self._init_params),
                                           optimizer=self.optimizer, model_config=self.model_config,
                                           file_io_concurrency=self.cfg.file_io_concurrency)
             scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
@@ -97,40 +166,78 @@ class StreamEngine:
         return self.executor
 
     def init(self, params: Any, key: jax.Array) -> StreamState:
-        """Creates the store from ``params`` (or reopens an existing store of this model)."""
+        """Remembers ``params``: the store is created from them (or reopened) on first use."""
         del key
-        self._executor(params)
+        self._init_params = params
         return StreamState(jnp.asarray(0, jnp.int32))
 
+    def resume_at(self, state: StreamState, start: int, *, run_dir: str | Path,
+                  resume: bool) -> tuple[StreamState, int]:
+        """Reconciles the restored checkpoint (``state``, step ``start``) with the store.
+
+        Returns the state and step to continue from: the store's step when it is ahead of the
+        checkpoint (those steps are not redone). Raises StoreError when the store is missing
+        or behind the checkpoint, or exists in a new run without ``continue_store``.
+        """
+        if self.cfg.store is None:
+            self.location = self.cfg.location(self.arm, run_dir)
+        may_exist = resume or self.cfg.continue_store
+        ckpt = int(state.step)
+        store = self._open()
+        if store is None:
+            if ckpt > 0:
+                raise StoreError(f"--resume: the checkpoint of arm {self.arm!r} is at step {ckpt} "
+                                 f"but there is no layer store at {self.location}; restore the "
+                                 "store or start a new run")
+            self._executor()
+            return state, start
+        if store.step < ckpt:
+            raise StoreError(f"the layer store at {self.location} is at step {store.step}, behind "
+                             f"the checkpoint at step {ckpt}: it is not this run's store (or an "
+                             "older copy); point engine.store at this run's store or start a new run")
+        if not may_exist:
+            raise StoreError(f"engine.store: a layer store already exists at {self.location} "
+                             f"(step {store.step}); pass --resume to continue that run, set "
+                             "engine.continue_store=true to train on from it, or choose "
+                             "another path")
+        scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update, self.cfg.depth)
+        self.executor = StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
+        if store.step > ckpt:
+            return StreamState(jnp.asarray(store.step, jnp.int32)), store.step
+        return state, start
+
+    def _micro(self, batch: dict) -> dict:
+        micro = split_micro_batches(batch, self.micro_batches)
+        return jax.tree.map(lambda a: a[None], micro) if self.micro_batches == 1 else micro
+
     def step(self, state: StreamState, batch: dict, key: jax.Array) -> tuple[StreamState, dict]:
+        """One committed step. A step that would commit non-finite values commits nothing and
+        reports a NaN loss (the store keeps its last finite step)."""
         ex = self._executor()
         s = int(state.step)
-        history = ex.store.extra.get("losses", {})
-        if ex.store.step > s:  # already committed before a crash: report, do not redo
-            loss = history.get(str(s + 1), float("nan"))
-            return StreamState(jnp.asarray(s + 1, jnp.int32)), {"loss": loss}
-        if ex.store.step < s:
-            raise StoreError(f"store at {self.location} is at step {ex.store.step}, behind the "
-                             f"checkpointed step {s}: it is not this run's store")
-        micro = split_micro_batches(batch, self.micro_batches)
-        if self.micro_batches == 1:
-            micro = jax.tree.map(lambda a: a[None], micro)
-        keep = {k: v for k, v in history.items() if int(k) > s + 1 - HISTORY}
-        m = ex.step(micro, key, step=s, extra=lambda loss: {"losses": {**keep, str(s + 1): loss}})
+        if ex.store.step != s:
+            raise StoreError(f"the layer store at {self.location} is at step {ex.store.step}, the "
+                             f"run at step {s}: another process wrote it, or it is not this run's "
+                             "store")
+        try:
+            m = ex.step(self._micro(batch), key, step=s)
+        except StoreNonFiniteError:
+            return state, {"loss": float("nan"), "nonfinite_refused": 1.0}
         return StreamState(jnp.asarray(s + 1, jnp.int32)), {
-            "loss": m["loss"], "stall_s": m["stall_s"], "layers_read": float(m["layers_read"])}
+            "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"])}
 
     def estimate(self, state: StreamState, batch: dict, key: jax.Array):
         ex = self._executor()
-        micro = split_micro_batches(batch, self.micro_batches)
-        if self.micro_batches == 1:
-            micro = jax.tree.map(lambda a: a[None], micro)
-        loss, grads = ex.estimate(micro, key, step=int(state.step))
+        loss, grads = ex.estimate(self._micro(batch), key, step=int(state.step))
         return jnp.asarray(loss), jax.tree.map(jnp.asarray, grads)
 
     def params(self, state: StreamState) -> Any:
-        """All parameters read from the store (pending lazy updates applied first)."""
+        """All parameters of the step ``state`` holds, read from the store (pending lazy
+        updates applied first); an error if the store is at another step."""
         ex = self._executor()
+        if ex.store.step != int(state.step):
+            raise StoreError(f"parameters of step {int(state.step)} were asked for, the store at "
+                             f"{self.location} holds step {ex.store.step}")
         ex.flush()
         return jax.tree.map(jnp.asarray, ex.store.read_params())
 

@@ -1,4 +1,8 @@
-"""Errors raised by the layer and data stores, each naming what went wrong and where."""
+"""Errors raised by the layer and data stores, each naming what went wrong and where.
+
+Every error is a :class:`StoreError`; each subclass also derives from the built-in exception
+a caller would expect (``FileNotFoundError``, ``ValueError``, ``OSError``, ...).
+"""
 
 from __future__ import annotations
 
@@ -17,3 +21,24 @@ class StoreMismatchError(StoreError, ValueError):
 
 class StoreWriteError(StoreError, OSError):
     """A write failed (e.g. a full disk); the last committed step is left intact."""
+
+
+class StoreReadError(StoreError, OSError):
+    """A read failed for a reason other than corruption (e.g. an I/O error)."""
+
+
+class StoreCorruptError(StoreError, ValueError):
+    """Stored data is damaged: a chunk's checksum, a missing or truncated chunk, or an
+    invalid manifest (the message names the file and the field, or the leaf and layer)."""
+
+
+class StoreLockedError(StoreError, RuntimeError):
+    """Another process holds the store's writer lock (the message names its pid)."""
+
+
+class StoreStaleError(StoreError, RuntimeError):
+    """The step this handle opened was overwritten by another writer: reopen the store."""
+
+
+class StoreNonFiniteError(StoreError, FloatingPointError):
+    """Non-finite values were refused: the store keeps its last (finite) committed step."""

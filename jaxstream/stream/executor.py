@@ -195,10 +195,16 @@ class StreamedExecutor:
         step = self.store.step if step is None else int(step)
         t0 = time.perf_counter()
         self.events = []
-        loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
-        if callable(extra):
-            extra = extra(float(loss))
-        self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
+        pending = {k: list(v) for k, v in self._pending.items()}
+        try:
+            loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
+            if callable(extra):
+                extra = extra(float(loss))
+            self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
+        except BaseException:
+            self._pending = pending  # a failed step leaves no trace: a retry redoes it exactly
+            self.store.abort()
+            raise
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)),

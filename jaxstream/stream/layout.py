@@ -84,12 +84,13 @@ def open_kvstore(location: KvSpec, context: ts.Context) -> ts.KvStore:
 
 
 def array_spec(shape: tuple[int, ...], chunk: tuple[int, ...], dtype: str) -> dict:
-    """Zarr3 metadata: regular chunks, raw little-endian bytes, no compression."""
+    """Zarr3 metadata: regular chunks, raw little-endian bytes, no compression, and a crc32c
+    checksum per chunk (a damaged chunk is an error on read, never wrong numbers)."""
     return {
         "shape": list(shape),
         "data_type": str(np.dtype(dtype)),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
         "fill_value": 0,
     }
 
@@ -104,8 +105,13 @@ def open_array(
     chunk: tuple[int, ...] = (),
     dtype: str = "float32",
 ) -> ts.TensorStore:
-    """Opens (or creates) the zarr3 array stored under ``key`` of ``root``."""
-    spec: dict = {"driver": "zarr3", "kvstore": (root / (key.rstrip("/") + "/")).spec().to_json()}
+    """Opens (or creates) the zarr3 array stored under ``key`` of ``root``.
+
+    A missing chunk is an error on read (``fill_missing_data_reads: false``), not zeros;
+    chunks equal to the fill value are written too, so a written chunk is never missing.
+    """
+    spec: dict = {"driver": "zarr3", "kvstore": (root / (key.rstrip("/") + "/")).spec().to_json(),
+                  "fill_missing_data_reads": False, "store_data_equal_to_fill_value": True}
     if create:
         spec["metadata"] = array_spec(shape, chunk, dtype)
         return ts.open(spec, create=True, delete_existing=True, context=context).result()

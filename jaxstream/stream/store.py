@@ -14,11 +14,23 @@ their *other* slot, waits until those writes are durable, then commits by replac
 fsyncs it and renames it over the old one). A process killed at any moment leaves either
 the old manifest, whose slots were never touched, or the new one, whose slots are all
 written: the writes of a step become visible together, nothing half-written is read.
+
+Integrity: every chunk carries a crc32c checksum and a missing chunk is an error, so a damaged
+store raises :class:`StoreCorruptError` naming the leaf and layer instead of returning wrong
+numbers or zeros; the manifest is checksummed and validated (:mod:`jaxstream.stream.manifest`).
+Non-finite parameters or optimizer state are never staged (:class:`StoreNonFiniteError`).
+
+One writer, consistent readers: a writer holds an OS lock (:class:`WriterLock`) from a step's
+first write to its commit, and checks that no other process committed since it opened the
+store. A handle that only reads checks after each read that the slots it read still belong to
+its step (a writer overwrites a slot two commits later) and raises :class:`StoreStaleError`
+otherwise: a reader sees the step it opened or an error, never a mix of steps.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from typing import Any
 
@@ -28,24 +40,25 @@ import tensorstore as ts
 
 from jaxstream.stream.errors import (
     StoreError,
-    StoreMismatchError,
+    StoreNonFiniteError,
     StoreNotFoundError,
+    StoreStaleError,
     StoreWriteError,
 )
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
+from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
+from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
-    MANIFEST,
     ReadInto,
     TreeFuture,
+    WriteFuture,
     check_config,
-    leaf_table,
-    master_dtype,
-    nested_from_names,
+    read_error,
     write_manifest,
 )
+from jaxstream.stream.writer_lock import WriterLock
 
-FORMAT = "jaxstream.layerstore/1"
-PARTS = ("embed", "blocks", "head")
+__all__ = ["FORMAT", "LayerStore", "TreeFuture"]
 Unit = str | int  # "embed", "head" or a layer index
 
 
@@ -65,7 +78,7 @@ class LayerStore:
     """
 
     def __init__(self, root: ts.KvStore, context: ts.Context, manifest: dict, where: str,
-                 treedefs: dict, opt_treedefs: dict):
+                 treedefs: dict, opt_treedefs: dict, writer: WriterLock | None = None):
         self._root, self._ctx, self._m, self._where = root, context, manifest, where
         self._treedefs, self._opt_treedefs = treedefs, opt_treedefs
         self.max_write_bytes = 256 << 20  # staged writes in flight before write() waits
@@ -73,11 +86,26 @@ class LayerStore:
         self._staged: dict[str, int] = {}
         self._writes: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
+        self._writer = writer
+        self._wrote = False  # a handle that never wrote checks its reads are not stale
+        self._begin_lock = threading.Lock()
+        file = self.manifest_file
         for kind in ("params", "opt"):
             for part in PARTS:
-                for i, _ in enumerate(self._m["leaves"][kind][part]):
-                    self._arrays[(kind, part, i)] = open_array(root, f"{kind}/{part}/{i}", context)
+                lead = [self.num_layers, 2] if part == "blocks" else [2]
+                for i, e in enumerate(self._m["leaves"][kind][part]):
+                    try:
+                        arr = open_array(root, f"{kind}/{part}/{i}", context)
+                    except Exception as err:
+                        raise read_error(err, f"{where}: array {kind}/{part}/{i} ({e['name']})") from err
+                    check_array(file, f"leaves.{kind}.{part}[{i}]", arr, tuple(lead + e["shape"]),
+                                e["dtype"])
+                    self._arrays[(kind, part, i)] = arr
         self._scratch_lock = threading.Lock()
+
+    @property
+    def manifest_file(self) -> str:
+        return f"{self._where.rstrip('/')}/{MANIFEST}"
 
     # ------------------------------------------------------------------ creation / opening
     @classmethod
@@ -110,52 +138,24 @@ class LayerStore:
                                  f"got shape {np.shape(x)}")
         ctx = make_context(file_io_concurrency, file_io_sync)
         root = open_kvstore(location, ctx)
-        if root.read(MANIFEST).result().state == "value" and not overwrite:
+        lock = WriterLock(location)
+        lock.acquire()  # nobody else writes while the store is (re)created
+        try:
+            exists = root.read(MANIFEST).result().state == "value"
+        except Exception as err:
+            raise read_error(err, f"{location}/{MANIFEST}") from err
+        if exists and not overwrite:
+            lock.release()
             raise StoreError(f"a store already exists at {location}; pass overwrite=True to replace it")
-        abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
-        if abstract:  # shapes only: allocate, write zeros for the optimizer, leave params to write()
-            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, master_dtype(x)), params)
-            zeros = lambda t: jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), t)
-            layer0 = zeros(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                                        params["blocks"]))
-            params = {"embed": zeros(params["embed"]), "blocks": params["blocks"],
-                      "head": zeros(params["head"])}
-        else:
-            params = jax.tree.map(lambda x: np.asarray(x, master_dtype(x)), params)
-            layer0 = jax.tree.map(lambda x: x[0], params["blocks"])
-        templates = {"embed": params["embed"], "blocks": layer0, "head": params["head"]}
-        opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
-        opt_init = jax.tree.map(np.asarray, opt_init)
-        manifest = {
-            "format": FORMAT, "step": int(step), "generation": 0, "num_layers": num_layers,
-            "model_config": dict(model_config or {}),
-            "leaves": {"params": {p: leaf_table(templates[p]) for p in PARTS},
-                       "opt": {p: leaf_table(opt_init[p]) for p in PARTS}},
-            "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
-            "extra": {},
-        }
-        for kind, trees in (("params", templates), ("opt", opt_init)):
-            for part in PARTS:
-                for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
-                    shape = tuple(np.shape(leaf))
-                    lead = (num_layers, 2) if part == "blocks" else (2,)
-                    open_array(root, f"{kind}/{part}/{i}", ctx, create=True, shape=lead + shape,
-                               chunk=(1,) * len(lead) + shape, dtype=str(np.asarray(leaf).dtype))
-        futs = []
-        for kind, trees in (("params", params), ("opt", opt_init)):
-            for part in PARTS:
-                for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
-                    arr = open_array(root, f"{kind}/{part}/{i}", ctx)
-                    if part == "blocks" and kind == "params":
-                        if not abstract:
-                            futs.append(arr[:, 0].write(leaf))
-                    elif part == "blocks":
-                        futs.append(arr[:, 0].write(np.broadcast_to(leaf, (num_layers,) + np.shape(leaf))))
-                    else:
-                        futs.append(arr[0].write(leaf))
-        for f in futs:
-            f.result()
-        write_manifest(root, manifest, str(location))
+        try:
+            write_new_store(root, ctx, location, params, optimizer, model_config, step, num_layers)
+        except StoreError:
+            raise
+        except Exception as err:
+            raise StoreWriteError(f"creating the store at {location} failed ({err}); no store was "
+                                  "committed there") from err
+        finally:
+            lock.release()
         return cls.open(location, optimizer=optimizer, model_config=model_config, context=ctx)
 
     @classmethod
@@ -185,48 +185,11 @@ class LayerStore:
         if res.state != "value":
             raise StoreNotFoundError(f"no layer store at {location}: {MANIFEST} is missing "
                                      "(never created, or creation did not finish)")
-        m = json.loads(bytes(res.value))
-        if m.get("format") != FORMAT:
-            raise StoreMismatchError(f"{location} is not a layer store: format {m.get('format')!r}, "
-                                     f"expected {FORMAT!r}")
+        m = decode(res.value, f"{str(location).rstrip('/')}/{MANIFEST}")
         if model_config is not None:
             check_config(m["model_config"], dict(model_config), str(location))
-        treedefs = {}
-        for part in PARTS:
-            table = m["leaves"]["params"][part]
-            if template is not None:
-                t = template[part] if part != "blocks" else jax.tree.map(lambda x: x[0], template[part])
-                found = leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, master_dtype(x)), t))
-                for a, b in zip(table, found):
-                    if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
-                        raise StoreMismatchError(
-                            f"store at {location} holds another model: {part} leaf {a['name']!r} has "
-                            f"shape {a['shape']} {a['dtype']}, the model needs {b['shape']} {b['dtype']}")
-                if len(found) != len(table):
-                    raise StoreMismatchError(f"store at {location} holds another model: {part} has "
-                                             f"{len(table)} leaves, the model has {len(found)}")
-                treedefs[part] = jax.tree_util.tree_structure(t)
-            else:
-                names = [e["name"] for e in table]
-                treedefs[part] = jax.tree_util.tree_structure(nested_from_names(names, [0] * len(names)))
-        if template is not None:
-            nl = jax.tree_util.tree_leaves(template["blocks"])[0].shape[0]
-            if nl != m["num_layers"]:
-                raise StoreMismatchError(f"store at {location} holds another model: num_layers is "
-                                         f"{m['num_layers']} in the store, the model has {nl}")
-        opt_treedefs = {}
-        if optimizer is not None:
-            for part in PARTS:
-                shapes = [jax.ShapeDtypeStruct(tuple(e["shape"]), np.dtype(e["dtype"]))
-                          for e in m["leaves"]["params"][part]]
-                t = jax.tree_util.tree_unflatten(treedefs[part], shapes)
-                st = jax.eval_shape(optimizer.init, t)
-                if len(jax.tree_util.tree_leaves(st)) != len(m["leaves"]["opt"][part]):
-                    raise StoreMismatchError(f"store at {location}: optimizer state of {part} has "
-                                             f"{len(m['leaves']['opt'][part])} leaves, this optimizer has "
-                                             f"{len(jax.tree_util.tree_leaves(st))}")
-                opt_treedefs[part] = jax.tree_util.tree_structure(st)
-        return cls(root, ctx, m, str(location), treedefs, opt_treedefs)
+        treedefs, opt_treedefs = tree_structures(m, location, template, optimizer)
+        return cls(root, ctx, m, str(location), treedefs, opt_treedefs, WriterLock(location))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -293,22 +256,60 @@ class LayerStore:
         slot = self._slot(part, l, staged)
         if staged:  # the staged slot may still be being written: its reader must see the writes
             self._wait_for_writes(part if l is None else f"blocks/{l}")
-        n = len(self._m["leaves"][kind][part])
+        table = self._m["leaves"][kind][part]
         idx = (slot,) if l is None else (l, slot)
-        futs = [ReadInto(self._arrays[(kind, part, i)][idx]) for i in range(n)]
         if kind == "params":
             treedef = self._treedefs[part]
         else:
             if part not in self._opt_treedefs:
                 raise StoreError("optimizer state needs the optimizer: LayerStore.open(..., optimizer=...)")
             treedef = self._opt_treedefs[part]
-        return TreeFuture(treedef, futs)
+        where = part if l is None else f"layer {l}"
+        names = [f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})" for e in table]
+        futs = []
+        for i, name in enumerate(names):
+            try:
+                futs.append(ReadInto(self._arrays[(kind, part, i)][idx]))
+            except Exception as err:
+                raise read_error(err, name) from err
+        post = None if (staged or self._wrote) else (lambda t: self._check_fresh([(part, l, slot)]) or t)
+        return TreeFuture(treedef, futs, post, names)
+
+    def _check_fresh(self, used: list[tuple[str, int | None, int]]) -> None:
+        """Raises StoreStaleError when a slot read by this (reading) handle may have been
+        overwritten: the writer reuses a slot in the second commit after it was left."""
+        try:
+            res = self._root.read(MANIFEST).result()
+        except Exception as err:
+            raise read_error(err, self.manifest_file) from err
+        if res.state != "value":
+            raise StoreStaleError(f"{self.manifest_file} disappeared while reading step {self.step}")
+        m = decode(res.value, self.manifest_file)
+        gen0, gen = int(self._m["generation"]), int(m["generation"])
+        if gen == gen0:
+            return
+        slot = lambda mm, part, l: mm["slots"][part] if l is None else mm["slots"]["blocks"][l]
+        if gen == gen0 + 1 and all(slot(m, p, l) == s for p, l, s in used):
+            return
+        raise StoreStaleError(
+            f"the store at {self._where} was opened at step {self.step}; a writer has since "
+            f"committed step {m['step']} and may have overwritten the slots this read used: "
+            "reopen the store to read the new step")
 
     def read_params(self) -> dict:
         """Reads the whole committed parameter pytree (for evaluation and tests)."""
-        layers = [self.read(l) for l in range(self.num_layers)]
-        embed, head = self.read("embed").result(), self.read("head").result()
-        blocks = jax.tree.map(lambda *xs: np.stack(xs), *[f.result() for f in layers])
+        wrote, self._wrote = self._wrote, True  # one freshness check for the whole tree
+        try:
+            layers = [self.read(l) for l in range(self.num_layers)]
+            embed, head = self.read("embed").result(), self.read("head").result()
+            blocks = jax.tree.map(lambda *xs: np.stack(xs), *[f.result() for f in layers])
+        finally:
+            self._wrote = wrote
+        if not wrote:
+            self._check_fresh([("embed", None, self._slot("embed", None, False)),
+                               ("head", None, self._slot("head", None, False))]
+                              + [("blocks", l, self._slot("blocks", l, False))
+                                 for l in range(self.num_layers)])
         return {"embed": embed, "blocks": blocks, "head": head}
 
     # ------------------------------------------------------------------ scratch
@@ -330,15 +331,26 @@ class LayerStore:
         """
         part, l = self._part(unit)
         idx = () if l is None else (l,)
-        return [self._scratch_array(part, i)[idx].write(np.asarray(x, np.float32))
-                for i, x in enumerate(jax.tree_util.tree_leaves(tree))]
+        self._begin_write()
+        what = f"scratch of {part if l is None else f'layer {l}'} to the store at {self._where}"
+        try:
+            return [WriteFuture(self._scratch_array(part, i)[idx].write(np.asarray(x, np.float32)), what)
+                    for i, x in enumerate(jax.tree_util.tree_leaves(tree))]
+        except Exception as err:
+            raise self._write_error(what, err) from err
 
     def read_scratch(self, unit: Unit) -> TreeFuture:
         """Reads what :meth:`write_scratch` wrote for ``unit`` this step."""
         part, l = self._part(unit)
         idx = () if l is None else (l,)
         n = len(self._m["leaves"]["params"][part])
-        return TreeFuture(self._treedefs[part], [self._scratch_array(part, i)[idx].read() for i in range(n)])
+        names = [f"{self._where}: scratch leaf {i} of {part if l is None else f'layer {l}'}"
+                 for i in range(n)]
+        try:
+            futs = [self._scratch_array(part, i)[idx].read() for i in range(n)]
+        except Exception as err:
+            raise read_error(err, names[0]) from err
+        return TreeFuture(self._treedefs[part], futs, None, names)
 
     # ------------------------------------------------------------------ writes
     def write(self, unit: Unit, params: Any, opt_state: Any = None) -> None:
@@ -348,6 +360,7 @@ class LayerStore:
         """
         part, l = self._part(unit)
         key = part if l is None else f"blocks/{l}"
+        self._begin_write()
         with self._lock:
             slot = 1 - int(self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l])
             self._staged[key] = slot
@@ -368,6 +381,11 @@ class LayerStore:
                 if list(x.shape) != e["shape"]:
                     raise StoreError(f"{kind} leaf {e['name']!r} of {key}: shape {list(x.shape)}, "
                                      f"the store has {e['shape']}")
+                if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+                    self.abort()
+                    raise StoreNonFiniteError(
+                        f"{kind} leaf {e['name']!r} of {key} holds non-finite values; nothing of "
+                        f"this step is committed, the store stays at step {self.step}")
                 try:
                     fut = self._arrays[(kind, part, i)][idx].write(x)
                 except Exception as err:
@@ -408,6 +426,31 @@ class LayerStore:
         return StoreWriteError(f"writing {key} to the store at {self._where} failed ({err}); the store "
                                f"is unchanged at its last committed step {self.step}")
 
+    def _begin_write(self) -> None:
+        """Takes the writer lock for this step (once) and checks no other writer committed
+        since this handle last saw the manifest."""
+        self._wrote = True
+        with self._begin_lock:  # prefetch threads stage writes concurrently
+            if self._writer is None or self._writer.held:
+                return
+            self._acquire()
+
+    def _acquire(self) -> None:
+        self._writer.acquire()
+        try:
+            res = self._root.read(MANIFEST).result()
+            m = decode(res.value, self.manifest_file) if res.state == "value" else None
+        except Exception as err:
+            self._writer.release()
+            raise read_error(err, self.manifest_file) from err
+        if m is None or int(m["generation"]) != int(self._m["generation"]):
+            self._writer.release()
+            found = "no manifest" if m is None else (f"step {m['step']} (written by pid "
+                                                     f"{m.get('writer_pid', 'unknown')})")
+            raise StoreStaleError(
+                f"another writer changed the store at {self._where} since this handle saw step "
+                f"{self.step}: it now holds {found}; reopen the store (one writer at a time)")
+
     def abort(self) -> None:
         """Drops the staged writes of this step; the committed step stays as it was."""
         with self._lock:
@@ -418,6 +461,12 @@ class LayerStore:
                 f.result()
             except Exception:  # noqa: BLE001, S110 - already failing; nothing visible to undo
                 pass
+        if self._writer is not None:
+            self._writer.release()
+
+    def close(self) -> None:
+        """Drops uncommitted writes and releases the writer lock."""
+        self.abort()
 
     def commit(self, step: int, extra: dict | None = None) -> None:
         """Waits for the staged writes, then atomically makes them the committed state.
@@ -429,6 +478,7 @@ class LayerStore:
           StoreWriteError: a staged write or the manifest write failed; the store is left
             at its previous committed step.
         """
+        self._begin_write()
         with self._lock:
             writes, self._writes = self._writes, []
             staged = dict(self._staged)
@@ -444,13 +494,16 @@ class LayerStore:
             else:
                 m["slots"][key] = slot
         m["step"], m["generation"] = int(step), int(m["generation"]) + 1
+        m["writer_pid"] = os.getpid()
         if extra is not None:
             m["extra"] = extra
         try:
             write_manifest(self._root, m, self._where)
-        except StoreWriteError:
+        except StoreError:
             self.abort()
             raise
         with self._lock:
             self._m = m
             self._staged.clear()
+        if self._writer is not None:
+            self._writer.release()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,25 +9,72 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from jaxstream.stream.errors import StoreMismatchError, StoreWriteError
+from jaxstream.stream.errors import (
+    StoreCorruptError,
+    StoreError,
+    StoreMismatchError,
+    StoreReadError,
+    StoreWriteError,
+)
 from jaxstream.stream.layout import leaf_names
+from jaxstream.stream.manifest import MANIFEST, encode
 
-MANIFEST = "manifest.json"
+
+def read_error(err: BaseException, what: str) -> StoreError:
+    """A TensorStore read failure as a store error naming ``what`` (leaf, layer, slot)."""
+    if isinstance(err, StoreError):
+        return err
+    msg = str(err)
+    if "NOT_FOUND" in msg or "is missing" in msg:
+        return StoreCorruptError(f"{what}: the chunk is missing ({msg})")
+    if "DATA_LOSS" in msg or "Digest mismatch" in msg:
+        return StoreCorruptError(f"{what}: checksum mismatch, the chunk is damaged ({msg})")
+    if "FAILED_PRECONDITION" in msg or "Not enough data" in msg or "INVALID_ARGUMENT" in msg:
+        return StoreCorruptError(f"{what}: the chunk is truncated or malformed ({msg})")
+    return StoreReadError(f"{what}: read failed ({msg})")
 
 
 class TreeFuture:
-    """A pending read of one pytree: ``result()`` waits for every leaf's TensorStore future."""
+    """A pending read of one pytree: ``result()`` waits for every leaf's TensorStore future.
 
-    def __init__(self, treedef: Any, futures: Sequence[Any], post: Callable | None = None):
+    ``names`` (one per leaf) name the leaf in errors: a damaged or missing chunk raises
+    :class:`StoreCorruptError` naming it; ``post`` runs on the finished tree (e.g. a check
+    that the slots read were not overwritten meanwhile).
+    """
+
+    def __init__(self, treedef: Any, futures: Sequence[Any], post: Callable | None = None,
+                 names: Sequence[str] | None = None):
         self._treedef, self._futures, self._post = treedef, list(futures), post
+        self._names = list(names) if names is not None else [f"leaf {i}" for i in range(len(futures))]
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
 
     def result(self) -> Any:
-        leaves = [np.asarray(f.result()) for f in self._futures]
+        leaves = []
+        for f, name in zip(self._futures, self._names):
+            try:
+                leaves.append(np.asarray(f.result()))
+            except Exception as err:  # every read failure becomes a StoreError
+                raise read_error(err, name) from err
         tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
         return self._post(tree) if self._post else tree
+
+
+class WriteFuture:
+    """A pending write whose failure surfaces as :class:`StoreWriteError` naming ``what``."""
+
+    def __init__(self, future: Any, what: str):
+        self._future, self._what = future, what
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> None:
+        try:
+            self._future.result()
+        except Exception as err:  # every write failure becomes a StoreWriteError
+            raise StoreWriteError(f"writing {self._what} failed ({err})") from err
 
 
 ALIGN = 64  # bytes: XLA's CPU client aliases (does not copy) host buffers aligned to this
@@ -97,9 +143,11 @@ def check_config(found: dict, expected: dict, where: str) -> None:
 
 
 def write_manifest(root: ts.KvStore, manifest: dict, where: str) -> None:
-    """One atomic kvstore write (file driver: temp file, fsync, rename)."""
+    """One atomic kvstore write (file driver: temp file, fsync, rename); the manifest is
+    checksummed and non-finite values are refused (:class:`StoreNonFiniteError`)."""
+    data = encode(manifest)
     try:
-        root.write(MANIFEST, json.dumps(manifest, sort_keys=True).encode()).result()
+        root.write(MANIFEST, data).result()
     except Exception as err:
         raise StoreWriteError(f"writing {MANIFEST} to {where} failed ({err}); the store is unchanged "
                               "at its last committed step") from err

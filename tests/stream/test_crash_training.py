@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from jaxstream.stream.crash import run_crash_experiment
+from tests.stream.crash_harness import run_crash_experiment
 
 
 def test_killed_training_resumes_to_uninterrupted_params(tmp_path):

@@ -1,0 +1,60 @@
+"""Every config field's range is checked when the config loads (or, for the machine's memory
+and existing stores, before the run directory is made): nothing is written for a bad config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxstream.experiment.config import ConfigError
+from jaxstream.experiment.runner import run_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+STREAM = ROOT / "experiments" / "stream_mlp.yaml"
+
+CASES = [
+    (QUICKSTART, ["optimizer.clip_norm=-1"], r"optimizer.clip_norm: must be > 0"),
+    (QUICKSTART, ["optimizer.clip_norm=0"], r"optimizer.clip_norm: must be > 0"),
+    (QUICKSTART, ["model.width=0"], r"model.width: must be an integer >= 1"),
+    (QUICKSTART, ["model.depth=-2"], r"model.depth: must be an integer >= 1"),
+    (QUICKSTART, ["seed=-1"], r"seed: must be >= 0"),
+    (QUICKSTART, ["batch_size=0"], r"batch_size: must be >= 1"),
+    (QUICKSTART, ["optimizer.options={b1: hello}"], r"optimizer.options.b1: expected a number"),
+    (QUICKSTART, ["optimizer.options={nesterov: 1}", "optimizer.name=sgd"],
+     r"optimizer.options.nesterov: expected true or false"),
+    (QUICKSTART, ["model.width=1000000000"], r"model: needs about .* GiB .* this machine has"),
+    (STREAM, ["arms.1.estimator.perturb=activations"], r"arms.1.estimator: stream: estimator.perturb must be .weights."),
+    (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
+    (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
+]
+
+
+@pytest.mark.parametrize("config, overrides, match", CASES)
+def test_bad_config_is_refused_before_anything_is_written(tmp_path, config, overrides, match):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=match):
+        run_experiment(config, overrides, out=out)
+    assert not out.exists()
+
+
+def test_out_at_a_file_is_a_config_error(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        run_experiment(QUICKSTART, ["steps=1"], out=f)
+
+
+@pytest.mark.parametrize("text, match", [
+    (None, r"no such config file"),
+    ("kind: train\nsteps: [1,\n", r"line 3, column 1: YAML syntax error"),
+    ("kind: train\nseed: !!python/object/apply:os.getcwd []\n", r"line 2, column 7: .*no tags"),
+])
+def test_config_file_errors_name_the_file_and_line(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path}:? .*{match}|{path}: {match}"):
+        run_experiment(path, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,199 @@
+"""Store integrity: checksums, missing chunks, manifest validation, one writer, fresh readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxstream.stream import LayerStore
+from jaxstream.stream.errors import (
+    StoreCorruptError,
+    StoreError,
+    StoreLockedError,
+    StoreMismatchError,
+    StoreNonFiniteError,
+    StoreStaleError,
+)
+
+
+def _params(layers=3, width=4):
+    r = np.random.default_rng(0)
+    return {"embed": {"w": r.standard_normal((5, width), dtype=np.float32)},
+            "blocks": {"w": r.standard_normal((layers, width, width), dtype=np.float32)},
+            "head": {"w": r.standard_normal((width, 2), dtype=np.float32)}}
+
+
+def _open(path):
+    import optax
+
+    return LayerStore.open(path, optimizer=optax.adam(1e-3))
+
+
+def _layer(v, width=4):
+    return {"w": np.full((width, width), v, np.float32)}
+
+
+def _chunk(root, kind, layer, slot, leaf=0):
+    """The file of one chunk: <kind>/blocks/<leaf>/c/<layer>/<slot>[/0/0...]."""
+    import glob
+
+    base = os.path.join(root, kind, "blocks", str(leaf), "c", str(layer), str(slot))
+    return base if os.path.isfile(base) else min(
+        f for f in glob.glob(base + "/**", recursive=True) if os.path.isfile(f))
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    import optax
+
+    path = str(tmp_path / "s")
+    LayerStore.create(path, _params(), optimizer=optax.adam(1e-3))
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete_param", "delete_opt"])
+def test_damaged_chunk_is_an_error_naming_leaf_and_layer(store_path, damage):
+    import optax
+
+    kind = "opt" if damage == "delete_opt" else "params"
+    f = _chunk(store_path, kind, 1, 0, leaf=1 if kind == "opt" else 0)
+    data = bytearray(Path(f).read_bytes())
+    if damage == "flip":
+        data[7] ^= 0x10
+        Path(f).write_bytes(data)
+    elif damage == "truncate":
+        Path(f).write_bytes(data[:9])
+    else:
+        os.remove(f)
+    store = LayerStore.open(store_path, optimizer=optax.adam(1e-3))
+    read = store.read_opt if kind == "opt" else store.read
+    with pytest.raises(StoreCorruptError, match=r"leaf .* of layer 1"):
+        read(1).result()
+    np.testing.assert_array_equal(store.read(0).result()["w"], _params()["blocks"]["w"][0])
+
+
+def test_manifest_pointing_at_never_written_slot(store_path):
+    m = json.loads(Path(store_path, "manifest.json").read_text())
+    m["slots"]["blocks"][2] = 1
+    _rewrite_manifest(store_path, m, fix_checksum=True)
+    with pytest.raises(StoreCorruptError, match="layer 2 .*missing"):
+        _open(store_path).read(2).result()
+
+
+def _rewrite_manifest(path, m, fix_checksum):
+    from jaxstream.stream.manifest import encode
+
+    data = encode(m) if fix_checksum else json.dumps(m).encode()
+    Path(path, "manifest.json").write_bytes(data)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda f: f.write_text(""), "manifest.json: not valid JSON"),
+    (lambda f: f.write_text("{\"step\": 1,"), r"manifest.json: not valid JSON \(line 1"),
+    ("step", r"manifest.json: field 'checksum'"),
+    ({"step": -1}, r"manifest.json: field 'step' must be an integer >= 0"),
+    ({"slots.blocks": [0, 2, 0]}, r"manifest.json: field 'slots.blocks\[1\]' must be 0 or 1"),
+    ({"slots.embed": -1}, r"manifest.json: field 'slots.embed' must be 0 or 1"),
+    ({"slots.blocks": [0]}, r"manifest.json: field 'slots.blocks' must be a list of num_layers=3"),
+    ({"leaf_shape": [4, 5]}, r"field 'leaves.params.blocks\[0\]' says shape \[3, 2, 4, 5\]"),
+])
+def test_invalid_manifest_names_file_and_field(store_path, edit, match):
+    f = Path(store_path) / "manifest.json"
+    if callable(edit):
+        edit(f)
+    else:
+        m = json.loads(f.read_text())
+        if edit == "step":  # hand-edited without a new checksum
+            m["step"] = 999
+            f.write_text(json.dumps(m))
+        else:
+            for k, v in edit.items():
+                if k == "leaf_shape":
+                    m["leaves"]["params"]["blocks"][0]["shape"] = v
+                elif k.startswith("slots."):
+                    m["slots"][k.split(".")[1]] = v
+                else:
+                    m[k] = v
+            _rewrite_manifest(store_path, m, fix_checksum=True)
+    with pytest.raises(StoreCorruptError, match=match):
+        _open(store_path)
+
+
+def test_every_store_error_is_a_store_error():
+    from jaxstream.stream import errors
+
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
+    assert len(classes) >= 8 and all(issubclass(c, StoreError) for c in classes)
+    assert issubclass(StoreMismatchError, ValueError)
+
+
+def test_non_finite_params_are_never_staged(store_path):
+    store = _open(store_path)
+    store.write(0, _layer(1.0))
+    with pytest.raises(StoreNonFiniteError, match="stays at step 0"):
+        store.write(1, _layer(np.nan))
+    store.commit(1)  # the failed step was dropped as a whole: nothing staged remains
+    again = _open(store_path)
+    assert again.step == 1
+    np.testing.assert_array_equal(again.read(0).result()["w"], _params()["blocks"]["w"][0])
+
+
+def test_second_writer_process_is_refused_naming_the_pid(store_path):
+    store = _open(store_path)
+    store.write(0, _layer(1.0))  # holds the writer lock until commit
+    other = textwrap.dedent("""
+        import sys, numpy as np
+        from jaxstream.stream import LayerStore
+        s = LayerStore.open(sys.argv[1])
+        s.write(0, {"w": np.zeros((4, 4), np.float32)})
+    """)
+    out = subprocess.run([sys.executable, "-c", other, store_path], capture_output=True, text=True, check=False,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+    assert out.returncode != 0
+    assert f"pid {os.getpid()}" in out.stderr and "StoreLockedError" in out.stderr
+    store.commit(1)
+
+
+def test_writer_that_missed_another_commit_is_refused(store_path):
+    a, b = _open(store_path), _open(store_path)
+    a.write(0, _layer(1.0))
+    a.commit(1)
+    with pytest.raises(StoreStaleError, match="another writer .* step 1"):
+        b.write(0, _layer(2.0))
+    with pytest.raises(StoreLockedError):  # while a holds the lock mid-step
+        a.write(0, _layer(3.0))
+        _open(store_path).write(1, _layer(4.0))
+    a.commit(2)
+
+
+def test_reader_sees_its_step_or_an_error(store_path):
+    reader = _open(store_path)
+    writer = _open(store_path)
+    for step in (1, 2):
+        writer.write(0, _layer(float(step)))
+        writer.commit(step)
+    assert reader.step == 0
+    with pytest.raises(StoreStaleError, match="opened at step 0"):
+        reader.read(0).result()  # slot of step 0 was overwritten by step 2
+    with pytest.raises(StoreStaleError):
+        reader.read_params()
+    np.testing.assert_array_equal(_open(store_path).read(0).result()["w"],
+                                  _layer(2.0)["w"])
+
+
+def test_reader_one_commit_behind_still_reads_untouched_slots(store_path):
+    reader = _open(store_path)
+    writer = _open(store_path)
+    writer.write(0, _layer(1.0))
+    writer.commit(1)
+    # layer 1 was not rewritten: its slot is intact; layer 0 moved and may be overwritten next
+    np.testing.assert_array_equal(reader.read(1).result()["w"], _params()["blocks"]["w"][1])
+    with pytest.raises(StoreStaleError):
+        reader.read(0).result()
