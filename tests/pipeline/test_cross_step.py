@@ -22,6 +22,7 @@ from jaxstream.pipeline import (
     crossstep,
     delayed,
     fill_ratio,
+    forward_only_idle_mask,
     gpipe_backprop,
     groups_nested,
     lower,
@@ -53,6 +54,49 @@ def test_one_full_chain_with_zero_added_ticks_at_even_m(m, n):
     assert stage_groups(s, stale=True) == ((n - 1,),) * m and s.stale[s.kind > 1].all()
     with pytest.raises(ValueError, match=r"selected=\(0, 1\).*at most 1 full chain"):
         crossstep(m, n, (0, 1))
+
+
+def _full_paths(m, n, lead=0, trail=0):
+    """Every full chain through the idle cells of forward-only GPipe shifted by `lead` idle
+    ticks, with `trail` more at the end (exhaustive; the reference)."""
+    idle = np.ones((n + m - 1 + lead + trail, m), bool)
+    idle[lead : lead + n + m - 1] = forward_only_idle_mask(m, n)
+    out = []
+
+    def rec(st, t_prev, acc):
+        if st < 0:
+            out.append(tuple(acc))
+            return
+        for t in range(t_prev + 1, idle.shape[0]):
+            if idle[t, st]:
+                rec(st - 1, t, [*acc, t])
+
+    rec(m - 1, -1, [])
+    return out
+
+
+@pytest.mark.parametrize("m", range(2, 9))
+def test_max_full_chains_at_zero_ticks_equals_exhaustive_search(m):
+    for n in (2, 5, 8):
+        paths = _full_paths(m, n)
+        assert len(paths) == (1 if m % 2 == 0 else 0)  # one path at most: no two disjoint
+        assert max_full_chains(m, n, 0) == len(paths)
+
+
+def _disjoint(paths, k, start=0, used=()):
+    if k == 0:
+        return True
+    return any(all(a != b for q in used for a, b in zip(paths[i], q))
+               and _disjoint(paths, k - 1, i + 1, (*used, paths[i]))
+               for i in range(start, len(paths)))
+
+
+def test_min_added_ticks_equals_exhaustive_search():
+    for m, n in [(2, 3), (3, 3), (4, 3), (5, 3), (6, 2)]:
+        for k in range(1, n + 1):
+            a = next(a for a in range(8) if any(
+                _disjoint(_full_paths(m, n, lead, a - lead), k) for lead in range(a + 1)))
+            assert min_added_ticks(m, n, k) == a, (m, n, k)
 
 
 @pytest.mark.parametrize("m", [3, 5])
