@@ -107,13 +107,13 @@ def table_rows(ms, costs: OpCosts) -> list[dict]:
     return rows
 
 
-def _schedule(pol: str, m: int, n: int, sel: tuple, costs: OpCosts = OpCosts()):
+def _schedule(pol: str, m: int, n: int, sel: tuple, costs: OpCosts | None = None):
     """A policy's table; crossstep gets the fewest added ticks, crossstep-0 none (max coverage)."""
     if pol == "crossstep":
         return crossstep(m, n, sel, added_ticks=min_added_ticks(m, n, len(sel)))
     if pol == "crossstep-0":
         return max_coverage(m, n, sel, added_ticks=0)
-    return make_schedule(pol, m, n, sel, costs)
+    return make_schedule(pol, m, n, sel, costs or OpCosts())
 
 
 def _per_stage(v) -> str:
@@ -122,8 +122,8 @@ def _per_stage(v) -> str:
 
 def coverage_markdown(rows) -> str:
     """The per-stage coverage / staleness table (M in {4, 8}, N in {8, 16}, k in {1, 2, M/2})."""
-    out = ["| M | N | k | policy | added ticks | fill ratio | coverage per stage (s0 … s{M-1}) "
-           "| staleness per stage (steps) |", "|---|---|---|---|---|---|---|---|"]
+    out = [("| M | N | k | policy | added ticks | fill ratio | coverage per stage (s0 … s{M-1}) "
+            "| staleness per stage (steps) |"), "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["M"] not in (4, 8) or r["N"] not in (8, 16):
             continue
