@@ -5,7 +5,10 @@
 Tables (NumPy): over M in {2, 4, 8}, N in {M, 2M, 4M, 8M}, k selected micro-batches: makespan in
 ticks and cost-weighted (F/B/W costs measured here on one MLP stage), idle fraction against
 (M-1)/(N+M-1), fill ratio, exact-gradient coverage and peak stash, for forward-only GPipe, the
-truncated / delayed (stale by one step) / complete policies, and GPipe / 1F1B with backprop.
+truncated / delayed (stale by one step) / complete / crossstep (full stale chains, fewest added
+ticks; "crossstep-0" = the most stale coverage with zero added ticks) policies, and GPipe / 1F1B
+with backprop; per-stage coverage and staleness for M in {4, 8}, N in {8, 16}, k in {1, 2, M/2}
+(``--doc docs/pipeline.md`` rewrites that table in the doc).
 Executor (8 simulated CPU devices): compile time of each policy's pipeline, max relative error
 against the single-device hybrid estimator for the same keys and groups, and cosine of the
 corrected gradient to the exact gradient of the batch.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,10 +37,13 @@ from jaxstream.grad.tangents import TangentSpec, combine, micro_key
 from jaxstream.models import mlp
 from jaxstream.pipeline import (
     OpCosts,
+    crossstep,
     gpipe_backprop,
     gpipe_forward,
     gpipe_idle_fraction,
     make_schedule,
+    max_coverage,
+    min_added_ticks,
     one_f_one_b,
     summary,
 )
@@ -79,8 +87,8 @@ def table_rows(ms, costs: OpCosts) -> list[dict]:
             for k in (1, 2, 4):
                 if k > n:
                     continue
-                for pol in ("truncated", "delayed", "complete"):
-                    base.append((pol, make_schedule(pol, m, n, tuple(range(k)), costs), k))
+                for pol in ("truncated", "delayed", "complete", "crossstep", "crossstep-0"):
+                    base.append((pol, _schedule(pol, m, n, tuple(range(k)), costs), k))
             fwd_w = summary(gpipe_forward(m, n), costs)["weighted_makespan"]
             for pol, s, k in base:
                 r = summary(s, costs)
@@ -93,8 +101,52 @@ def table_rows(ms, costs: OpCosts) -> list[dict]:
                     "idle_fraction": r["idle_fraction"],
                     "idle_formula": gpipe_idle_fraction(m, n) if pol == "forward" else None,
                     "stale": r["stale"],
+                    "coverage_per_stage": r["coverage_per_stage"],
+                    "staleness_per_stage": r["staleness_per_stage"],
                 })
     return rows
+
+
+def _schedule(pol: str, m: int, n: int, sel: tuple, costs: OpCosts | None = None):
+    """A policy's table; crossstep gets the fewest added ticks, crossstep-0 none (max coverage)."""
+    if pol == "crossstep":
+        return crossstep(m, n, sel, added_ticks=min_added_ticks(m, n, len(sel)))
+    if pol == "crossstep-0":
+        return max_coverage(m, n, sel, added_ticks=0)
+    return make_schedule(pol, m, n, sel, costs or OpCosts())
+
+
+def _per_stage(v) -> str:
+    return " ".join("-" if x is None else f"{x:.3g}" for x in v)
+
+
+def coverage_markdown(rows) -> str:
+    """The per-stage coverage / staleness table (M in {4, 8}, N in {8, 16}, k in {1, 2, M/2})."""
+    out = [("| M | N | k | policy | added ticks | fill ratio | coverage per stage (s0 … s{M-1}) "
+            "| staleness per stage (steps) |"), "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["M"] not in (4, 8) or r["N"] not in (8, 16):
+            continue
+        if r["k"] not in (1, 2, r["M"] // 2) and r["policy"] not in ("forward", "gpipe-backprop", "1f1b"):
+            continue
+        out.append(f"| {r['M']} | {r['N']} | {r['k']} | {r['policy']} | {r['added_ticks']} | "
+                   f"{r['fill_ratio']:.3f} | {_per_stage(r['coverage_per_stage'])} | "
+                   f"{_per_stage(r['staleness_per_stage'])} |")
+    return "\n".join(out)
+
+
+def write_doc(path: Path, table: str, command: str) -> None:
+    """Replaces the block between the doc's markers with the table and its provenance."""
+    text = path.read_text()
+    mark = re.compile(r"(<!-- written by benchmarks/pipeline.py -->\n).*?(<!-- end written -->)",
+                      re.DOTALL)
+    if not mark.search(text):
+        raise ValueError(f"{path}: no '<!-- written by benchmarks/pipeline.py -->' ... "
+                         "'<!-- end written -->' block")
+    where = (f"\n\nWritten by `{command}` on {platform.machine()} {platform.system()}, "
+             f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, "
+             f"JAX {jax.__version__} (the tables are NumPy only).\n")
+    path.write_text(mark.sub(lambda m: m.group(1) + table + where + m.group(2), text, count=1))
 
 
 def _flat(t):
@@ -115,7 +167,7 @@ def executor_rows(m: int, n: int, k: int, policies) -> list[dict]:
     rows = []
     for pol in policies:
         sel = tuple(range(k))
-        sched = make_schedule(pol, m, n, sel)
+        sched = _schedule(pol, m, n, sel)
         corr = "none" if pol == "forward" else "control_variate"
         pipe = pipeline(stack, sched, num_tangents=kt, correction=corr)
         t0 = time.perf_counter()
@@ -158,7 +210,9 @@ def executor_rows(m: int, n: int, k: int, policies) -> list[dict]:
                      "makespan_ticks": s["makespan_ticks"], "added_ticks": s["added_ticks"],
                      "fill_ratio": s["fill_ratio"], "coverage": s["coverage"],
                      "peak_stash": s["peak_stash"], "max_rel_err": err, "cosine_to_exact": cos,
-                     "compile_s": compile_s, "num_tangents": kt, "stale": s["stale"]})
+                     "compile_s": compile_s, "num_tangents": kt, "stale": s["stale"],
+                     "coverage_per_stage": s["coverage_per_stage"],
+                     "staleness_per_stage": s["staleness_per_stage"]})
     return rows
 
 
@@ -180,6 +234,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sweep (< 2 minutes)")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--doc", type=Path, help="rewrite the per-stage table in this markdown file")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     costs = measure_costs()
@@ -189,8 +244,11 @@ def main(argv=None) -> int:
     print("\nschedules, M=4 N=16 (cost-weighted makespan with the measured costs):")
     _print(sel, ("policy", "k", "makespan_ticks", "added_ticks", "weighted_ratio_to_forward",
                  "idle_fraction", "idle_formula", "fill_ratio", "coverage", "peak_stash"))
+    print("\nper-stage exact-gradient coverage and staleness (steps), M in {4, 8}, N in {8, 16}:")
+    table = coverage_markdown(rows)
+    print(table)
     n_exec = 8
-    policies = ("forward", "truncated", "delayed", "complete")
+    policies = ("forward", "truncated", "delayed", "complete", "crossstep")
     ex_rows = executor_rows(8, n_exec, 2, policies)
     if not args.quick:
         ex_rows += executor_rows(8, 32, 4, policies)
@@ -202,6 +260,10 @@ def main(argv=None) -> int:
     print(f"\nforward-only idle fraction == (M-1)/(N+M-1) for all {len(rows)} table rows: "
           f"{not bad}")
     print(f"total {time.perf_counter() - t0:.1f} s")
+    if args.doc:
+        cmd = "python benchmarks/pipeline.py" + (" --quick" if args.quick else "")
+        write_doc(args.doc, table, cmd + f" --doc {args.doc}")
+        print(f"rewrote the per-stage table in {args.doc}")
     if args.json:
         args.json.write_text(json.dumps(rows + ex_rows, indent=1))
         print(f"wrote {args.json}")

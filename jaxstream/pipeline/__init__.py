@@ -10,6 +10,12 @@ Example:
   >>> loss, grads, aux = pipe(params, micro_batches, key)
 """
 
+from jaxstream.pipeline.cross_step import (
+    crossstep,
+    max_coverage,
+    max_full_chains,
+    min_added_ticks,
+)
 from jaxstream.pipeline.executor import Pipeline, PipelineCarry, pipeline
 from jaxstream.pipeline.generators import (
     POLICIES,
@@ -27,6 +33,7 @@ from jaxstream.pipeline.lowering import Lowered, exact_from, lower
 from jaxstream.pipeline.metrics import (
     OpCosts,
     coverage,
+    coverage_per_stage,
     fill_ratio,
     forward_only_idle_mask,
     gpipe_idle_fraction,
@@ -34,6 +41,7 @@ from jaxstream.pipeline.metrics import (
     groups_nested,
     idle_fraction,
     makespan,
+    staleness_per_stage,
     summary,
     weighted_makespan,
 )
@@ -60,6 +68,8 @@ __all__ = [
     "check_selected",
     "complete",
     "coverage",
+    "coverage_per_stage",
+    "crossstep",
     "delayed",
     "exact_from",
     "fill_ratio",
@@ -74,11 +84,15 @@ __all__ = [
     "lower",
     "make_schedule",
     "makespan",
+    "max_coverage",
+    "max_full_chains",
+    "min_added_ticks",
     "one_f_one_b",
     "peak_stash",
     "pipeline",
     "render_png",
     "render_text",
+    "staleness_per_stage",
     "stash_intervals",
     "summary",
     "truncated",

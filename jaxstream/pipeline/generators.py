@@ -5,6 +5,9 @@
                   stage) and goes down through idle slots until none is left: nested groups.
   delayed         forward-only ticks; the *previous* step's selected micro-batches run their
                   chains in this step's idle slots (warm-up, then cool-down): stale by one step.
+  crossstep       forward-only ticks (plus `added_ticks`); *full* chains of the previous step's
+                  selected micro-batches across the step boundary: every stage, stale by one
+                  step (cross_step.py; one chain fits with zero added ticks at even M).
   complete        full chains for the selected micro-batches with the fewest added ticks
                   (list-scheduled, see listsched.py).
   gpipe_backprop, one_f_one_b   backprop baselines (every micro-batch gets its chain).
@@ -21,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxstream.pipeline.cross_step import crossstep
 from jaxstream.pipeline.listsched import best_list_schedule, list_schedule
 from jaxstream.pipeline.metrics import UNIT_COSTS, OpCosts
 from jaxstream.pipeline.table import BW, FBW, IDLE, F, Schedule
@@ -124,12 +128,15 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     return Schedule(s.kind, s.micro, s.stale, N, name="1f1b")
 
 
-POLICIES = {"truncated": truncated, "delayed": delayed, "complete": complete}
+POLICIES = {"truncated": truncated, "delayed": delayed, "complete": complete,
+            "crossstep": crossstep}
 
 
 def make_schedule(policy: str, num_stages: int, num_microbatches: int,
                   selected: Sequence[int] = (), costs: OpCosts = UNIT_COSTS) -> Schedule:
-    """The table of a named policy: "forward", "truncated", "delayed" or "complete".
+    """The table of a named policy: "forward", "truncated", "delayed", "complete", "crossstep".
+
+    "crossstep" gets zero added ticks here (call `crossstep` for a tick budget).
 
     Example:
       >>> make_schedule("complete", 4, 8, (0, 1)).num_ticks  # N+M-1 = 11, plus 2

@@ -67,10 +67,16 @@ def forward_only_idle_mask(num_stages: int, num_microbatches: int) -> np.ndarray
 
 
 def fill_ratio(s: Schedule) -> float:
-    """Share of the forward-only schedule's idle stage-ticks that carry B/W work in this table."""
+    """Share of the forward-only schedule's idle stage-ticks that carry B/W work in this table.
+
+    The forward-only table is aligned with this table's first F (at stage 0), so a table that
+    starts with idle ticks (crossstep's leading ticks) is measured against its own forward ops.
+    """
     mask = forward_only_idle_mask(s.num_stages, s.num_microbatches)
-    T = min(mask.shape[0], s.num_ticks)
-    filled = np.isin(s.kind[:T], BACKWARD_OPS) & mask[:T]
+    first = np.nonzero(np.isin(s.kind[:, 0], (F, FBW)))[0]
+    lead = int(first[0]) if first.size else 0
+    T = min(mask.shape[0], s.num_ticks - lead)
+    filled = np.isin(s.kind[lead : lead + T], BACKWARD_OPS) & mask[:T]
     return float(filled.sum() / mask.sum()) if mask.sum() else 0.0
 
 
@@ -91,6 +97,32 @@ def coverage(s: Schedule) -> float:
     """Share of the (stage, micro-batch) pairs with an exact gradient (current or previous step)."""
     n = sum(len(g) for g in groups(s)) + sum(len(g) for g in groups(s, stale=True))
     return n / (s.num_stages * s.num_microbatches)
+
+
+def coverage_per_stage(s: Schedule) -> tuple[float, ...]:
+    """Per stage, the share of the N micro-batches whose exact gradient reaches it (either step).
+
+    Example:
+      >>> from jaxstream.pipeline import truncated
+      >>> coverage_per_stage(truncated(4, 8, (0,)))
+      (0.0, 0.0, 0.125, 0.125)
+    """
+    cur, old = groups(s), groups(s, stale=True)
+    return tuple(len(a) / s.num_microbatches if a else len(b) / s.num_microbatches
+                 for a, b in zip(cur, old))
+
+
+def staleness_per_stage(s: Schedule) -> tuple[int | None, ...]:
+    """Per stage, how many steps old its exact gradients are: 0 (this step's micro-batches),
+    1 (the previous step's), None where the stage gets none.
+
+    Example:
+      >>> from jaxstream.pipeline import delayed
+      >>> staleness_per_stage(delayed(4, 8, (0,)))
+      (1, 1, 1, 1)
+    """
+    cur, old = groups(s), groups(s, stale=True)
+    return tuple(0 if a else 1 if b else None for a, b in zip(cur, old))
 
 
 def groups_nested(gs) -> bool:
@@ -114,6 +146,8 @@ def summary(s: Schedule, costs: OpCosts = UNIT_COSTS) -> dict:
         "idle_fraction": idle_fraction(s),
         "fill_ratio": fill_ratio(s),
         "coverage": coverage(s),
+        "coverage_per_stage": list(coverage_per_stage(s)),
+        "staleness_per_stage": list(staleness_per_stage(s)),
         "peak_stash": int(peak_stash(s).max(initial=0)),
         "ops": n_ops,
     }
