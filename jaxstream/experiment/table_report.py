@@ -1,4 +1,4 @@
-"""Report for ``forward_table.py``: the markdown tables (with Ren et al.'s published MNIST rows
+"""Report of ``kind: forward_table``: the markdown tables (with Ren et al.'s published MNIST rows
 beside them), the ordering and hybrid-vs-ingredients checks, and the memory/time frontier plot.
 
 Everything here is computed from the rows a run wrote; nothing is typed in by hand except the
