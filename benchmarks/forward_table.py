@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--from-json", type=str, default=None, help="reuse rows, no training")
     parser.add_argument("--plot", type=str, default=None, help="frontier plot (PNG)")
     parser.add_argument("--docs", type=str, default=None, help="write a markdown report here")
+    parser.add_argument("--memory-json", type=str, default=None,
+                        help="add a memory_time.py --json output (and its .meta) to the report")
     args = parser.parse_args(argv)
     command = "python benchmarks/forward_table.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.from_json:
@@ -63,8 +65,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         Path(args.json + ".meta").write_text(json.dumps(meta, indent=1))
     if args.plot:
         frontier_plot(payload["rows"], args.plot)
+    memory = None
+    if args.memory_json:
+        meta = Path(args.memory_json + ".meta")
+        memory = {**(json.loads(meta.read_text()) if meta.exists() else {}),
+                  "rows": json.loads(Path(args.memory_json).read_text())}
     if args.docs:
-        Path(args.docs).write_text(markdown(payload, args.plot))
+        Path(args.docs).write_text(markdown(payload, args.plot, memory))
     return payload["rows"]
 
 

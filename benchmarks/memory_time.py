@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -151,6 +152,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        import platform
+        import sys
+
+        cmd = "python benchmarks/memory_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        meta = {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPU threads, "
+                f"jax {jax.__version__} on {jax.devices()[0].device_kind}"}
+        with open(args.json + ".meta", "w") as f:
+            json.dump(meta, f, indent=1)
     return rows
 
 

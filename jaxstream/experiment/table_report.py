@@ -119,8 +119,27 @@ def table(rows: list[dict], dataset: str) -> str:
     return "\n".join(lines)
 
 
-def markdown(payload: dict, plot: str | None = None) -> str:
-    """The whole report as markdown."""
+def memory_table(memory: dict) -> str:
+    """Temporary memory and step time relative to backprop, from ``benchmarks/memory_time.py
+    --json`` (``memory["rows"]``; ``memory["command"]``/``["machine"]`` say how it was run)."""
+    modes = [m for m in ("inference", "backprop_remat", "forward", "hybrid")
+             if m in memory["rows"][0]["temp_bytes"]]
+    lines = [f"Command: `{memory.get('command', '?')}`; machine: {memory.get('machine', '?')}.", "",
+             "| depth | backprop temp MiB | backprop ms | "
+             + " | ".join(f"{m} temp / bp | {m} time / bp" for m in modes) + " |",
+             "|" + "---|" * (3 + 2 * len(modes))]
+    for r in memory["rows"]:
+        t, s = r["temp_bytes"], r["step_ms"]
+        vals = [str(r["depth"]), f"{t['backprop'] / 2**20:.1f}", f"{s['backprop']:.1f}"]
+        for m in modes:
+            vals += [f"{t[m] / max(t['backprop'], 1):.3f}", f"{s[m] / s['backprop']:.2f}"]
+        lines.append("| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def markdown(payload: dict, plot: str | None = None, memory: dict | None = None) -> str:
+    """The whole report as markdown (``memory``: optional memory_time rows, see
+    :func:`memory_table`)."""
     rows = payload["rows"]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     parts = [
@@ -150,6 +169,8 @@ def markdown(payload: dict, plot: str | None = None) -> str:
         parts += [f"- {line}" for line in ordering(rows, ds)]
         parts += ["", "Hybrids against their ingredients (test error, 2·SE over seeds):", ""]
         parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
+    if memory:
+        parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:
         parts += ["", f"![frontier]({os.path.basename(plot)})",
                   "", "Final test accuracy against peak temporary memory and against training "

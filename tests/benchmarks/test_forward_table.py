@@ -52,3 +52,30 @@ def test_tiny_table_runs(tmp_path):
     assert rows[0]["test_error_by_seed"] == pytest.approx(rows[1]["test_error_by_seed"], abs=1e-6)
     assert (tmp_path / "f.png").stat().st_size > 0
     assert "| BP |" in (tmp_path / "r.md").read_text()
+
+
+def _row(arm, err, sd=0.001, seeds=4):
+    return {"dataset": "d", "arm": arm, "lr": 1e-3, "test_error_mean": err, "test_error_sd": sd,
+            "train_error_mean": err, "seeds": seeds, "steps": 10, "peak_temp_bytes": 2**20,
+            "step_ms": 1.0, "cosine_mean": 0.5, "target_accuracy": 0.9,
+            "seeds_reaching_target": 0, "steps_to_target_mean": None, "seconds_to_target": None}
+
+
+def test_report_checks_follow_the_rows():
+    from jaxstream.experiment.table_report import hybrid_verdict, markdown, ordering
+
+    rows = [_row("BP", 0.03), _row("FG-W", 0.20), _row("FG-A", 0.05), _row("LG-FG-A", 0.031),
+            _row("exact-subset", 0.04), _row("hybrid-a", 0.025), _row("hybrid-b", 0.041)]
+    lines = ordering(rows, "d")
+    assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes"]
+    rows[2]["test_error_mean"] = 0.25  # FG-A now worse than FG-W
+    assert ordering(rows, "d")[0].split(":")[1].split()[0] == "no"
+    verdict = hybrid_verdict(rows, "d")
+    assert "hybrid-a" in verdict[1] and verdict[1].endswith("BEATS BOTH")
+    assert verdict[2].endswith("does not beat both")
+    memory = {"rows": [{"depth": 8, "temp_bytes": {"backprop": 4, "backprop_remat": 1, "forward": 1,
+                                                   "hybrid": 3, "inference": 1},
+                        "step_ms": {"backprop": 2.0, "backprop_remat": 3.0, "forward": 2.0,
+                                    "hybrid": 4.0, "inference": 1.0}}]}
+    text = markdown({"rows": rows, "command": "c", "machine": "m"}, None, memory)
+    assert "| 8 |" in text and "0.250 | 1.50" in text and "Ren" in text
