@@ -82,6 +82,9 @@ class TableDataset:
         for f in ("steps", "batch_size", "eval_every", "train_eval_size"):
             if getattr(self, f) < 1:
                 raise ValueError(f"datasets[{self.name}].{f}: must be >= 1")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"datasets[{self.name}].target_accuracy: must be in (0, 1], got "
+                             f"{self.target_accuracy}")
         if self.steps % self.eval_every:
             raise ValueError(f"datasets[{self.name}].steps: must be a multiple of eval_every "
                              f"({self.eval_every}), got {self.steps}")
@@ -101,6 +104,10 @@ class ForwardTableConfig:
     def __post_init__(self):
         if self.seeds < 1 or self.cosine_keys < 1:
             raise ValueError("seeds, cosine_keys: must be >= 1")
+        for what, names in (("arms", [a.name for a in self.arms]),
+                            ("datasets", [d.name for d in self.datasets])):
+            if len(set(names)) != len(names):
+                raise ValueError(f"{what}: names must be distinct, got {names}")
         for d in self.datasets:
             for a in self.arms:
                 n = getattr(a.estimator, "micro_batches", 1)
