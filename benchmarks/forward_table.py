@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         memory = {**(json.loads(meta.read_text()) if meta.exists() else {}),
                   "rows": json.loads(Path(args.memory_json).read_text())}
     if args.docs:
+        payload = {**payload, "report_command": command}
         Path(args.docs).write_text(markdown(payload, args.plot, memory))
     return payload["rows"]
 

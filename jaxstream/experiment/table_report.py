@@ -148,6 +148,7 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
         "Written by a command from run outputs; do not edit by hand.",
         "",
         f"- command: `{payload.get('command', '?')}` (config `{payload.get('config', '?')}`)",
+        f"- report written by: `{payload.get('report_command', payload.get('command', '?'))}`",
         f"- machine: {payload.get('machine', '?')}",
         f"- wall time of the run: {payload.get('seconds', float('nan')):.0f} s",
         "",

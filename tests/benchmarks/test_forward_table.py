@@ -34,24 +34,30 @@ def test_bad_table_is_refused_before_compute():
         ft.load_table_config(ft.QUICK, ["nope=1"])
 
 
-def test_tiny_table_runs(tmp_path):
+def test_tiny_table_runs():
     cfg = ft.load_table_config(ft.QUICK, [
-        "seeds=2", "cosine_keys=2", "timing_steps=1", "datasets.0.steps=4",
+        "seeds=2", "cosine_keys=2", "timing_steps=1", "datasets.0.steps=2",
         "datasets.0.eval_every=2", "datasets.0.train_eval_size=64"])
-    out = tmp_path / "rows.json"
-    ft.main(["--quick", "--set", "seeds=2", "cosine_keys=2", "timing_steps=1",
-             "datasets.0.steps=4", "datasets.0.eval_every=2", "datasets.0.train_eval_size=64",
-             "--datasets", "digits", "--arms", "BP", "BP-remat", "--json", str(out),
-             "--docs", str(tmp_path / "r.md"), "--plot", str(tmp_path / "f.png")])
-    rows = json.loads(out.read_text())
-    assert [r["arm"] for r in rows] == ["BP", "BP-remat"] and cfg.seeds == 2
-    for r in rows:
-        assert set(ft.ROW_KEYS) <= set(r) and r["dataset"] == "digits" and r["seeds"] == 2
-        assert r["cosine_mean"] == pytest.approx(1.0, abs=1e-5)  # exact gradients
-    # Rematerialisation changes memory, not the result: same seeds give the same errors.
-    assert rows[0]["test_error_by_seed"] == pytest.approx(rows[1]["test_error_by_seed"], abs=1e-6)
+    (row,) = ft.run_table(cfg, ["digits"], ["BP-remat"])
+    assert set(ft.ROW_KEYS) <= set(row) and row["dataset"] == "digits" and row["seeds"] == 2
+    assert row["arm"] == "BP-remat" and row["lr"] == cfg.arms[1].lrs[0]
+    assert row["cosine_mean"] == pytest.approx(1.0, abs=1e-5)  # exact gradients
+    assert row["peak_temp_bytes"] >= 0 and row["step_ms"] > 0
+    assert len(row["test_error_by_seed"]) == 2 and len(row["curve_test_error_mean"]) == 1
+
+
+def test_cli_writes_json_docs_and_plot_from_rows(tmp_path):
+    rows = [_row("BP", 0.03), _row("FG-A", 0.05)]
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(rows))
+    (tmp_path / "in.json.meta").write_text(json.dumps({"command": "c", "machine": "m"}))
+    out = tmp_path / "out.json"
+    ft.main(["--from-json", str(src), "--json", str(out), "--docs", str(tmp_path / "r.md"),
+             "--plot", str(tmp_path / "f.png")])
+    assert json.loads(out.read_text()) == rows
     assert (tmp_path / "f.png").stat().st_size > 0
-    assert "| BP |" in (tmp_path / "r.md").read_text()
+    text = (tmp_path / "r.md").read_text()
+    assert "| BP |" in text and "machine: m" in text and "--from-json" in text
 
 
 def _row(arm, err, sd=0.001, seeds=4):
