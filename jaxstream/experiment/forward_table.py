@@ -134,15 +134,27 @@ def _micro(batch: dict, n: int) -> dict:
     return batch if n == 1 else jax.tree.map(lambda a: a.reshape((n, -1) + a.shape[1:]), batch)
 
 
-def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any) -> dict:
+def _evaluator(stack: Any, ds: Any, train_eval_size: int):
+    """One jitted ``params (lanes) -> (lanes, 4)``: test error, train error, test loss, train
+    loss; shared by the arms of a data set (one compile per lane count)."""
+    test = {k: jnp.asarray(v) for k, v in ds.test.items()}
+    sub = {k: jnp.asarray(v[:train_eval_size]) for k, v in ds.train.items()}
+
+    def metrics(params):
+        err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)  # noqa: E731
+        return jnp.stack([err(test), err(sub), stack(params, test), stack(params, sub)])
+
+    return jax.jit(jax.vmap(metrics))
+
+
+def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
+            evaluate: Any = None) -> dict:
     """Train every (lr, seed) lane of one arm together; the row at the picked learning rate."""
     est = arm.estimator.build()
     n_micro = getattr(arm.estimator, "micro_batches", 1)
     lrs = arm.sweep(dcfg.name)
     train = {k: jnp.asarray(v) for k, v in ds.train.items()}
-    test = {k: jnp.asarray(v) for k, v in ds.test.items()}
     n_train = len(ds.train["y"])
-    sub = {k: v[: dcfg.train_eval_size] for k, v in train.items()}
     tx = optax.adam(1.0)
     base = jax.random.key(cfg.seed)
 
@@ -163,17 +175,13 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         return jax.lax.scan(lambda s, t: step(s, lr, seed, t0 + t), state,
                             jnp.arange(dcfg.eval_every))
 
-    def metrics(params):
-        err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)  # noqa: E731
-        return jnp.stack([err(test), err(sub), stack(params, test), stack(params, sub)])
-
     lane_lr = jnp.repeat(jnp.asarray(lrs, jnp.float32), cfg.seeds)
     lane_seed = jnp.tile(jnp.arange(cfg.seeds), len(lrs))
     init = jax.vmap(lambda s: stack.init(jax.random.fold_in(jax.random.fold_in(base, 3), s)))
     params = init(lane_seed)
     state = (params, jax.vmap(tx.init)(params))
     run = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)))
-    evaluate = jax.jit(jax.vmap(metrics))
+    evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
     curve, t0 = [], time.perf_counter()
     for c in range(dcfg.steps // dcfg.eval_every):
         state, _ = run(state, lane_lr, lane_seed, c * dcfg.eval_every)
@@ -245,11 +253,12 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
             continue
         ds = dcfg.data.load(cfg.seed)
         stack = dcfg.model.build(ds.info)
+        evaluate = _evaluator(stack, ds, dcfg.train_eval_size)
         for arm in cfg.arms:
             if arms and arm.name not in arms:
                 continue
             t0 = time.perf_counter()
-            row = run_arm(cfg, dcfg, arm, ds, stack)
+            row = run_arm(cfg, dcfg, arm, ds, stack, evaluate)
             rows.append(row)
             print(f"{row['dataset']:8s} {row['arm']:24s} lr={row['lr']:.0e} test err "
                   f"{100 * row['test_error_mean']:6.2f} ± {100 * row['test_error_sd']:5.2f} % "

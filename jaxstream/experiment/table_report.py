@@ -91,8 +91,8 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
             d = h["test_error_mean"] - other["test_error_mean"]
             tol = 2 * math.hypot(h["test_error_sd"] / math.sqrt(h["seeds"]),
                                  other["test_error_sd"] / math.sqrt(other["seeds"]))
-            word = "better" if d < -tol else ("worse" if d > tol else "tie")
-            verdicts.append(f"{word} than {other['arm']} ({100 * d:+.2f} pp, 2·SE {100 * tol:.2f})")
+            word = "better than" if d < -tol else ("worse than" if d > tol else "tie with")
+            verdicts.append(f"{word} {other['arm']} ({100 * d:+.2f} pp, 2·SE {100 * tol:.2f})")
         beats = all(v.startswith("better") for v in verdicts)
         out.append(f"{name}: {_pm(h['test_error_mean'], h['test_error_sd'])} % — "
                    f"{'; '.join(verdicts)} → {'BEATS BOTH' if beats else 'does not beat both'}")
@@ -112,7 +112,7 @@ def table(rows: list[dict], dataset: str) -> str:
             f"{_pm(r['train_error_mean'], r.get('train_error_sd', 0.0))} | "
             f"{r.get('test_loss_mean', float('nan')):.3f} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
-            f"{_fmt(r['seconds_to_target'], '.1f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
+            f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
             f"{r['step_ms']:.2f} | {r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f} | "
             f"{r.get('relative_mse', float('nan')):.3g} | "
             f"{_fmt(ren.get('MLP'), '.2f')} | {_fmt(ren.get('M/1/16'), '.2f')} |")
