@@ -141,7 +141,7 @@ def _evaluator(stack: Any, ds: Any, train_eval_size: int):
     sub = {k: jnp.asarray(v[:train_eval_size]) for k, v in ds.train.items()}
 
     def metrics(params):
-        err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)  # noqa: E731
+        err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)
         return jnp.stack([err(test), err(sub), stack(params, test), stack(params, sub)])
 
     return jax.jit(jax.vmap(metrics))

@@ -19,7 +19,8 @@ and ``hybrid(num_exact=k)`` see the same micro-batches for the same key.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ class BackpropRemat:
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
         if isinstance(loss_fn, Stack):
-            fn = lambda p, b: remat_loss(loss_fn, p, b)  # noqa: E731
+            fn = lambda p, b: remat_loss(loss_fn, p, b)
         else:
             fn = jax.checkpoint(loss_fn)  # one segment: recompute the whole forward
         loss, grads = jax.value_and_grad(fn)(params, batch)
@@ -126,26 +127,26 @@ class LocalForwardWeights:
 
 def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array):
     x = batch["x"]
-    example = lambda lg: jnp.mean(stack.example_loss(lg, batch))  # noqa: E731
-    local = lambda h: example(stack.head(params["head"], h))  # noqa: E731
+    example = lambda lg: jnp.mean(stack.example_loss(lg, batch))
+    local = lambda h: example(stack.head(params["head"], h))
 
     def estimate(fn: Callable, p: Any, k: jax.Array, loss_of_out: Callable) -> Any:
         v = leaf_tangents(spec, k, p)
         d = jax.vmap(lambda vk: jax.jvp(lambda q: loss_of_out(fn(q)), (p,), (vk,))[1])(v)
         return jax.tree.map(lambda t: jnp.tensordot(d, t, axes=1) / spec.num, v)
 
-    embed_fn = lambda p: stack.embed(p, x)  # noqa: E731
+    embed_fn = lambda p: stack.embed(p, x)
     h0 = embed_fn(params["embed"])
     g_embed = estimate(embed_fn, params["embed"], jax.random.fold_in(key, EMBED), local)
 
     def body(h, xs):
         p, layer = xs
-        fn = lambda q: stack.block(q, h)  # noqa: E731
+        fn = lambda q: stack.block(q, h)
         return fn(p), estimate(fn, p, block_key(key, layer), local)
 
     layers = jnp.arange(stack.num_layers)
     h_last, g_blocks = jax.lax.scan(body, h0, (params["blocks"], layers))
-    head_fn = lambda p: stack.head(p, h_last)  # noqa: E731
+    head_fn = lambda p: stack.head(p, h_last)
     g_head = estimate(head_fn, params["head"], jax.random.fold_in(key, HEAD), example)
     loss = example(head_fn(params["head"]))
     return loss, {"embed": g_embed, "blocks": g_blocks, "head": g_head}

@@ -20,7 +20,8 @@ exact-subset mean. α is estimated from the same step's data, so the estimate is
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import forward_table as ft  # noqa: E402
+import forward_table as ft
 
 ARMS = {"BP", "BP-remat", "FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "exact-subset",
         "hybrid-replace", "hybrid-control_variate", "hybrid-weighted", "hybrid-guess"}

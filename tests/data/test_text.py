@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from jaxstream.data import load_text
-from jaxstream.data.text import TEST_FILES, TRAIN_FILES, VOCAB_SIZE, corpus, decode, encode, stdlib_dir
+from jaxstream.data.text import (
+    TEST_FILES,
+    TRAIN_FILES,
+    VOCAB_SIZE,
+    corpus,
+    decode,
+    encode,
+    stdlib_dir,
+)
 
 
 def test_encode_decode_and_vocab():

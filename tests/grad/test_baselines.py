@@ -26,11 +26,11 @@ def test_backprop_remat_is_exact_and_saves_memory():
     loss, grads = remat(params)
     ref_loss, ref = plain(params, batch)
     # Only block inputs are kept for the backward pass: less temporary memory than backprop.
-    temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes
     assert temp(remat) < 0.8 * temp(plain), (temp(remat), temp(plain))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(flat(grads), flat(ref), rtol=1e-5, atol=1e-7)
-    quad = lambda p, b: jnp.sum((p["w"] * b) ** 2)  # noqa: E731  (any loss_fn, not a Stack)
+    quad = lambda p, b: jnp.sum((p["w"] * b) ** 2)
     g = jg.backprop_remat()(quad, {"w": jnp.arange(3.0)}, jnp.ones(3))[1]
     np.testing.assert_allclose(g["w"], 2 * jnp.arange(3.0))
 
@@ -73,7 +73,7 @@ def test_local_forward_weights_matches_local_gradients():
 def _local_reference(stack, params, batch, key, spec):
     """jax.grad of each module's local loss, projected on the regenerated tangents."""
     v = tg.tangents(spec, key, params)  # the same key schedule, materialised
-    head = lambda h: jnp.mean(stack.example_loss(stack.head(params["head"], h), batch))  # noqa: E731
+    head = lambda h: jnp.mean(stack.example_loss(stack.head(params["head"], h), batch))
 
     def proj(g, vv):  # (1/K) Σ_k (g·v_k) v_k
         d = sum(jnp.tensordot(t.reshape(3, -1), a.ravel(), 1)
