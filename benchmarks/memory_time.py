@@ -7,6 +7,8 @@ the median of timed runs gives the step time. Modes:
 
 * ``inference`` — the mean loss only (one forward pass);
 * ``backprop`` — ``jaxstream.grad.backprop()``, the reference;
+* ``backprop_remat`` — ``jaxstream.grad.backprop_remat()``: each block under ``jax.checkpoint``
+  (block inputs kept, the inside recomputed in the backward pass);
 * ``forward`` — ``jaxstream.grad.forward(num_tangents=1)`` (weight perturbation, tangents
   regenerated per layer inside the scan over blocks);
 * ``hybrid`` — ``jaxstream.grad.hybrid(num_exact=2, correction="control_variate")`` on 16
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 import jaxstream.grad as jg
 from jaxstream.models import mlp
 
-MODES = ("inference", "backprop", "forward", "hybrid")
+MODES = ("inference", "backprop", "backprop_remat", "forward", "hybrid")
 NUM_MICRO, NUM_EXACT = 16, 2
 
 
@@ -56,6 +59,7 @@ def step_functions(stack: Any) -> dict[str, Callable]:
     forward = jg.forward(num_tangents=1)
     hybrid = jg.hybrid(num_exact=NUM_EXACT, correction="control_variate")
     backprop = jg.backprop()
+    remat = jg.backprop_remat()
 
     def micro(batch):
         return jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), batch)
@@ -63,6 +67,7 @@ def step_functions(stack: Any) -> dict[str, Callable]:
     return {
         "inference": lambda p, b, k: stack(p, b),
         "backprop": lambda p, b, k: backprop(stack, p, b, k),
+        "backprop_remat": lambda p, b, k: remat(stack, p, b, k),
         "forward": lambda p, b, k: forward(stack, p, b, k),
         "hybrid": lambda p, b, k: hybrid(stack, p, micro(b), k),
     }
@@ -100,10 +105,11 @@ def run(depths: list[int], width: int, batch: int, repeats: int) -> list[dict]:
 def format_rows(rows: list[dict], header: bool = True) -> str:
     """Table: temp MiB and step ms per mode, then the ratios vs backprop and vs inference."""
     cols = [("depth", 5)]
-    cols += [(f"tmp MiB {m[:4]}", 12) for m in MODES]
-    cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7)]
-    cols += [(f"ms {m[:4]}", 9) for m in MODES]
-    cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7)]
+    short = {"backprop_remat": "rmat"}
+    cols += [(f"tmp MiB {short.get(m, m[:4])}", 12) for m in MODES]
+    cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
+    cols += [(f"ms {short.get(m, m[:4])}", 9) for m in MODES]
+    cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
     lines = []
     if header:
         lines.append(" ".join(name.rjust(w) for name, w in cols))
@@ -114,9 +120,10 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
         vals += [f"{t['forward'] / max(t['backprop'], 1):.3f}"]
         vals += [f"{t['forward'] / max(t['inference'], 1):.2f}"]
         vals += [f"{t['hybrid'] / max(t['backprop'], 1):.3f}"]
+        vals += [f"{t['backprop_remat'] / max(t['backprop'], 1):.3f}"]
         vals += [f"{s[m]:.1f}" for m in MODES]
         vals += [f"{s['forward'] / s['backprop']:.2f}", f"{s['forward'] / s['inference']:.2f}"]
-        vals += [f"{s['hybrid'] / s['backprop']:.2f}"]
+        vals += [f"{s['hybrid'] / s['backprop']:.2f}", f"{s['backprop_remat'] / s['backprop']:.2f}"]
         lines.append(" ".join(v.rjust(w) for v, (_, w) in zip(vals, cols)))
     return "\n".join(lines)
 
@@ -145,6 +152,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        import platform
+        import sys
+
+        cmd = "python benchmarks/memory_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        meta = {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPU threads, "
+                f"jax {jax.__version__} on {jax.devices()[0].device_kind}"}
+        with open(args.json + ".meta", "w") as f:
+            json.dump(meta, f, indent=1)
     return rows
 
 

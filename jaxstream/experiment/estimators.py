@@ -32,12 +32,14 @@ class EstimatorConfig:
 @register_choice(EstimatorConfig, "backprop")
 @dataclasses.dataclass(frozen=True)
 class BackpropConfig(EstimatorConfig):
-    """Exact reverse-mode gradient (the reference)."""
+    """Exact reverse-mode gradient (the reference); ``remat: true`` rematerialises each block."""
+
+    remat: bool = False
 
     def build(self) -> Estimator:
         import jaxstream.grad as jg
 
-        return jg.backprop()
+        return jg.backprop_remat() if self.remat else jg.backprop()
 
 
 @register_choice(EstimatorConfig, "forward")
@@ -107,6 +109,71 @@ class HybridConfig(EstimatorConfig):
                          antithetic=self.antithetic)
 
 
+def _check_subset(micro_batches: int, num_exact: int, least: int = 1) -> None:
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches: must be >= 1, got {micro_batches}")
+    if not least <= num_exact <= micro_batches:
+        raise ValueError(f"num_exact: must be in [{least}, micro_batches={micro_batches}], "
+                         f"got {num_exact}")
+
+
+@register_choice(EstimatorConfig, "exact_subset")
+@dataclasses.dataclass(frozen=True)
+class ExactSubsetConfig(EstimatorConfig):
+    """Exact gradients of ``num_exact`` random micro-batches only: a hybrid without its forward
+    part (same selection for the same key)."""
+
+    micro_batches: int = 8
+    num_exact: int = 2
+
+    def __post_init__(self):
+        _check_subset(self.micro_batches, self.num_exact)
+
+    def build(self) -> Estimator:
+        import jaxstream.grad as jg
+
+        return jg.exact_subset(self.num_exact)
+
+
+@register_choice(EstimatorConfig, "local_forward_weights")
+@dataclasses.dataclass(frozen=True)
+class LocalForwardWeightsConfig(EstimatorConfig):
+    """LG-FG-W: weight-perturbed forward gradients of per-block local losses."""
+
+    num_tangents: int = 1
+    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+
+    def __post_init__(self):
+        if self.num_tangents < 1:
+            raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+
+    def build(self) -> Estimator:
+        import jaxstream.grad as jg
+
+        return jg.local_forward_weights(self.num_tangents, self.distribution)
+
+
+@register_choice(EstimatorConfig, "hybrid_activity")
+@dataclasses.dataclass(frozen=True)
+class HybridActivityConfig(EstimatorConfig):
+    """Exact subset + activity-perturbed forward estimates, mixed per layer by inverse variance."""
+
+    micro_batches: int = 8
+    num_exact: int = 2
+    num_tangents: int = 1
+    shrinkage: Literal["per_layer", "global", "none"] = "per_layer"
+
+    def __post_init__(self):
+        _check_subset(self.micro_batches - 1, self.num_exact, least=2)
+        if self.num_tangents < 1:
+            raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+
+    def build(self) -> Estimator:
+        import jaxstream.grad as jg
+
+        return jg.hybrid_activity(self.num_exact, self.num_tangents, self.shrinkage)
+
+
 def describe(cfg: EstimatorConfig) -> str:
     """A short label such as ``forward(weights, K=1)`` for tables."""
     if isinstance(cfg, ForwardConfig):
@@ -114,13 +181,21 @@ def describe(cfg: EstimatorConfig) -> str:
     if isinstance(cfg, HybridConfig):
         n_exact = len(cfg.exact_indices) if cfg.exact_indices is not None else cfg.num_exact
         return f"hybrid({cfg.correction}, {n_exact}/{cfg.micro_batches})"
-    return "backprop"
+    if isinstance(cfg, ExactSubsetConfig):
+        return f"exact_subset({cfg.num_exact}/{cfg.micro_batches})"
+    if isinstance(cfg, LocalForwardWeightsConfig):
+        return f"forward(local weights, K={cfg.num_tangents})"
+    if isinstance(cfg, HybridActivityConfig):
+        return f"hybrid_activity({cfg.shrinkage}, {cfg.num_exact}/{cfg.micro_batches})"
+    return "backprop(remat)" if getattr(cfg, "remat", False) else "backprop"
 
 
 def family(cfg: EstimatorConfig) -> str:
     """``backprop``, ``forward`` or ``hybrid``: the group an arm is compared within."""
-    if isinstance(cfg, ForwardConfig):
+    if isinstance(cfg, (ForwardConfig, LocalForwardWeightsConfig)):
         return "forward"
-    if isinstance(cfg, HybridConfig):
+    if isinstance(cfg, (HybridConfig, HybridActivityConfig)):
         return "hybrid"
+    if isinstance(cfg, ExactSubsetConfig):
+        return "exact_subset"
     return "backprop"

@@ -30,6 +30,7 @@ from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict,
 PLUGIN_MODULES: tuple[str, ...] = (
     "jaxstream.experiment.train",
     "jaxstream.experiment.lr_sweep",
+    "jaxstream.experiment.forward_table",
     "jaxstream.quality.study",
     "jaxstream.pipeline.engine",
     "jaxstream.stream.engine",

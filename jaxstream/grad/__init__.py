@@ -7,23 +7,40 @@ the per-segment correction code a pipeline stage reuses.
 """
 
 from jaxstream.grad import corrections, tangents
+from jaxstream.grad.baselines import (
+    BackpropRemat,
+    ExactSubset,
+    LocalForwardWeights,
+    backprop_remat,
+    exact_subset,
+    local_forward_weights,
+)
 from jaxstream.grad.directional import directional, generic_directional, stack_directional
 from jaxstream.grad.estimators import Backprop, Forward, aggregate, backprop, forward
 from jaxstream.grad.hybrid import Hybrid, hybrid, num_micro_batches
+from jaxstream.grad.hybrid_activity import HybridActivity, hybrid_activity
 from jaxstream.grad.tangents import TangentSpec
 
 __all__ = [
     "Backprop",
+    "BackpropRemat",
+    "ExactSubset",
     "Forward",
     "Hybrid",
+    "HybridActivity",
+    "LocalForwardWeights",
     "TangentSpec",
     "aggregate",
     "backprop",
+    "backprop_remat",
     "corrections",
     "directional",
+    "exact_subset",
     "forward",
     "generic_directional",
     "hybrid",
+    "hybrid_activity",
+    "local_forward_weights",
     "num_micro_batches",
     "stack_directional",
     "tangents",

@@ -1,0 +1,80 @@
+"""Ren et al.'s forward-gradient table, reproduced: every arm trained on every data set.
+
+The table itself is :mod:`jaxstream.experiment.forward_table` (also ``jaxstream run
+experiments/forward_table.yaml``); this script runs it, writes the rows as JSON, the markdown
+report (docs/results.md) and the memory/time frontier plot.
+
+Usage:
+  python benchmarks/forward_table.py --quick --json table.json        # < 10 min on 2 cores
+  python benchmarks/forward_table.py --config experiments/forward_table.yaml --json full.json \
+      --plot docs/forward_table_frontier.png --docs docs/results.md
+  python benchmarks/forward_table.py --from-json full.json --docs docs/results.md --plot f.png
+
+``--json PATH`` writes the list of rows (keys include dataset, arm, test_error_mean,
+test_error_sd, train_error_mean, seeds, peak_temp_bytes, cosine_mean) and ``PATH.meta`` the
+command, config, machine and wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
+from jaxstream.experiment.forward_table import ROW_KEYS, load_table_config, run_table
+from jaxstream.experiment.table_report import frontier_plot, machine, markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ROOT / "experiments" / "forward_table_quick.yaml"
+FULL = ROOT / "experiments" / "forward_table.yaml"
+__all__ = ["FULL", "QUICK", "ROW_KEYS", "load_table_config", "main"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=str, default=None, help=f"table YAML (default {FULL.name})")
+    parser.add_argument("--quick", action="store_true", help=f"use {QUICK.name}")
+    parser.add_argument("--set", nargs="*", default=[], help="dotted overrides, e.g. seeds=5")
+    parser.add_argument("--datasets", nargs="*", default=None)
+    parser.add_argument("--arms", nargs="*", default=None)
+    parser.add_argument("--json", type=str, default=None, help="write the rows here")
+    parser.add_argument("--from-json", type=str, default=None, help="reuse rows, no training")
+    parser.add_argument("--plot", type=str, default=None, help="frontier plot (PNG)")
+    parser.add_argument("--docs", type=str, default=None, help="write a markdown report here")
+    parser.add_argument("--memory-json", type=str, default=None,
+                        help="add a memory_time.py --json output (and its .meta) to the report")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/forward_table.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())
+        payload = {**json.loads(Path(args.from_json + ".meta").read_text()), "rows": rows}
+    else:
+        path = args.config or (QUICK if args.quick else FULL)
+        cfg = load_table_config(path, args.set)
+        t0 = time.perf_counter()
+        rows = run_table(cfg, args.datasets, args.arms)
+        payload = {"command": command, "config": str(Path(path).name), "machine": machine(),
+                   "seconds": time.perf_counter() - t0, "rows": rows}
+        print(f"total {payload['seconds']:.0f} s")
+    if args.json:  # the rows; the run's command, machine and time beside them in PATH.meta
+        Path(args.json).write_text(json.dumps(payload["rows"], indent=1))
+        meta = {k: v for k, v in payload.items() if k != "rows"}
+        Path(args.json + ".meta").write_text(json.dumps(meta, indent=1))
+    if args.plot:
+        frontier_plot(payload["rows"], args.plot)
+    memory = None
+    if args.memory_json:
+        meta = Path(args.memory_json + ".meta")
+        memory = {**(json.loads(meta.read_text()) if meta.exists() else {}),
+                  "rows": json.loads(Path(args.memory_json).read_text())}
+    if args.docs:
+        payload = {**payload, "report_command": command}
+        Path(args.docs).write_text(markdown(payload, args.plot, memory))
+    return payload["rows"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""``kind: forward_table``: Ren et al.'s forward-gradient table, reproduced on several data sets.
+
+Rows: backprop (BP), rematerialised backprop (BP-remat), forward gradients with weight (FG-W)
+or activity (FG-A) perturbation, the same with local losses (LG-FG-W, LG-FG-A), the exact
+subset alone, and each hybrid correction. For each (data set, arm) every learning rate of the
+arm's sweep and every seed train together as one ``vmap``-ed program (Adam; the learning rate
+scales Adam's update, which is exactly Adam at that rate). The learning rate is picked by the
+lowest mean final *train* error over seeds, ties broken by the train loss (the test set never
+chooses). Reported at that rate: test and train error (mean ± sd over seeds), steps and
+seconds to the target test accuracy, peak temporary memory of one compiled step (XLA's
+``temp_size_in_bytes``), step time, and the cosine and relative squared error
+‖ĝ − g‖² / ‖g‖² to the exact batch gradient at initialisation (mean over keys).
+
+Batches are drawn with replacement from the train set (seeded per seed and step), the same for
+every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
+``frontier.png``.
+
+Example (YAML):
+    kind: forward_table
+    seeds: 3
+    datasets: [{name: digits, data: {type: digits}, steps: 300}]
+    arms:
+      - {name: BP, estimator: {type: backprop}, lrs: [0.003]}
+      - {name: FG-A, estimator: {type: forward, perturb: activations}, lrs: [0.001]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxstream.data.configs import DataConfig, DigitsDataConfig
+from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
+from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
+from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
+from jaxstream.experiment.registry import register_experiment
+from jaxstream.experiment.rundir import write_json
+from jaxstream.experiment.table_report import frontier_plot, machine, markdown
+
+ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_mean", "seeds",
+            "peak_temp_bytes", "cosine_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableArm:
+    """An estimator and its learning-rate sweep (``lrs_by_dataset`` overrides per data set)."""
+
+    name: str = "BP"
+    estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
+    lrs: tuple[float, ...] = (1e-3,)
+    lrs_by_dataset: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.lrs or any(lr <= 0 for lr in self.lrs):
+            raise ValueError(f"arms[{self.name}].lrs: list positive learning rates, got {self.lrs}")
+
+    def sweep(self, dataset: str) -> tuple[float, ...]:
+        return tuple(self.lrs_by_dataset.get(dataset, self.lrs))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableDataset:
+    """A data set, the model trained on it and the training length."""
+
+    name: str = "digits"
+    data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=MLPConfig)
+    steps: int = 500
+    batch_size: int = 64
+    eval_every: int = 50
+    target_accuracy: float = 0.9
+    train_eval_size: int = 1000
+
+    def __post_init__(self):
+        for f in ("steps", "batch_size", "eval_every", "train_eval_size"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"datasets[{self.name}].{f}: must be >= 1")
+        if not 0.0 < self.target_accuracy <= 1.0:
+            raise ValueError(f"datasets[{self.name}].target_accuracy: must be in (0, 1], got "
+                             f"{self.target_accuracy}")
+        if self.steps % self.eval_every:
+            raise ValueError(f"datasets[{self.name}].steps: must be a multiple of eval_every "
+                             f"({self.eval_every}), got {self.steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTableConfig:
+    """The whole table: data sets x arms, ``seeds`` seeds each."""
+
+    seed: int = 0
+    seeds: int = 3
+    cosine_keys: int = 8
+    timing_steps: int = 10
+    datasets: tuple[TableDataset, ...] = (TableDataset(),)
+    arms: tuple[TableArm, ...] = (TableArm(),)
+
+    def __post_init__(self):
+        if self.seeds < 1 or self.cosine_keys < 1:
+            raise ValueError("seeds, cosine_keys: must be >= 1")
+        for what, names in (("arms", [a.name for a in self.arms]),
+                            ("datasets", [d.name for d in self.datasets])):
+            if len(set(names)) != len(names):
+                raise ValueError(f"{what}: names must be distinct, got {names}")
+        for d in self.datasets:
+            for a in self.arms:
+                n = getattr(a.estimator, "micro_batches", 1)
+                if d.batch_size % n:
+                    raise ValueError(f"arms[{a.name}].estimator.micro_batches: {n} must divide "
+                                     f"datasets[{d.name}].batch_size={d.batch_size}")
+
+
+def load_table_config(path: str | Path, overrides: list[str] | None = None) -> ForwardTableConfig:
+    """Parse a table YAML (``kind: forward_table``; unknown keys and bad values raise, naming
+    the field)."""
+    data = apply_overrides(read_yaml(path), overrides or [])
+    kind = data.pop("kind", "forward_table")
+    if kind != "forward_table":
+        raise ConfigError(f"kind: expected 'forward_table', got {kind!r}")
+    return from_dict(ForwardTableConfig, data)
+
+
+def _flat(tree: Any) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
+
+
+def _micro(batch: dict, n: int) -> dict:
+    return batch if n == 1 else jax.tree.map(lambda a: a.reshape((n, -1) + a.shape[1:]), batch)
+
+
+def _evaluator(stack: Any, ds: Any, train_eval_size: int):
+    """One jitted ``params (lanes) -> (lanes, 4)``: test error, train error, test loss, train
+    loss; shared by the arms of a data set (one compile per lane count)."""
+    test = {k: jnp.asarray(v) for k, v in ds.test.items()}
+    sub = {k: jnp.asarray(v[:train_eval_size]) for k, v in ds.train.items()}
+
+    def metrics(params):
+        err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)
+        return jnp.stack([err(test), err(sub), stack(params, test), stack(params, sub)])
+
+    return jax.jit(jax.vmap(metrics))
+
+
+def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
+            evaluate: Any = None) -> dict:
+    """Train every (lr, seed) lane of one arm together; the row at the picked learning rate."""
+    est = arm.estimator.build()
+    n_micro = getattr(arm.estimator, "micro_batches", 1)
+    lrs = arm.sweep(dcfg.name)
+    train = {k: jnp.asarray(v) for k, v in ds.train.items()}
+    n_train = len(ds.train["y"])
+    tx = optax.adam(1.0)
+    base = jax.random.key(cfg.seed)
+
+    def sample(seed, step):
+        idx = jax.random.randint(jax.random.fold_in(jax.random.fold_in(base, seed), step),
+                                 (dcfg.batch_size,), 0, n_train)
+        return jax.tree.map(lambda a: a[idx], train)
+
+    def step(state, lr, seed, t):
+        params, opt = state
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, 7), seed), t)
+        loss, grads = est(stack, params, _micro(sample(seed, t), n_micro), key)[:2]
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
+        return (params, opt), loss
+
+    def chunk(state, lr, seed, t0):
+        return jax.lax.scan(lambda s, t: step(s, lr, seed, t0 + t), state,
+                            jnp.arange(dcfg.eval_every))
+
+    lane_lr = jnp.repeat(jnp.asarray(lrs, jnp.float32), cfg.seeds)
+    lane_seed = jnp.tile(jnp.arange(cfg.seeds), len(lrs))
+    init = jax.vmap(lambda s: stack.init(jax.random.fold_in(jax.random.fold_in(base, 3), s)))
+    params = init(lane_seed)
+    state = (params, jax.vmap(tx.init)(params))
+    run = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)))
+    evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
+    curve, t0 = [], time.perf_counter()
+    for c in range(dcfg.steps // dcfg.eval_every):
+        state, _ = run(state, lane_lr, lane_seed, c * dcfg.eval_every)
+        curve.append(np.asarray(evaluate(state[0])))  # (lanes, 4)
+    train_seconds = time.perf_counter() - t0
+    curve = np.stack(curve, axis=1).reshape(len(lrs), cfg.seeds, -1, 4)  # lr, seed, eval, metric
+    final = curve[:, :, -1]
+    # Lowest mean final train error; ties (e.g. all zero) broken by the mean final train loss.
+    pick = int(np.lexsort((final[:, :, 3].mean(axis=1), final[:, :, 1].mean(axis=1)))[0])
+    fin, cur = final[pick], curve[pick]
+    reached = cur[:, :, 0] <= 1.0 - dcfg.target_accuracy
+    first = [int((np.argmax(r) + 1) * dcfg.eval_every) if r.any() else None for r in reached]
+
+    # One lane alone, compiled once: temporary memory, step time, and (same program, several
+    # keys, one batch, initial params) the cosine to the exact gradient.
+    def probe(p, o, batch, key):
+        _, grads = est(stack, p, batch, key)[:2]
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, jax.tree.map(lambda u: 1e-3 * u, updates)), o, grads
+
+    p0 = jax.tree.map(lambda a: a[0], params)
+    o0 = tx.init(p0)
+    batch0 = _micro(sample(0, 0), n_micro)
+    keys = jax.random.split(jax.random.fold_in(base, 11), max(cfg.cosine_keys, cfg.timing_steps))
+    one = jax.jit(probe).lower(p0, o0, batch0, keys[0]).compile()
+    temp = int(one.memory_analysis().temp_size_in_bytes)
+    exact = _flat(jax.jit(jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch0))
+                                   if n_micro > 1 else stack(p, batch0)))(p0))
+    times, cos, rel_mse = [], [], []
+    jax.block_until_ready(one(p0, o0, batch0, keys[0]))
+    for i, k in enumerate(keys):
+        s0 = time.perf_counter()
+        out = jax.block_until_ready(one(p0, o0, batch0, k))
+        times.append(time.perf_counter() - s0)
+        if i < cfg.cosine_keys:
+            g = _flat(out[2])
+            cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)))
+            rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
+    step_ms = float(np.median(times[: max(cfg.timing_steps, 1)]) * 1e3)
+    cos, rel_mse = np.asarray(cos), np.asarray(rel_mse)
+    hit = [f for f in first if f is not None]
+    return {
+        "dataset": dcfg.name, "arm": arm.name, "lr": float(lrs[pick]), "lrs": list(lrs),
+        "test_error_mean": float(fin[:, 0].mean()), "test_error_sd": float(fin[:, 0].std(ddof=1))
+        if cfg.seeds > 1 else 0.0,
+        "train_error_mean": float(fin[:, 1].mean()),
+        "train_error_sd": float(fin[:, 1].std(ddof=1)) if cfg.seeds > 1 else 0.0,
+        "test_loss_mean": float(fin[:, 2].mean()), "train_loss_mean": float(fin[:, 3].mean()),
+        "seeds": cfg.seeds, "steps": dcfg.steps,
+        "peak_temp_bytes": temp, "step_ms": step_ms,
+        "cosine_mean": float(cos.mean()), "cosine_sd": float(cos.std(ddof=1)) if len(cos) > 1 else 0.0,
+        "relative_mse": float(rel_mse.mean()),
+        "target_accuracy": dcfg.target_accuracy, "seeds_reaching_target": len(hit),
+        "steps_to_target_mean": float(np.mean(hit)) if hit else None,
+        "steps_to_target_by_seed": first,
+        "seconds_to_target": float(np.mean(hit)) * step_ms / 1e3 if hit else None,
+        "train_seconds_all_lanes": train_seconds,
+        "test_error_by_seed": [float(x) for x in fin[:, 0]],
+        "curve_test_error_mean": [float(x) for x in cur[:, :, 0].mean(axis=0)],
+        "eval_every": dcfg.eval_every,
+    }
+
+
+def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
+              arms: list[str] | None = None) -> list[dict]:
+    """All rows of the table (optionally a subset of data sets / arms by name)."""
+    rows = []
+    for dcfg in cfg.datasets:
+        if datasets and dcfg.name not in datasets:
+            continue
+        ds = dcfg.data.load(cfg.seed)
+        stack = dcfg.model.build(ds.info)
+        evaluate = _evaluator(stack, ds, dcfg.train_eval_size)
+        for arm in cfg.arms:
+            if arms and arm.name not in arms:
+                continue
+            t0 = time.perf_counter()
+            row = run_arm(cfg, dcfg, arm, ds, stack, evaluate)
+            rows.append(row)
+            print(f"{row['dataset']:8s} {row['arm']:24s} lr={row['lr']:.0e} test err "
+                  f"{100 * row['test_error_mean']:6.2f} ± {100 * row['test_error_sd']:5.2f} % "
+                  f"train {100 * row['train_error_mean']:6.2f} %  cos {row['cosine_mean']:.3f}  "
+                  f"temp {row['peak_temp_bytes'] / 2**20:7.2f} MiB  {row['step_ms']:.2f} ms/step "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return rows
+
+
+def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "jaxstream run") -> dict:
+    """Run the table; write ``rows.json``, ``results.md`` and ``frontier.png`` into ``run_dir``."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = run_table(cfg)
+    payload = {"command": command, "machine": machine(), "seconds": time.perf_counter() - t0,
+               "rows": rows}
+    write_json(run_dir / "rows.json", rows)
+    frontier_plot(rows, str(run_dir / "frontier.png"))
+    (run_dir / "results.md").write_text(markdown(payload, str(run_dir / "frontier.png")))
+    return {"rows": len(rows), "seconds": payload["seconds"]}
+
+
+register_experiment("forward_table", ForwardTableConfig, run_forward_table)

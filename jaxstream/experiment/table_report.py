@@ -1,0 +1,210 @@
+"""Report of ``kind: forward_table``: the markdown tables (with Ren et al.'s published MNIST rows
+beside them), the ordering and hybrid-vs-ingredients checks, and the memory/time frontier plot.
+
+Everything here is computed from the rows a run wrote; nothing is typed in by hand except the
+published figures of Ren et al. (2023), which are quoted as such.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+from typing import Any
+
+# Ren, Kornblith, Liao, Hinton: "Scaling forward gradient with local losses", ICLR 2023 —
+# supervised MNIST test error (%) as published (None: not reported).
+REN_MNIST = {
+    "BP": {"MLP": 2.66, "M/1/16": 2.41},
+    "FG-W": {"MLP": 9.25, "M/1/16": 8.56},
+    "FG-A": {"MLP": 3.24, "M/1/16": 3.76},
+    "LG-FG-W": {"MLP": None, "M/1/16": 5.66},
+    "LG-FG-A": {"MLP": 3.24, "M/1/16": 2.55},
+}
+FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A")
+
+
+def machine() -> str:
+    """A one-line description of where the run happened."""
+    import jax
+
+    dev = jax.devices()[0]
+    return (f"{platform.node() or 'host'}: {platform.machine()} {platform.processor() or ''} "
+            f"{os.cpu_count()} CPU threads, jax {jax.__version__} on {dev.platform} "
+            f"({dev.device_kind}), Python {platform.python_version()}").replace("  ", " ")
+
+
+def _pm(mean: float, sd: float, scale: float = 100.0) -> str:
+    return f"{scale * mean:.2f} ± {scale * sd:.2f}"
+
+
+def _fmt(x: Any, spec: str = ".0f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _by(rows: list[dict], dataset: str) -> dict[str, dict]:
+    return {r["arm"]: r for r in rows if r["dataset"] == dataset}
+
+
+def ordering(rows: list[dict], dataset: str) -> list[str]:
+    """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in accuracy) on one data set; one line per relation."""
+    r = _by(rows, dataset)
+    need = ("FG-W", "FG-A", "LG-FG-A", "BP")
+    if any(a not in r for a in need):
+        return [f"(ordering not checked: arms {[a for a in need if a not in r]} missing)"]
+
+    def se(a: str) -> float:  # standard error of the mean test error
+        return r[a]["test_error_sd"] / math.sqrt(max(r[a]["seeds"], 1))
+
+    def cmp(a: str, b: str) -> tuple[float, float]:
+        return r[a]["test_error_mean"] - r[b]["test_error_mean"], 2 * math.hypot(se(a), se(b))
+
+    out = []
+    d, tol = cmp("FG-W", "FG-A")
+    out.append(f"FG-W worse than FG-A: {'yes' if d > tol else 'no'} "
+               f"(error difference {100 * d:+.2f} pp, 2·SE {100 * tol:.2f} pp)")
+    d, tol = cmp("FG-A", "LG-FG-A")
+    out.append(f"FG-A no better than LG-FG-A: {'yes' if d >= -tol else 'no'} "
+               f"(difference {100 * d:+.2f} pp, 2·SE {100 * tol:.2f} pp)")
+    d, tol = cmp("LG-FG-A", "BP")
+    out.append(f"LG-FG-A ≈ BP (within 2·SE or 1 pp): {'yes' if abs(d) <= max(tol, 0.01) else 'no'} "
+               f"(difference {100 * d:+.2f} pp, 2·SE {100 * tol:.2f} pp)")
+    return out
+
+
+def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
+    """Each hybrid against both its ingredients: the exact subset and the best forward arm."""
+    r = _by(rows, dataset)
+    fwd = [r[a] for a in FORWARD_ARMS if a in r]
+    if "exact-subset" not in r or not fwd:
+        return ["(verdict not computed: exact-subset or forward arms missing)"]
+    best_fwd = min(fwd, key=lambda x: x["test_error_mean"])
+    sub = r["exact-subset"]
+    out = [f"ingredients: exact-subset {_pm(sub['test_error_mean'], sub['test_error_sd'])} %, "
+           f"best forward arm {best_fwd['arm']} "
+           f"{_pm(best_fwd['test_error_mean'], best_fwd['test_error_sd'])} %"]
+    for name, h in r.items():
+        if not name.startswith("hybrid"):
+            continue
+        verdicts = []
+        for other in (sub, best_fwd):
+            d = h["test_error_mean"] - other["test_error_mean"]
+            tol = 2 * math.hypot(h["test_error_sd"] / math.sqrt(h["seeds"]),
+                                 other["test_error_sd"] / math.sqrt(other["seeds"]))
+            word = "better than" if d < -tol else ("worse than" if d > tol else "tie with")
+            verdicts.append(f"{word} {other['arm']} ({100 * d:+.2f} pp, 2·SE {100 * tol:.2f})")
+        beats = all(v.startswith("better") for v in verdicts)
+        out.append(f"{name}: {_pm(h['test_error_mean'], h['test_error_sd'])} % — "
+                   f"{'; '.join(verdicts)} → {'BEATS BOTH' if beats else 'does not beat both'}")
+    return out
+
+
+def table(rows: list[dict], dataset: str) -> str:
+    """A markdown table for one data set, Ren et al.'s MNIST rows beside it."""
+    head = ("| arm | lr | test error % | train error % | test loss | steps to target (seeds) | "
+            "s to target | peak temp MiB | ms / step | cosine at init | rel. sq. error at init | "
+            "Ren MNIST MLP | Ren MNIST M/1/16 |")
+    lines = [head, "|" + "---|" * 13]
+    for r in (x for x in rows if x["dataset"] == dataset):
+        ren = REN_MNIST.get(r["arm"], {})
+        lines.append(
+            f"| {r['arm']} | {r['lr']:.0e} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
+            f"{_pm(r['train_error_mean'], r.get('train_error_sd', 0.0))} | "
+            f"{r.get('test_loss_mean', float('nan')):.3f} | "
+            f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
+            f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
+            f"{r['step_ms']:.2f} | {r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f} | "
+            f"{r.get('relative_mse', float('nan')):.3g} | "
+            f"{_fmt(ren.get('MLP'), '.2f')} | {_fmt(ren.get('M/1/16'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def memory_table(memory: dict) -> str:
+    """Temporary memory and step time relative to backprop, from ``benchmarks/memory_time.py
+    --json`` (``memory["rows"]``; ``memory["command"]``/``["machine"]`` say how it was run)."""
+    modes = [m for m in ("inference", "backprop_remat", "forward", "hybrid")
+             if m in memory["rows"][0]["temp_bytes"]]
+    lines = [f"Command: `{memory.get('command', '?')}`; machine: {memory.get('machine', '?')}.", "",
+             "| depth | backprop temp MiB | backprop ms | "
+             + " | ".join(f"{m} temp / bp | {m} time / bp" for m in modes) + " |",
+             "|" + "---|" * (3 + 2 * len(modes))]
+    for r in memory["rows"]:
+        t, s = r["temp_bytes"], r["step_ms"]
+        vals = [str(r["depth"]), f"{t['backprop'] / 2**20:.1f}", f"{s['backprop']:.1f}"]
+        for m in modes:
+            vals += [f"{t[m] / max(t['backprop'], 1):.3f}", f"{s[m] / s['backprop']:.2f}"]
+        lines.append("| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def markdown(payload: dict, plot: str | None = None, memory: dict | None = None) -> str:
+    """The whole report as markdown (``memory``: optional memory_time rows, see
+    :func:`memory_table`)."""
+    rows = payload["rows"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    parts = [
+        "# Forward-gradient table, reproduced",
+        "",
+        "Written by a command from run outputs; do not edit by hand.",
+        "",
+        f"- command: `{payload.get('command', '?')}` (config `{payload.get('config', '?')}`)",
+        f"- report written by: `{payload.get('report_command', payload.get('command', '?'))}`",
+        f"- machine: {payload.get('machine', '?')}",
+        f"- wall time of the run: {payload.get('seconds', float('nan')):.0f} s",
+        "",
+        "Test and train error are at the end of training, mean ± sd over seeds, at the learning "
+        "rate with the lowest mean final train error among the arm's sweep. Steps to target: "
+        "mean over the seeds that reached the data set's target test accuracy (first evaluation "
+        "at or above it). Seconds to target: those steps times the median step time of one lane "
+        "alone. Peak temp: XLA's temporary buffers of one compiled training step. Cosine: "
+        "estimate vs exact gradient of one batch at initialisation, mean ± sd over keys. "
+        "The last two columns are Ren et al. (ICLR 2023) published MNIST test errors (%), for "
+        "comparison only: different data set and models.",
+    ]
+    for ds in datasets:
+        r0 = next(r for r in rows if r["dataset"] == ds)
+        parts += ["", f"## {ds}", "",
+                  f"{r0['steps']} steps, {r0['seeds']} seeds, target test accuracy "
+                  f"{100 * r0['target_accuracy']:.0f} %.", "", table(rows, ds), "",
+                  "Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP (accuracy):", ""]
+        parts += [f"- {line}" for line in ordering(rows, ds)]
+        parts += ["", "Hybrids against their ingredients (test error, 2·SE over seeds):", ""]
+        parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
+    if memory:
+        parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
+    if plot:
+        parts += ["", f"![frontier]({os.path.basename(plot)})",
+                  "", "Final test accuracy against peak temporary memory and against training "
+                  "time (steps × step time), one point per arm."]
+    return "\n".join(parts) + "\n"
+
+
+def frontier_plot(rows: list[dict], path: str) -> None:
+    """Test accuracy vs peak temporary memory and vs wall time, one point per arm, per data set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(11, 3.8 * len(datasets)), squeeze=False)
+    for i, ds in enumerate(datasets):
+        rs = [r for r in rows if r["dataset"] == ds]
+        for j, (xkey, label) in enumerate((("mem", "peak temporary memory (MiB)"),
+                                           ("time", "training time (s, steps × step time)"))):
+            ax = axes[i, j]
+            for r in rs:
+                x = (r["peak_temp_bytes"] / 2**20 if xkey == "mem"
+                     else r["steps"] * r["step_ms"] / 1e3)
+                acc = 100 * (1 - r["test_error_mean"])
+                ax.errorbar(x, acc, yerr=100 * r["test_error_sd"], fmt="o", capsize=3)
+                ax.annotate(r["arm"], (x, acc), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+            ax.set_xscale("log")
+            ax.set_xlabel(label)
+            ax.set_ylabel("test accuracy (%)")
+            ax.set_title(ds)
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,166 @@
+"""Baselines a forward-gradient result has to beat, with the estimator signature.
+
+* :func:`backprop_remat` — backprop that rematerialises each block of a stack
+  (``jax.checkpoint``): only block inputs are kept for the backward pass, the block's inside
+  is recomputed. Same gradient as :func:`~jaxstream.grad.backprop`, less temporary memory,
+  about one extra forward pass of compute.
+* :func:`exact_subset` — the exact gradient of the ``k`` micro-batches a hybrid would select,
+  and nothing else: the hybrid without its forward part. If a hybrid does not beat it, its
+  forward part carried no information.
+* :func:`local_forward_weights` — LG-FG-W (Ren et al., 2023): weight perturbation where each
+  module follows the forward gradient of its own local loss (the shared head applied to its
+  output); the head follows the global loss.
+
+The exact subset is chosen with the hybrid's key schedule,
+``jax.random.choice(fold_in(key, 0x7FFFFFFF), N, (k,), replace=False)``, so ``exact_subset``
+and ``hybrid(num_exact=k)`` see the same micro-batches for the same key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.grad.hybrid import num_micro_batches
+from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
+from jaxstream.models.stack import Stack
+
+SELECT = 0x7FFFFFFF  # the hybrid's key segment for its random choice of exact micro-batches
+
+
+def _finish(loss, grads, diag, diagnostics: bool):
+    return (loss, grads, diag) if diagnostics else (loss, grads)
+
+
+def select_exact(key: jax.Array, n: int, k: int) -> jax.Array:
+    """Indices (k,) of the micro-batches with exact gradients, as :class:`~jaxstream.grad.Hybrid`
+    draws them for ``num_exact=k``."""
+    if not isinstance(k, int) or not 1 <= k <= n:
+        raise ValueError(f"num_exact must be an int in [1, N={n}], got {k!r}")
+    return jax.random.choice(jax.random.fold_in(key, SELECT), n, (k,), replace=False)
+
+
+def remat_loss(stack: Stack, params: dict, batch: dict) -> jax.Array:
+    """Mean loss of a stack with every block wrapped in ``jax.checkpoint``."""
+    block = jax.checkpoint(stack.block)
+    h = stack.embed(params["embed"], batch["x"])
+    h, _ = jax.lax.scan(lambda c, p: (block(p, c), None), h, params["blocks"])
+    return jnp.mean(stack.example_loss(stack.head(params["head"], h), batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class BackpropRemat:
+    """Exact gradient with each block rematerialised (see :func:`backprop_remat`)."""
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
+                 *, diagnostics: bool = False):
+        if isinstance(loss_fn, Stack):
+            fn = lambda p, b: remat_loss(loss_fn, p, b)
+        else:
+            fn = jax.checkpoint(loss_fn)  # one segment: recompute the whole forward
+        loss, grads = jax.value_and_grad(fn)(params, batch)
+        return _finish(loss, grads, {}, diagnostics)
+
+
+def backprop_remat() -> BackpropRemat:
+    """Backprop with per-block rematerialisation (``jax.checkpoint``): exact gradients.
+
+    Example:
+      >>> loss, grads = backprop_remat()(stack, params, batch, key)
+    """
+    return BackpropRemat()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactSubset:
+    """Mean exact gradient of ``num_exact`` randomly chosen micro-batches (see :func:`exact_subset`)."""
+
+    num_exact: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.num_exact, int) or self.num_exact < 1:
+            raise ValueError(f"num_exact must be an int >= 1, got {self.num_exact!r}")
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+                 *, diagnostics: bool = False):
+        n = num_micro_batches(batch)
+        idx = select_exact(key, n, self.num_exact)
+        sub = jax.tree.map(lambda x: x[idx], batch)
+        losses, grads = jax.vmap(lambda b: jax.value_and_grad(loss_fn)(params, b))(sub)
+        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+        return _finish(jnp.mean(losses), grads, {"exact_indices": idx}, diagnostics)
+
+
+def exact_subset(num_exact: int = 2) -> ExactSubset:
+    """Exact gradients of ``num_exact`` of the N micro-batches only (no forward part).
+
+    ``batch`` leaves carry a leading micro-batch axis N, as for :func:`~jaxstream.grad.hybrid`;
+    the selection is the hybrid's for the same key. Unbiased for the full batch's gradient; its
+    noise is that of a batch ``num_exact / N`` as large. The returned loss is the mean over the
+    selected micro-batches (the others are never evaluated).
+
+    Example:
+      >>> micro = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch)
+      >>> loss, grads = exact_subset(2)(stack, params, micro, key)
+    """
+    return ExactSubset(num_exact)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalForwardWeights:
+    """LG-FG-W: per-module weight-perturbed forward gradients of local losses."""
+
+    spec: TangentSpec = TangentSpec()
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+                 *, diagnostics: bool = False):
+        if not isinstance(loss_fn, Stack):
+            raise TypeError("local_forward_weights needs a model Stack as loss_fn (local losses "
+                            f"per block); got {type(loss_fn).__name__}")
+        loss, grads = _local_weights(loss_fn, self.spec, params, batch, key)
+        return _finish(loss, grads, {}, diagnostics)
+
+
+def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array):
+    x = batch["x"]
+    example = lambda lg: jnp.mean(stack.example_loss(lg, batch))
+    local = lambda h: example(stack.head(params["head"], h))
+
+    def estimate(fn: Callable, p: Any, k: jax.Array, loss_of_out: Callable) -> Any:
+        v = leaf_tangents(spec, k, p)
+        d = jax.vmap(lambda vk: jax.jvp(lambda q: loss_of_out(fn(q)), (p,), (vk,))[1])(v)
+        return jax.tree.map(lambda t: jnp.tensordot(d, t, axes=1) / spec.num, v)
+
+    embed_fn = lambda p: stack.embed(p, x)
+    h0 = embed_fn(params["embed"])
+    g_embed = estimate(embed_fn, params["embed"], jax.random.fold_in(key, EMBED), local)
+
+    def body(h, xs):
+        p, layer = xs
+        fn = lambda q: stack.block(q, h)
+        return fn(p), estimate(fn, p, block_key(key, layer), local)
+
+    layers = jnp.arange(stack.num_layers)
+    h_last, g_blocks = jax.lax.scan(body, h0, (params["blocks"], layers))
+    head_fn = lambda p: stack.head(p, h_last)
+    g_head = estimate(head_fn, params["head"], jax.random.fold_in(key, HEAD), example)
+    loss = example(head_fn(params["head"]))
+    return loss, {"embed": g_embed, "blocks": g_blocks, "head": g_head}
+
+
+def local_forward_weights(num_tangents: int = 1, distribution: str = "rademacher") -> LocalForwardWeights:
+    """LG-FG-W: each module's weights follow a forward gradient of its own local loss.
+
+    Module m (embed, block l) gets tangents v on its weights only (key schedule of
+    :mod:`jaxstream.grad.tangents`) and the estimate (1/K) Σ_k (∇_m ℓ_m·v_k) v_k of its local
+    loss ℓ_m = loss(head(h_m)) with the head held fixed; the head's estimate uses the global
+    loss. Biased for the global loss (greedy), far less noisy than global weight perturbation.
+
+    Example:
+      >>> loss, grads = local_forward_weights(num_tangents=4)(stack, params, batch, key)
+    """
+    return LocalForwardWeights(TangentSpec(num_tangents, distribution))

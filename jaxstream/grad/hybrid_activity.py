@@ -1,0 +1,140 @@
+"""Hybrid with an activity-perturbed forward part, combined per layer with the exact subset.
+
+A step has N micro-batches; a random subset S (k of them, the hybrid's selection) gets exact
+gradients g_s with mean h; every other micro-batch n gets an activity-perturbation forward
+estimate a_n (:func:`~jaxstream.grad.forward` with ``perturb="activations"``, key
+``micro_key(key, n)``). Both h and ā_U = mean_{n∉S} a_n estimate the mean gradient G_U of the
+unselected micro-batches, independently:
+
+* h with error variance V_h ≈ σ² (1/k + 1/(N−k)), σ² the spread of micro-batch gradients,
+  estimated as Σ_s ‖g_s − h‖² / (k − 1);
+* ā_U with error variance V_a ≈ e / (N − k), e the noise of one forward estimate, measured on
+  the selected micro-batches where the truth is known: e = mean_s ‖a_s − g_s‖².
+
+Per segment (embed, each block, head) the two are mixed with inverse-variance weights,
+α = V_h / (V_h + V_a), and ĝ = (k/N) h + ((N−k)/N) ((1 − α) h + α ā_U). With α ≡ 1 this is the
+unbiased ``replace`` hybrid with an activity-perturbed forward part; with α ≡ 0 it is the
+exact-subset mean. α is estimated from the same step's data, so the estimate is slightly biased.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from jaxstream.grad.baselines import select_exact
+from jaxstream.grad.estimators import forward
+from jaxstream.grad.hybrid import num_micro_batches
+from jaxstream.grad.tangents import micro_key
+from jaxstream.models.stack import Stack
+
+Shrinkage = Literal["per_layer", "global", "none"]
+SHRINKAGES = ("per_layer", "global", "none")
+
+
+def segment_sq_norms(tree: dict) -> dict:
+    """Squared norms per segment of stack-shaped trees with a leading axis R:
+    ``{"embed": (R,), "blocks": (R, L), "head": (R,)}``."""
+
+    def total(seg, keep):
+        parts = [jnp.sum(x.reshape(x.shape[:keep] + (-1,)) ** 2, axis=-1)
+                 for x in jax.tree.leaves(seg)]
+        return sum(parts)
+
+    return {"embed": total(tree["embed"], 1), "blocks": total(tree["blocks"], 2),
+            "head": total(tree["head"], 1)}
+
+
+def _scale_segments(tree: dict, a: dict) -> dict:
+    """Multiply each segment of a stack-shaped tree by its weight (blocks: per layer)."""
+    blocks = jax.tree.map(lambda x: x * a["blocks"].reshape((-1,) + (1,) * (x.ndim - 1)),
+                          tree["blocks"])
+    return {"embed": jax.tree.map(lambda x: a["embed"] * x, tree["embed"]), "blocks": blocks,
+            "head": jax.tree.map(lambda x: a["head"] * x, tree["head"])}
+
+
+def mixing_weights(exact: dict, forward_sel: dict, n: int, shrinkage: str) -> dict:
+    """α per segment from the k exact gradients and the forward estimates of the same
+    micro-batches (both with a leading axis k); see the module docstring."""
+    k = jax.tree.leaves(exact)[0].shape[0]
+    h = jax.tree.map(lambda g: jnp.mean(g, axis=0, keepdims=True), exact)
+    spread = segment_sq_norms(jax.tree.map(lambda g, m: g - m, exact, h))
+    noise = segment_sq_norms(jax.tree.map(lambda a, g: a - g, forward_sel, exact))
+    if shrinkage == "global":
+        spread = {s: jnp.sum(v, axis=tuple(range(1, v.ndim))) for s, v in spread.items()}
+        spread = {s: sum(spread.values()) for s in ("embed", "blocks", "head")}
+        noise = {s: jnp.sum(v, axis=tuple(range(1, v.ndim))) for s, v in noise.items()}
+        noise = {s: sum(noise.values()) for s in ("embed", "blocks", "head")}
+    v_h = {s: jnp.sum(v, axis=0) / (k - 1) * (1.0 / k + 1.0 / (n - k)) for s, v in spread.items()}
+    v_a = {s: jnp.mean(v, axis=0) / (n - k) for s, v in noise.items()}
+    return {s: v_h[s] / jnp.maximum(v_h[s] + v_a[s], 1e-30) for s in v_h}
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridActivity:
+    """Exact subset + activity-perturbed forward part, mixed per layer (see
+    :func:`hybrid_activity`)."""
+
+    num_exact: int = 2
+    num_tangents: int = 1
+    shrinkage: Shrinkage = "per_layer"
+
+    def __post_init__(self):
+        if not isinstance(self.num_exact, int) or self.num_exact < 2:
+            raise ValueError(f"num_exact must be an int >= 2 (the spread of the exact gradients "
+                             f"needs two), got {self.num_exact!r}")
+        if self.shrinkage not in SHRINKAGES:
+            raise ValueError(f"shrinkage must be one of {SHRINKAGES}, got {self.shrinkage!r}")
+
+    def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
+                 *, diagnostics: bool = False):
+        if not isinstance(loss_fn, Stack):
+            raise TypeError("hybrid_activity needs a model Stack as loss_fn (activity "
+                            f"perturbation); got {type(loss_fn).__name__}")
+        n = num_micro_batches(batch)
+        if n <= self.num_exact:
+            raise ValueError(f"hybrid_activity: num_exact={self.num_exact} must be below the "
+                             f"N={n} micro-batches")
+        k = self.num_exact
+        idx = select_exact(key, n, k)
+        est = forward(num_tangents=self.num_tangents, perturb="activations")
+        keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+        losses, fwd = jax.vmap(lambda b, kk: est(loss_fn, params, b, kk))(batch, keys)
+        sub = jax.tree.map(lambda x: x[idx], batch)
+        exact = jax.vmap(lambda b: jax.grad(loss_fn)(params, b))(sub)
+        fwd_sel = jax.tree.map(lambda a: a[idx], fwd)
+        unselected = jnp.ones((n,)).at[idx].set(0.0) / (n - k)
+        a_u = jax.tree.map(lambda a: jnp.tensordot(unselected, a, axes=1), fwd)
+        h = jax.tree.map(lambda g: jnp.mean(g, axis=0), exact)
+        if self.shrinkage == "none":
+            alpha = {"embed": jnp.float32(1.0), "blocks": jnp.ones((loss_fn.num_layers,)),
+                     "head": jnp.float32(1.0)}
+        else:
+            alpha = mixing_weights(exact, fwd_sel, n, self.shrinkage)
+        mixed = jax.tree.map(lambda hh, d: hh + d, h,
+                             _scale_segments(jax.tree.map(lambda a, hh: a - hh, a_u, h), alpha))
+        grads = jax.tree.map(lambda hh, m: (k * hh + (n - k) * m) / n, h, mixed)
+        diag = {"alpha": alpha, "exact_indices": idx}
+        return (jnp.mean(losses), grads, diag) if diagnostics else (jnp.mean(losses), grads)
+
+
+def hybrid_activity(num_exact: int = 2, num_tangents: int = 1,
+                    shrinkage: str = "per_layer") -> HybridActivity:
+    """Exact gradients of ``num_exact`` micro-batches and activity-perturbed forward estimates
+    of the rest, mixed per segment by estimated inverse variances.
+
+    Args:
+      num_exact: k >= 2 exact micro-batches (the hybrid's random selection for the same key).
+      num_tangents: activity tangents per micro-batch.
+      shrinkage: ``"per_layer"`` (α per embed / block / head), ``"global"`` (one α) or
+        ``"none"`` (α = 1: exact where known, forward elsewhere; unbiased).
+
+    Example:
+      >>> micro = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch)
+      >>> loss, grads = hybrid_activity(2)(stack, params, micro, key)
+    """
+    return HybridActivity(num_exact, num_tangents, shrinkage)
