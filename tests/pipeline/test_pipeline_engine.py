@@ -7,10 +7,10 @@ import numpy as np
 import optax
 import pytest
 
+import jaxstream.grad as jg
 from jaxstream.experiment.engines import split_micro_batches
 from jaxstream.experiment.estimators import BackpropConfig, HybridConfig
 from jaxstream.experiment.registry import load_experiment
-from jaxstream.experiment.train_config import ArmConfig
 from jaxstream.models import mlp
 from jaxstream.pipeline.engine import PipelineEngine, PipelineEngineConfig
 
@@ -29,10 +29,10 @@ def test_bad_engine_options_name_the_field():
         PipelineEngineConfig(policy="bogus")
     with pytest.raises(ValueError, match="engine.stages"):
         PipelineEngineConfig(stages=0)
-    arm = ArmConfig("h", HybridConfig(micro_batches=4, num_exact=1, correction="guess"))
-    with pytest.raises(ValueError, match="estimator.correction: 'guess'"):
+    with pytest.raises(ValueError, match="estimator.exact_from"):
         PipelineEngine(PipelineEngineConfig(stages=2), stack=mlp(4, 4, 2, 3),
-                       optimizer=optax.sgd(0.1), arm=arm, micro_batches=4)
+                       estimator=jg.hybrid(exact_from=(0, 1, 3, 3)), optimizer=optax.sgd(0.1),
+                       micro_batches=4)
 
 
 def _batch(seed=1):
@@ -46,10 +46,9 @@ def test_delayed_engine_step_is_pipeline_gradient_plus_optax_update():
     stack = mlp(in_dim=6, width=5, depth=2, num_classes=3)
     params = stack.init(jax.random.key(0))
     batch = _batch()
-    arm = ArmConfig("h", HybridConfig(micro_batches=4, num_exact=1), lr=0.1)
     eng = PipelineEngine(PipelineEngineConfig(stages=2, policy="delayed"), stack=stack,
-                         optimizer=optax.sgd(0.1), arm=arm, micro_batches=4,
-                         example_batch=batch)
+                         estimator=HybridConfig(micro_batches=4, num_exact=1).build(),
+                         optimizer=optax.sgd(0.1), micro_batches=4, example_batch=batch)
     state = eng.init(params, jax.random.key(0))
     key = jax.random.key(5)
     new, metrics = eng.step(state, batch, key)
@@ -66,7 +65,7 @@ def test_delayed_engine_step_is_pipeline_gradient_plus_optax_update():
 def test_backprop_arm_is_exact():
     stack = mlp(in_dim=6, width=5, depth=2, num_classes=3)
     eng = PipelineEngine(PipelineEngineConfig(stages=2, micro_batches=2), stack=stack,
-                         optimizer=optax.sgd(1.0), arm=ArmConfig("b", BackpropConfig()))
+                         estimator=BackpropConfig().build(), optimizer=optax.sgd(1.0))
     params = stack.init(jax.random.key(0))
     batch = _batch()
     loss, grads = eng.estimate(eng.init(params, jax.random.key(0)), batch, jax.random.key(1))
@@ -74,3 +73,25 @@ def test_backprop_arm_is_exact():
     assert abs(float(loss - ref_loss)) < 1e-6
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
         assert np.allclose(a, b, atol=1e-6)
+
+
+def test_guess_engine_carries_the_exact_mean_to_the_next_step():
+    """guess: each step differentiates along the direction in the state (the previous step's
+    exact mean) and leaves its own exact mean for the next one."""
+    stack = mlp(in_dim=6, width=5, depth=2, num_classes=3)
+    params = stack.init(jax.random.key(0))
+    batch, batch2 = _batch(1), _batch(2)
+    eng = PipelineEngine(PipelineEngineConfig(stages=2, policy="complete"), stack=stack,
+                         estimator=jg.hybrid(exact_indices=(0,), correction="guess"),
+                         optimizer=optax.sgd(0.1), micro_batches=4, example_batch=batch)
+    state = eng.init(params, jax.random.key(0))
+    key = jax.random.key(5)
+    new, _ = eng.step(state, batch2, key)
+    _, grads, aux = eng.pipe(params, split_micro_batches(batch2, 4), key, guess=state.direction)
+    want = jax.tree.map(lambda p, g: np.asarray(p) - np.float32(0.1) * np.asarray(g), params, grads)
+    for a, b in zip(jax.tree.leaves(eng.params(new)), jax.tree.leaves(want)):
+        assert np.allclose(a, b, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(new.direction), jax.tree.leaves(aux["direction"])):
+        assert np.allclose(a, b, atol=1e-6)
+    eng.step(new, batch, key)
+    assert eng.step._cache_size() == 1
