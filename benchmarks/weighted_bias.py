@@ -7,6 +7,8 @@ MLP so that R estimates resolve the bias, N = 8 micro-batches, 2 exact, K = 8); 
 gradient, next to its noise floor ‖std_r ĝ_r‖ / (√R ‖g‖) (a bias below the floor is not
 measurable). ``weighted`` shrinks the tangent part that corrects h towards the batch mean, so with
 a fixed selection it keeps a share of h's deviation: biased. A random selection averages it out.
+``stein`` takes its weight from the residual's own size (positive-part James–Stein), which sees
+a fixed selection's systematic deviation.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def main(argv=None) -> dict:
     g = flat(jax.grad(stack)(params, flat_batch))
     keys = jax.random.split(jax.random.key(1), r)
     rows = []
-    for correction in ("replace", "control_variate", "weighted", "guess"):
+    for correction in ("replace", "control_variate", "weighted", "stein", "guess"):
         for selection, est in (("fixed", jg.hybrid(exact_indices=(0, 1), correction=correction, num_tangents=8)),
                                ("random", jg.hybrid(num_exact=2, correction=correction, num_tangents=8))):
             samples = jax.jit(lambda ks, est=est: jax.lax.map(

@@ -121,14 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{run,compare,plan}")
     add_run_parser(sub)
     add_compare_parser(sub)
-    # Subcommands of optional packages register here when those packages are present.
-    try:
-        from jaxstream.stream.plan_cli import add_plan_parser
-    except ModuleNotFoundError as e:
-        if e.name not in ("jaxstream.stream", "jaxstream.stream.plan_cli"):
-            raise
-    else:
-        add_plan_parser(sub)
+    from jaxstream.experiment.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 

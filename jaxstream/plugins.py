@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxstream.data.configs import DataConfig
+from jaxstream.experiment.data_configs import DataConfig
 from jaxstream.data.digits import Dataset
 from jaxstream.experiment.config import register_choice
 from jaxstream.experiment.engines import Engine, EngineConfig, register_engine

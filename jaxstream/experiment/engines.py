@@ -1,9 +1,10 @@
 """Engines: what runs one optimizer step. ``engine: {type: local}`` in a config picks one.
 
 An engine owns the training state and the compiled step; the runner (``train`` kind) owns data,
-evaluation, logging and checkpoints. ``local`` (one device, ``jax.jit``) is built in; other
-packages register theirs (``pipeline``, ``stream``) with :func:`register_engine` from their own
-modules, which :func:`jaxstream.experiment.registry.load_plugins` imports.
+evaluation, logging and checkpoints. ``local`` (one device, ``jax.jit``) is built in;
+``pipeline``, ``stream`` and ``dataparallel`` are registered by the experiment layer's
+``engine_*`` modules (imported by :mod:`jaxstream.experiment.builtin`), a user's engines by
+their plugin modules, all with :func:`register_engine`.
 
 An engine's ``build`` is called as::
 

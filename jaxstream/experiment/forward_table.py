@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstream.data.configs import DataConfig, DigitsDataConfig
+from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig

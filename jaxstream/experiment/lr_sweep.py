@@ -31,7 +31,7 @@ import optax
 from tqdm.auto import tqdm
 
 from jaxstream.data.batches import batch_at
-from jaxstream.data.configs import DataConfig, DigitsDataConfig
+from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.compiled import evaluator_for
 from jaxstream.experiment.engines import split_micro_batches
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig, describe

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import optax
 
+from jaxstream.optim.max_adabelief import max_adabelief
+
 OptimizerFactory = Callable[..., optax.GradientTransformation]
 
 _OPTIMIZERS: dict[str, OptimizerFactory] = {}
@@ -129,3 +131,4 @@ register_optimizer("adam", optax.adam)
 register_optimizer("adamw", optax.adamw)
 register_optimizer("sgd", optax.sgd)
 register_optimizer("adabelief", optax.adabelief)
+register_optimizer("max_adabelief", max_adabelief)

@@ -2,8 +2,8 @@
 
 A kind pairs a frozen config dataclass with a ``run(config, run_dir) -> summary`` function.
 ``train`` is built in (:mod:`jaxstream.experiment.train`); other packages register theirs from
-their own modules, which :func:`load_plugins` imports (a module that is not installed is
-skipped; any other import error is raised). A user's own modules register the same way: named
+the experiment layer's modules, which :mod:`jaxstream.experiment.builtin` imports
+explicitly (the library packages never import the experiment layer). A user's own modules register the same way: named
 with ``jaxstream run CONFIG --plugin MODULE`` or, for an installed package, as an entry point of
 the group ``jaxstream.plugins`` (the entry point names a module, or a function called once).
 
@@ -25,18 +25,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
-
-#: Modules imported by :func:`load_plugins`; each registers kinds and/or engines when present.
-PLUGIN_MODULES: tuple[str, ...] = (
-    "jaxstream.experiment.train",
-    "jaxstream.experiment.lr_sweep",
-    "jaxstream.experiment.forward_table",
-    "jaxstream.quality.study",
-    "jaxstream.pipeline.engine",
-    "jaxstream.stream.engine",
-    "jaxstream.comm.engine",
-    "jaxstream.optim",
-)
 
 DEFAULT_KIND = "train"
 
@@ -94,13 +82,11 @@ _LOADED = False
 _IMPORTED: set[str] = set()
 
 
-def load_plugins(modules: Iterable[str] = PLUGIN_MODULES, extra: Iterable[str] = (),
-                 entry_points: bool = True) -> None:
-    """Import the modules that register kinds, engines, models, datasets and optimizers.
+def load_plugins(extra: Iterable[str] = (), entry_points: bool = True) -> None:
+    """Register the library's kinds and engines (:mod:`jaxstream.experiment.builtin`) and a
+    user's plugins.
 
     Args:
-      modules: the library's own registering modules (imported once; one that is not
-        installed is skipped, any other import error is raised).
       extra: a user's modules (``jaxstream run --plugin MODULE``); each must import.
       entry_points: also load every entry point of the group ``jaxstream.plugins``.
 
@@ -121,15 +107,9 @@ def load_plugins(modules: Iterable[str] = PLUGIN_MODULES, extra: Iterable[str] =
     """
     global _LOADED
     if not _LOADED:
+        from jaxstream.experiment import builtin  # noqa: F401  (registers on import)
+
         _LOADED = True
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except ModuleNotFoundError as e:
-                # Skip only when the plugin module itself (or its package) is absent.
-                if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
-                    _LOADED = False
-                    raise
         if entry_points:
             _load_entry_points()
     for name in extra:

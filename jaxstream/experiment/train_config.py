@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxstream.data.configs import DataConfig, DigitsDataConfig
+from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig

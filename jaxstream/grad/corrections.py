@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxstream.grad.tangents import TangentSpec, combine, project
 from jaxstream.models.stack import is_stack_params
 
-CORRECTIONS = ("replace", "control_variate", "weighted", "guess")
+CORRECTIONS = ("replace", "control_variate", "weighted", "stein", "guess")
 
 
 def _bcast(v: jax.Array, ndim: int) -> jax.Array:
@@ -164,6 +164,39 @@ def shrinkage(counts: dict, spread: dict, sizes: dict, q: jax.Array, n: int, k: 
     return out
 
 
+def residual_variance(counts: dict, sizes: dict, q: jax.Array, n: int, k: int) -> dict:
+    """b per segment: the variance of the tangent part r = (1/N) Σ_{n∉G} r̂_n, about
+    (N − |G|) P q / (N² K) (see :func:`shrinkage`)."""
+    return {name: sizes[name] * q * (n - c) / (n * n * k) for name, c in counts.items()}
+
+
+def _segment_sq(tree: Any, like: Any) -> dict:
+    """‖tree‖² per segment (blocks: per layer)."""
+    sq = lambda t, lead: sum(jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(  # noqa: E731
+        x.shape[:lead] + (-1,)), axis=-1) for x in jax.tree.leaves(t))
+    if not is_stack_params(like):
+        return {"tree": sq(tree, 0)}
+    return {"embed": sq(tree["embed"], 0), "blocks": sq(tree["blocks"], 1),
+            "head": sq(tree["head"], 0)}
+
+
+def stein_beta(resid: Any, variance: dict, counts: dict, like: Any) -> dict:
+    """Positive-part James–Stein weight per segment: β = max(0, 1 − b / ‖r‖²).
+
+    ‖r‖² − b estimates ‖E r‖² = ‖ḡ − h‖² from the residual itself, whatever made h deviate (a
+    random or a *fixed* selection), so where the exact mean is systematically off β stays near
+    1 — less bias than :func:`shrinkage`'s spread-based weight, which assumes a random
+    selection. An empty group (h = 0) keeps β = 1 (the plain forward estimate).
+    """
+    sq = _segment_sq(resid, like)
+    out = {}
+    for name, b in variance.items():
+        beta = jnp.where(sq[name] > 0, jnp.maximum(0.0, 1.0 - b / jnp.maximum(sq[name], 1e-30)),
+                         0.0)
+        out[name] = jnp.where(counts[name] >= 1, beta, 1.0)
+    return out
+
+
 def residual_q(d: jax.Array, c: jax.Array, outside: jax.Array) -> jax.Array:
     """q = mean (d − c)² over the micro-batches whose residual is estimated (``outside`` (N,))."""
     w = outside[:, None] * jnp.ones_like(d)
@@ -187,13 +220,17 @@ def replace(spec: TangentSpec, keys, d, exact, masks, like, first_layer: int = 0
 
 
 def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0,
-                    beta: dict | None = None, rows: dict | None = None) -> Any:
+                    beta: dict | None = None, rows: dict | None = None,
+                    stein: tuple[dict, dict] | None = None) -> Any:
     """ĝ = h + β · (1/(N K)) Σ_{n∉G} Σ_k (d_nk − c_nk) v_nk, with c_nk = h·v_nk summed over all
     segments (β = 1: the unbiased control variate). A member n ∈ G of the segment's group needs
     no tangent: its residual g_n − h is known exactly and the members' residuals sum to zero, so
-    ``rows`` (:func:`outside_rows`) drops them; with every micro-batch exact ĝ = h = backprop."""
+    ``rows`` (:func:`outside_rows`) drops them; with every micro-batch exact ĝ = h = backprop.
+    ``stein``: ``(variance, counts)`` per segment — β from :func:`stein_beta` instead."""
     n = d.shape[0]
     resid = combine(spec, keys, (d - c) / (n * spec.num), like, first_layer, rows=rows)
+    if stein is not None:
+        beta = stein_beta(resid, *stein, like)
     if beta is None:
         return jax.tree.map(jnp.add, h, resid)
     b_leaf = _per_leaf(beta, like)

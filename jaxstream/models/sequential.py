@@ -221,8 +221,10 @@ def _bind_dropout(module: nnx.Module, key: jax.Array) -> None:
 
 
 def _jvp_k(fn: Callable, primal: Any, tangents_k: Any):
-    """jvp of ``fn`` for a batch of K tangents; the primal is computed once."""
-    return jax.vmap(lambda t: jax.jvp(fn, (primal,), (t,)), out_axes=(None, 0))(tangents_k)
+    """jvp of ``fn`` for a batch of K tangents (the core's kernel; the primal computed once)."""
+    from jaxstream.grad.segments import jvp_k
+
+    return jvp_k(fn, (primal,), (tangents_k,))
 
 
 def _check_batch(model: Sequential, params: Any, batch: Any) -> None:

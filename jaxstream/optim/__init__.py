@@ -3,7 +3,6 @@
 Importing the package also registers ``max_adabelief`` with the experiment runner.
 """
 
-from jaxstream.optim import plugin as _plugin  # noqa: F401  (registers "max_adabelief")
 from jaxstream.optim.exchange import max_adabelief_exchange, scale_by_max_belief_exchange
 from jaxstream.optim.max_adabelief import (
     ScaleByMaxBeliefState,

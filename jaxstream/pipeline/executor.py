@@ -37,7 +37,7 @@ from jaxstream.pipeline.stage_ops import StageOps
 from jaxstream.pipeline.table import BW, FBW, IDLE, B, F, Schedule, W
 
 AXIS = "stage"
-CORRECTIONS = ("none", "control_variate", "replace", "weighted", "guess")
+CORRECTIONS = ("none", "control_variate", "replace", "weighted", "stein", "guess")
 _C = {f: i for i, f in enumerate(FIELDS)}
 
 
@@ -162,7 +162,7 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
     if correction == "guess" and (lowered.stale or not lowered.selected):
         raise ValueError(f"correction='guess' needs exact gradients of this step (the next "
                          f"step's direction); schedule {schedule.name!r} has none")
-    if lowered.stale and correction not in ("control_variate", "weighted", "none"):
+    if lowered.stale and correction not in ("control_variate", "weighted", "stein", "none"):
         raise ValueError(f"schedule {schedule.name!r} has stale exact gradients (previous step): "
                          f"correction={correction!r} is not allowed; use 'control_variate' "
                          f"(still unbiased with a stale h) or 'weighted'")
@@ -459,15 +459,18 @@ def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, val
     if pipe.correction == "replace":
         return cr.replace(spec, keys, d, exact, masks, like, first_layer, rows=rows)
     c = jax.lax.psum(cr.residual_scalars(spec, keys, h, first_layer), AXIS)
-    beta = None
+    beta, stein = None, None
+    # the largest group (the last stage's) decides which residuals are estimated
+    q = cr.residual_q(d, c, jax.lax.pmin(rows["head"], AXIS))
+    sizes = cr.segment_sizes(like)  # this stage's blocks; embed and head in full
     if pipe.correction == "weighted":
-        # the largest group (the last stage's) decides which residuals are estimated
-        q = cr.residual_q(d, c, jax.lax.pmin(rows["head"], AXIS))
         spread = cr.group_spread(exact, h, masks, like)
-        sizes = cr.segment_sizes(like)  # this stage's blocks; embed and head in full
         total = sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers
         beta = cr.shrinkage(counts, spread, sizes, q, n, kt, total_size=total)
-    return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta, rows=rows)
+    elif pipe.correction == "stein":
+        stein = (cr.residual_variance(counts, sizes, q, n, kt), counts)
+    return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta, rows=rows,
+                              stein=stein)
 
 
 def _unit_direction(direction, s, m):

@@ -3,7 +3,7 @@
 Measures of one estimate (cosine, norm ratio, relative error) and of R estimates over seeds
 (bias, variance, SNR, cosine mean and spread), whole and per layer group; :func:`compare` runs
 several estimators on the same model, batches and keys and returns a table that prints and
-plots. The ``kind: grad_quality`` experiment lives in :mod:`jaxstream.quality.study` (imported
+plots. The ``kind: grad_quality`` experiment lives in :mod:`jaxstream.experiment.quality_study` (imported
 by the experiment runner, not here, to keep this package light).
 
 Example:

@@ -365,7 +365,9 @@ class StreamedExecutor:
         s = len(idx)
         h_in = jax.device_put(stash["head"], self.device)
         guess = hybrid and self.estimator.correction == "guess"
-        cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "guess")
+        cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "stein",
+                                                      "guess")
+        stein = hybrid and self.estimator.correction == "stein"
         weighted = hybrid and self.estimator.correction == "weighted"
         spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit (weighted)
         c_parts: dict = {}
@@ -420,7 +422,8 @@ class StreamedExecutor:
                 f.result()
             blocks = [c_parts[l] for l in layers]
             c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
-            beta = self._betas(layers, hosts, spread, members, d, c, idx) if weighted else {}
+            beta = (self._betas(layers, hosts, spread, members, d, c, idx, stein)
+                    if weighted or stein else {})
 
             def uload(u):
                 p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
@@ -429,7 +432,7 @@ class StreamedExecutor:
                     return p, K.unit_control_variate(
                         self.spec, K.seg_keys(keys, u), jnp.asarray(d), jnp.asarray(c), h_u,
                         jnp.asarray(members[str(u)]), idx_j,
-                        jnp.float32(beta.get(str(u), 1.0)), jax.device_put(p, self.host))
+                        jnp.float32(beta.get(str(u), 1.0)), jax.device_put(p, self.host), stein)
 
             for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
                 sink(u, g, p)
@@ -473,9 +476,10 @@ class StreamedExecutor:
         out.update({str(l): depth <= l for l in layers})
         return {u: m.astype(np.float32) for u, m in out.items()}
 
-    def _betas(self, layers, hosts, spread, members, d, c, idx) -> dict:
+    def _betas(self, layers, hosts, spread, members, d, c, idx, stein=False) -> dict:
         """β per unit of the ``weighted`` correction (:func:`jaxstream.grad.corrections.shrinkage`
-        with each unit a segment; the whole model's size for a single exact gradient)."""
+        with each unit a segment; the whole model's size for a single exact gradient), or for
+        ``stein`` each unit's residual variance b (its β needs the residual itself)."""
         n, k = d.shape
         units = ["embed", *layers, "head"]
         sizes = {str(u): float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))
@@ -485,6 +489,11 @@ class StreamedExecutor:
         outside = np.ones(n, np.float32)
         outside[idx] = 0.0  # the head's group holds every selected micro-batch
         q = cr.residual_q(jnp.asarray(d), jnp.asarray(c), jnp.asarray(outside))
+        counts = {str(u): jnp.float32(members[str(u)].sum()) for u in units}
+        if stein:
+            b = cr.residual_variance(counts, {k_: jnp.float32(v) for k_, v in sizes.items()},
+                                     q, n, k)
+            return {u: float(v) for u, v in b.items()}
         out = cr.shrinkage({str(u): jnp.float32(members[str(u)].sum()) for u in units},
                            {str(u): jnp.float32(spread[u]) for u in units},
                            {k_: jnp.float32(v) for k_, v in sizes.items()}, q, n, k,

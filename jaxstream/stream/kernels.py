@@ -231,11 +231,16 @@ def unit_replace(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, g_each: A
     return cr.replace(spec, seg_keys, d, g_each, masks, like, rows=rows)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(0, 9))
 def unit_control_variate(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, c: jax.Array,
                          h: Any, member: jax.Array, idx: jax.Array, beta: jax.Array,
-                         like: Any) -> Any:
+                         like: Any, stein: bool = False) -> Any:
+    """The control variate of one unit; ``stein``: ``beta`` is the unit's residual variance b
+    and the weight is :func:`cr.stein_beta`'s."""
     rows = cr.outside_rows({"tree": member}, idx, d.shape[0])
+    if stein:
+        return cr.control_variate(spec, seg_keys, d, h, c, like, rows=rows,
+                                  stein=({"tree": beta}, {"tree": member.sum()}))
     return cr.control_variate(spec, seg_keys, d, h, c, like, beta={"tree": beta}, rows=rows)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxstream.data import load_mnist1d
-from jaxstream.data.configs import MNIST1DDataConfig
+from jaxstream.experiment.data_configs import MNIST1DDataConfig
 from jaxstream.experiment.config import from_dict
 
 

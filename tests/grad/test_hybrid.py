@@ -12,7 +12,8 @@ from jaxstream.models import mlp
 from tests.grad.helpers import estimates, flat, tiny_problem
 
 
-@pytest.mark.parametrize("correction", ["replace", "weighted", "control_variate", "guess"])
+@pytest.mark.parametrize("correction", ["replace", "weighted", "control_variate", "stein",
+                                        "guess"])
 def test_every_micro_batch_exact_equals_backprop(correction):
     """With every micro-batch exact no residual is left to estimate: every correction is
     backprop (control_variate used to estimate the known residuals by tangents)."""

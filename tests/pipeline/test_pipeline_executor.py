@@ -134,8 +134,9 @@ def test_guess_differentiates_along_the_previous_steps_exact_mean():
 #   complete + control_variate, 4 devices: notebooks/02_pipeline_schedules.ipynb (hybrid,
 #     test_pipeline_notebook.py); complete with every micro-batch selected + replace:
 #     test_pipeline_engine.py::test_backprop_arm_is_exact (jax.grad).
-def test_policy_equals_hybrid_4_devices():
-    _check_hybrid(complete(4, 6, (1, 4)), "weighted", layers_per_stage=2)
+@pytest.mark.parametrize("correction", ["weighted", "stein"])
+def test_policy_equals_hybrid_4_devices(correction):
+    _check_hybrid(complete(4, 6, (1, 4)), correction, layers_per_stage=2)
 
 
 def _check_hybrid(sched, correction, layers_per_stage):

@@ -14,7 +14,7 @@ import jaxstream.grad as jg
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.runner import load_experiment, run_experiment
 from jaxstream.models import mlp
-from jaxstream.stream.engine import StreamEngine, StreamEngineConfig
+from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.stream.store import LayerStore
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("experiments/stream_*.yaml"))

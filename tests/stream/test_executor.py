@@ -56,6 +56,8 @@ ESTIMATORS = {
     # nested per-layer groups (L = 3): micro-batch 0 exact everywhere, 1 from block 2 up, 3 only
     # at the head, 2 nowhere
     "hybrid_nested_cv": (jg.hybrid(exact_from=(0, 2, 4, 3), num_tangents=2), "micro"),
+    "hybrid_nested_stein": (jg.hybrid(exact_from=(0, 2, 4, 1), correction="stein",
+                                      num_tangents=2), "micro"),
     "hybrid_nested_weighted": (jg.hybrid(exact_from=(0, 2, 4, 1), correction="weighted",
                                          num_tangents=2), "micro"),
 }

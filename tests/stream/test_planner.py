@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxstream.models import mlp
-from jaxstream.stream.plan_cli import add_plan_parser, main_plan
+from jaxstream.experiment.plan_cli import add_plan_parser, main_plan
 from jaxstream.stream.planner import LayerCost, layer_cost, plan
 
 

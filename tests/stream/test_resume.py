@@ -107,7 +107,7 @@ def test_arms_never_share_a_store(tmp_path):
 
     import jaxstream.grad as jg
     from jaxstream.models import mlp
-    from jaxstream.stream.engine import StreamEngine, StreamEngineConfig
+    from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 
     stack = mlp(4, 4, 1, 2)
     ecfg = StreamEngineConfig(store=str(tmp_path / "s"))

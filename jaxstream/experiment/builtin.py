@@ -1,0 +1,16 @@
+"""The library's own experiment kinds and engines: importing this module registers them.
+
+The experiment layer imports the engines (never the other way round): each module below wraps a
+library package (``jaxstream.pipeline``, ``jaxstream.stream``, ``jaxstream.comm``,
+``jaxstream.quality``) as an ``engine: {type: ...}`` or a ``kind: ...``.
+"""
+
+from jaxstream.experiment import (  # noqa: F401
+    engine_dataparallel,
+    engine_pipeline,
+    engine_stream,
+    forward_table,
+    lr_sweep,
+    quality_study,
+    train,
+)
