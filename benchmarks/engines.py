@@ -11,7 +11,11 @@ message — the matrix shows what is missing instead of hiding it.
 Engines: ``memory`` (the estimator itself), ``dataparallel`` (4 simulated devices, shared
 tangents, gradients all-reduced), ``pipeline`` (4 stages; forward estimates use tangents per
 micro-batch, hybrids a static selection, so the reference is the in-memory estimator with the
-same per-micro-batch keys and fixed ``exact_indices``), ``stream`` (layers from a TensorStore).
+same per-micro-batch keys (ᵖ) and fixed ``exact_indices``; ``guess`` is given its direction
+before the forward pass — in training the previous step's exact mean, here this step's, so that
+it can be compared), ``stream`` (layers from a TensorStore). Data parallel activity
+perturbation draws its tangents per replica shard: compared with the in-memory estimator per
+shard (ˢ).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +66,7 @@ def estimators(num_layers: int) -> dict:
         "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=2), "micro"),
         "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=2), "micro"),
         "hyb-weighted": (jg.hybrid(exact_indices=SEL, correction="weighted", num_tangents=2), "micro"),
+        "hyb-stein": (jg.hybrid(exact_indices=SEL, correction="stein", num_tangents=2), "micro"),
         "hyb-guess": (jg.hybrid(exact_indices=SEL, correction="guess", num_tangents=2), "micro"),
         "hyb-cv-nested": (jg.hybrid(exact_from=exact_from(nested, num_layers),
                                     correction="control_variate", num_tangents=2), "micro"),
@@ -92,6 +98,15 @@ def per_micro_forward(est, stack, params, micro, key):
             jax.tree.map(lambda *g: sum(g) / n, *[o[1] for o in out]))
 
 
+def per_shard_forward(est, stack, params, flat, key, shards):
+    """The in-memory estimator on each of the data-parallel shards with the same key, averaged
+    (what replicas compute when the estimate depends on the batch's shape: activity tangents
+    are drawn per shard)."""
+    parts = jax.tree.map(lambda a: a.reshape(shards, -1, *a.shape[1:]), flat)
+    out = [est(stack, params, jax.tree.map(lambda a: a[i], parts), key) for i in range(shards)]
+    return jax.tree.map(lambda *g: sum(g) / shards, *[o[1] for o in out])
+
+
 def run_pipeline(name, est, stack, params, micro, key):
     """(grads, own reference or None); raises ValueError/TypeError when the pipeline refuses.
     Forward estimators run on a forward-only table with tangents per micro-batch (reference:
@@ -102,7 +117,11 @@ def run_pipeline(name, est, stack, params, micro, key):
         grads = pipeline(stack, gpipe_forward(M, N), est)(params, micro, key)[1]
         return grads, per_micro_forward(est, stack, params, micro, key)[1]
     sched = truncated(M, N, SEL) if est.exact_from is not None else complete(M, N, SEL)
-    return pipeline(stack, sched, est)(params, micro, key)[1], None
+    pipe = pipeline(stack, sched, est)
+    if est.correction == "guess":  # the direction comes from a step before: here this step's h
+        direction = pipe(params, micro, key)[2]["direction"]
+        return pipe(params, micro, key, guess=direction)[1], None
+    return pipe(params, micro, key)[1], None
 
 
 def run_stream(est, stack, params, micro, key, root):
@@ -116,6 +135,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="(the matrix is small either way)")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--doc", type=str, default=None,
+                    help="rewrite this Markdown file's <!-- benchmark: engines.py matrix --> block")
     args = ap.parse_args(argv)
 
     stack = mlp(in_dim=6, width=8, depth=M, num_classes=3)
@@ -135,8 +156,10 @@ def main(argv=None) -> dict:
         dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)
         runs = {
             "memory": lambda: (ref, None),
-            "dataparallel": lambda: (jax.jit(dp, static_argnums=0)(stack, params, data, key)[1],
-                                     None),
+            "dataparallel": lambda: (
+                jax.jit(dp, static_argnums=0)(stack, params, data, key)[1],
+                per_shard_forward(est, stack, params, data, key, M)
+                if isinstance(est, jg.Forward) and est.perturb == "activations" else None),
             "pipeline": lambda: run_pipeline(name, est, stack, params, micro, key),
             "stream": lambda: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
         }
@@ -150,12 +173,18 @@ def main(argv=None) -> dict:
             else:
                 row.update(status="ran", max_rel_err=max_rel_err(grads, own_ref or ref),
                            cosine_to_exact=cosine(grads, exact),
-                           reference="per-micro-batch forward" if own_ref is not None else "same")
+                           reference="same" if own_ref is None else
+                           ("per-shard" if engine == "dataparallel" else "per-micro-batch"))
             rows.append(row)
             err = "" if row["max_rel_err"] is None else f"{row['max_rel_err']:.2e}"
             cos = "" if row["cosine_to_exact"] is None else f"{row['cosine_to_exact']:+.3f}"
             print(f"{engine:>12} {name:<14} {row['status']:<8} {err:>9} {cos:>7}", flush=True)
-    _print_matrix(rows)
+    table = _print_matrix(rows)
+    if args.doc:
+        from docblocks import write_blocks
+
+        write_blocks(args.doc, "engines.py", {"matrix": table},
+                     "python benchmarks/engines.py --quick --doc " + args.doc)
     out = {"rows": rows, "model": {"depth": M, "width": 8, "micro_batches": N, "examples": B},
            "machine": f"{jax.devices()[0].platform}, {os.cpu_count()} cores"}
     if args.json:
@@ -163,20 +192,25 @@ def main(argv=None) -> dict:
     return out
 
 
-def _print_matrix(rows):
+def _print_matrix(rows) -> str:
+    """Print the matrix; return it as a Markdown table."""
     engines = list(dict.fromkeys(r["engine"] for r in rows))
     names = list(dict.fromkeys(r["estimator"] for r in rows))
     cell = {(r["engine"], r["estimator"]): r for r in rows}
-    print("\nmax relative error against the in-memory estimator (cosine to the exact gradient); "
-          "'-' = refused")
-    print(f"{'estimator':<15}" + "".join(f"{e:>22}" for e in engines))
+
+    def text(r):
+        if r["status"] != "ran":
+            return "refused"
+        mark = {"same": "", "per-micro-batch": " ᵖ", "per-shard": " ˢ"}[r["reference"]]
+        return f"{r['max_rel_err']:.1e}{mark} ({r['cosine_to_exact']:+.3f})"
+
+    print("\nmax relative error against the in-memory estimator (cosine to the exact gradient)")
+    print(f"{'estimator':<15}" + "".join(f"{e:>24}" for e in engines))
     for n in names:
-        line = f"{n:<15}"
-        for e in engines:
-            r = cell[(e, n)]
-            line += f"{'-':>22}" if r["status"] != "ran" else \
-                f"{r['max_rel_err']:>12.1e} ({r['cosine_to_exact']:+.3f})"
-        print(line)
+        print(f"{n:<15}" + "".join(f"{text(cell[(e, n)]):>24}" for e in engines))
+    md = ["| estimator | " + " | ".join(engines) + " |", "|---" * (len(engines) + 1) + "|"]
+    md += [f"| {n} | " + " | ".join(text(cell[(e, n)]) for e in engines) + " |" for n in names]
+    return "\n".join(md)
 
 
 if __name__ == "__main__":

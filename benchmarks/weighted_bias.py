@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer keys (R = 4096 instead of 32768)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--doc", type=str, default=None,
+                    help="rewrite this Markdown file's <!-- benchmark: weighted_bias.py bias --> block")
     args = ap.parse_args(argv)
     r = 4096 if args.quick else 32768
     n, per = 8, 16
@@ -62,6 +65,15 @@ def main(argv=None) -> dict:
                          "relative_bias": bias, "noise_floor": floor})
             print(f"{correction:>16} {selection:>7}  bias {bias:.3f}  (floor {floor:.3f})",
                   flush=True)
+    md = ["| correction | selection | relative bias | noise floor |", "|---|---|---|---|"]
+    md += [f"| {r['correction']} | {r['selection']} | {r['relative_bias']:.3f} | "
+           f"{r['noise_floor']:.3f} |" for r in rows]
+    md.append(f"\nR = {rows[0]['keys']} keys per row; digits, MLP 64-4-10, N = 8 micro-batches, 2 exact, K = 8.")
+    if args.doc:
+        from docblocks import write_blocks
+
+        cmd = "python benchmarks/weighted_bias.py" + (" --quick" if args.quick else "")
+        write_blocks(args.doc, "weighted_bias.py", {"bias": "\n".join(md)}, f"{cmd} --doc {args.doc}")
     out = {"rows": rows, "machine": f"{jax.devices()[0].platform}"}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

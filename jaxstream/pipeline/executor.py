@@ -334,7 +334,6 @@ def _build(pipe: Pipeline):
     low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
     m, n, kt = sched.num_stages, sched.num_microbatches, spec.num
     per = pipe.stack.num_layers // m
-    n_sel, n_prev = len(low.selected), len(low.prev_selected)
 
     activity = pipe.perturb == "activations" and not pipe.local_losses
     accumulate = low.backward or pipe.local_losses
@@ -346,7 +345,6 @@ def _build(pipe: Pipeline):
         key = jax.random.wrap_key_data(key_data)
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
         hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
-        hshape, hdtype = hsd.shape, hsd.dtype
         dshape = (kt, x0.shape[0]) if activity else (kt,)  # per-example scalars for activities
         s = jax.lax.axis_index(AXIS)
         ops = StageOps(pipe.stack, spec, s * per)
@@ -381,19 +379,7 @@ def _build(pipe: Pipeline):
             tr = jax.lax.ppermute(t_o, AXIS, up)
             return (hbuf, tbuf, cbuf, ns, ain, gacc, dacc, lacc, hr, tr, cr_), None
 
-        hz = jnp.zeros(hshape, hdtype)
-        tz = jnp.zeros((kt, *hshape), hdtype)
-        init = (
-            jnp.zeros((low.h_slots + 1, *hshape), hdtype),
-            jnp.zeros((low.t_slots + 1, kt, *hshape), hdtype),
-            jnp.zeros((low.c_slots + 1, *hshape), hdtype),
-            jnp.zeros((n_prev + 1, *hshape), hdtype),
-            jnp.zeros(((n if activity else 0) + 1, *hshape), hdtype),
-            jax.tree.map(lambda a: jnp.zeros((n_sel + 1, *a.shape), a.dtype), params),
-            jnp.zeros((n + 1, *dshape), jnp.float32),
-            jnp.zeros((n + 1,), jnp.float32),
-            hz, tz, hz,
-        )
+        init = _buffers(low, params, hsd, kt, n, dshape, n if activity else 0)
         out, _ = jax.lax.scan(tick, init, (tables[:, 0], ain_w[:, 0]))
         _, _, _, ns, ain, gacc, dacc, lacc, _, _, _ = out
         last = (s == m - 1).astype(jnp.float32)
@@ -412,21 +398,36 @@ def _build(pipe: Pipeline):
             grads, h = _guess_estimate(pipe, params, gacc, groups[0], d, u, has_dir)
         else:
             grads = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid)
-        on = {"embed": (s == 0), "head": (s == m - 1)}
-
-        def gather(t):  # embed and head from the stage that computes them
-            return {"embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), t["embed"]),
-                    "blocks": t["blocks"],
-                    "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), t["head"])}
-
-        grads = gather(grads)
-        h = gather(h) if guess else jnp.zeros(())
-        return jnp.mean(losses), grads, d, ns, h
+        h = _gather(h, s, m) if guess else jnp.zeros(())
+        return jnp.mean(losses), _gather(grads, s, m), d, ns, h
 
     fn = shard_map(body, mesh=pipe.mesh, in_specs=_in_specs(),
                    out_specs=(P(), _param_specs(), P(), P(AXIS),
                               _param_specs() if guess else P()), check_vma=False)
     return jax.jit(fn)
+
+
+def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple, num_inputs: int):
+    """The scan carry: h / tangent / cotangent ring buffers, the stash of the previous step's
+    stage inputs, every micro-batch's stage input (activity perturbation: ``num_inputs`` = N),
+    exact-gradient accumulators, directional derivatives, losses, and what arrives next tick."""
+    hshape, hdtype = hsd.shape, hsd.dtype
+    z = lambda *shape: jnp.zeros(shape, hdtype)  # noqa: E731
+    return (
+        z(low.h_slots + 1, *hshape), z(low.t_slots + 1, kt, *hshape), z(low.c_slots + 1, *hshape),
+        z(len(low.prev_selected) + 1, *hshape), z(num_inputs + 1, *hshape),
+        jax.tree.map(lambda a: jnp.zeros((len(low.selected) + 1, *a.shape), a.dtype), params),
+        jnp.zeros((n + 1, *dshape), jnp.float32), jnp.zeros((n + 1,), jnp.float32),
+        z(*hshape), z(kt, *hshape), z(*hshape),
+    )
+
+
+def _gather(t: dict, s, m: int) -> dict:
+    """Embed and head terms from the stage that computes them (first / last), on every stage."""
+    on = {"embed": (s == 0), "head": (s == m - 1)}
+    return {"embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), t["embed"]),
+            "blocks": t["blocks"],
+            "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), t["head"])}
 
 
 def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, valid):

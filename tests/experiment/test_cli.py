@@ -132,3 +132,14 @@ def test_tensorboard_events_hold_the_metrics(tmp_path):
             got[(v.tag, ev.step)] = v.simple_value
     assert got[("test_accuracy", 1)] == pytest.approx(0.75)
     assert got[("loss", 0)] == pytest.approx(0.5)
+
+
+def test_store_errors_are_one_line_user_errors():
+    """A store a run is pointed at (locked by another writer, corrupt, missing) ends the run
+    with one line and status 2, not a traceback."""
+    from jaxstream.cli import user_error_line
+    from jaxstream.stream.errors import StoreCorruptError, StoreLockedError
+
+    assert user_error_line(StoreLockedError("held by pid 7")) == "StoreLockedError: held by pid 7"
+    assert user_error_line(StoreCorruptError("w layer 2")).startswith("StoreCorruptError")
+    assert user_error_line(RuntimeError("a bug")) is None
