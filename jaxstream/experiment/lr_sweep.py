@@ -22,21 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
 
 from jaxstream.data.batches import batch_at
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.compiled import evaluator_for
 from jaxstream.experiment.engines import split_micro_batches
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig, describe
+from jaxstream.experiment.loop import StepInfo, TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer, optimizer_factory
+from jaxstream.experiment.progress import arm_bar, bar_hook
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
 
@@ -99,6 +100,13 @@ def pick_lr(results: dict[float, dict], stable: float) -> float:
     return max(results, key=lambda lr: results[lr]["final_accuracy"])
 
 
+class SweepState(NamedTuple):
+    """Params and optimizer states of every learning rate (leading axis: one lane per lr)."""
+
+    params: Any
+    opt: Any
+
+
 def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: MetricsLog):
     factory = optimizer_factory(cfg.optimizer.name)
     tx = optax.inject_hyperparams(factory)(learning_rate=cfg.lrs[0], **cfg.optimizer.options)
@@ -108,34 +116,42 @@ def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: Me
     params0 = stack.init(jax.random.fold_in(root, 0))
     step_root = jax.random.fold_in(root, 1)
 
-    def step(params, opt, batch, key):
+    def lane_step(params, opt, batch, key):
         loss, g = est(stack, params, split_micro_batches(batch, n_micro), key)
         updates, opt = tx.update(g, opt, params)
         return optax.apply_updates(params, updates), opt, loss
 
-    vstep = jax.jit(jax.vmap(step, in_axes=(0, 0, None, None)))
-    evaluate = evaluator_for(stack)
-    veval = jax.jit(jax.vmap(evaluate, in_axes=(0, None)))
+    vstep = jax.jit(jax.vmap(lane_step, in_axes=(0, 0, None, None)))
+
+    def step(state: SweepState, batch: dict, key: jax.Array) -> tuple[SweepState, dict]:
+        params, opt, loss = vstep(state.params, state.opt, batch, key)
+        return SweepState(params, opt), {"loss": loss}
+
+    veval = jax.jit(jax.vmap(evaluator_for(stack), in_axes=(0, None)))
     n_lr = len(cfg.lrs)
     params = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_lr, *a.shape)), params0)
     opt = jax.vmap(tx.init)(params)
     opt.hyperparams["learning_rate"] = jnp.asarray(cfg.lrs, jnp.float32)
     evals: list[np.ndarray] = []
     hits: list[int | None] = [None] * n_lr
-    for s in tqdm(range(cfg.steps), desc=arm.name, disable=None if cfg.progress else True,
-                  leave=False):
-        batch = batch_at(data.train, cfg.batch_size, cfg.seed, s)
-        params, opt, loss = vstep(params, opt, batch, jax.random.fold_in(step_root, s))
-        if (s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps:
-            test_loss, test_acc = (np.asarray(v) for v in veval(params, data.test))
-            loss = np.asarray(loss)
-            evals.append(test_acc)
-            for i, lr in enumerate(cfg.lrs):
-                if hits[i] is None and test_acc[i] >= cfg.target_accuracy:
-                    hits[i] = s + 1
-                log.append({"arm": arm.name, "lr": lr, "step": s + 1, "loss": float(loss[i]),
-                            "test_loss": float(test_loss[i]),
-                            "test_accuracy": float(test_acc[i])})
+
+    def evaluate(info: StepInfo) -> None:
+        test_loss, test_acc = (np.asarray(v) for v in veval(info.state.params, data.test))
+        loss = info.record["loss"]
+        evals.append(test_acc)
+        for i, lr in enumerate(cfg.lrs):
+            if hits[i] is None and test_acc[i] >= cfg.target_accuracy:
+                hits[i] = info.step
+            log.append({"arm": arm.name, "lr": lr, "step": info.step, "loss": float(loss[i]),
+                        "test_loss": float(test_loss[i]), "test_accuracy": float(test_acc[i])})
+
+    loop = TrainLoop(step, batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
+                     key_at=lambda s: jax.random.fold_in(step_root, s))
+    loop.add_hook(evaluate, every=cfg.eval_every, at=(cfg.steps,))
+    bar = arm_bar(arm.name, start=0, total=cfg.steps, enabled=cfg.progress, leave=False)
+    loop.add_hook(bar_hook(bar))
+    loop.run(SweepState(params, opt), start=0, stop=cfg.steps)
+    bar.close()
     final = np.mean(np.stack(evals[-cfg.final_evals:]), axis=0)
     best = np.max(np.stack(evals), axis=0)
     return {lr: {"steps_to_target": hits[i], "final_accuracy": float(final[i]),

@@ -6,13 +6,14 @@ done, and each arm ends with one line of its final figures.
 
 Example:
     >>> status("loading data (digits)")
-    >>> bar = arm_bar(range(300), "backprop", start=0, total=300, enabled=True)
+    >>> bar = arm_bar("backprop", start=0, total=300, enabled=True)
+    >>> loop.add_hook(bar_hook(bar))                  # advance it every step
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -27,10 +28,24 @@ def status(text: str) -> None:
         print(f"jaxstream: {text} ...", file=sys.stderr, flush=True)
 
 
-def arm_bar(steps: Iterable[int], arm: str, *, start: int, total: int, enabled: bool) -> Any:
-    """A tqdm bar over an arm's steps that stays on screen when the arm is done."""
-    return tqdm(steps, desc=arm, initial=start, total=total, leave=True,
+def arm_bar(arm: str, *, start: int, total: int, enabled: bool, leave: bool = True) -> Any:
+    """A tqdm bar of an arm's steps (at ``start`` of ``total``); by default it stays on screen
+    when the arm is done."""
+    return tqdm(desc=arm, initial=start, total=total, leave=leave,
                 disable=None if enabled else True, dynamic_ncols=True)
+
+
+def bar_hook(bar: Any) -> Callable[[Any], None]:
+    """A training-loop hook (run it every step, after evaluation) that advances ``bar`` and shows
+    the loss and test accuracy of steps that were evaluated."""
+
+    def advance(info: Any) -> None:
+        bar.update(1)
+        r = info.record
+        if isinstance(r.get("test_accuracy"), float) and isinstance(r.get("loss"), float):
+            bar.set_postfix(loss=f"{r['loss']:.3f}", test_acc=f"{r['test_accuracy']:.3f}")
+
+    return advance
 
 
 def arm_done(arm: str, record: dict | None, enabled: bool = True) -> None:

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxstream.data.batches import batch_at
 from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.estimators import describe, family
 from jaxstream.experiment.plots import write_plots
-from jaxstream.experiment.progress import arm_bar, arm_done, status
+from jaxstream.experiment.loop import TrainLoop
+from jaxstream.experiment.progress import arm_bar, arm_done, bar_hook, status
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.summary import compare_families, format_table, summarize_arm
@@ -37,6 +37,10 @@ def _eval_record(evaluate: Callable, params: Any, train: dict, test: dict) -> di
     train_loss, train_acc = jax.device_get(evaluate(params, train))
     return {"test_loss": float(test_loss), "test_accuracy": float(test_acc),
             "train_loss": float(train_loss), "train_accuracy": float(train_acc)}
+
+
+def _diverged(record: dict) -> bool:
+    return not math.isfinite(record.get("loss", 0.0))
 
 
 def _warm_up(engine: Any, state: Any, batch: dict, key: jax.Array) -> float:
@@ -91,40 +95,31 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         ckpt.close()
         return {"records": records, "compile_time": None, "diverged": diverged}
 
-    first = batch_at(data.train, cfg.batch_size, cfg.seed, start)
     status(f"{arm.name}: compiling the first step")
-    compile_time = _warm_up(engine, state, first, jax.random.fold_in(step_root, 0))
-    bar = arm_bar(range(start, stop), arm.name, start=start, total=stop, enabled=cfg.progress)
-    s = start
-    for s in bar:
-        batch = batch_at(data.train, cfg.batch_size, cfg.seed, s)
-        key = jax.random.fold_in(step_root, s)
-        rec: dict[str, Any] = {"arm": arm.name, "step": s + 1}
-        if diag is not None and (s + 1) % cfg.diag_every == 0:
-            rec.update(diag(state, batch, key))
-        t0 = time.perf_counter()
-        state, metrics = engine.step(state, batch, key)
-        metrics = jax.device_get(metrics)
-        dt = time.perf_counter() - t0
-        train_time += dt
-        rec.update({k: float(np.asarray(v)) for k, v in metrics.items()})
-        rec["step_time"], rec["train_time"] = dt, train_time
-        diverged = not math.isfinite(rec.get("loss", 0.0))
-        if (s + 1) % cfg.eval_every == 0 or s + 1 == cfg.steps:
-            rec.update(_eval_record(evaluate, engine.params(state), data.train, data.test))
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", test_acc=f"{rec['test_accuracy']:.3f}")
-        records.append(rec)
-        log.append(rec)
-        last = s + 1 == stop or diverged
-        if last or (cfg.checkpoint_every and (s + 1) % cfg.checkpoint_every == 0):
-            ckpt.save(s + 1, state, {"train_time": train_time, "diverged": diverged})
-        if diverged:
-            break
+    compile_time = _warm_up(engine, state, batch_at(data.train, cfg.batch_size, cfg.seed, start),
+                            jax.random.fold_in(step_root, 0))
+    loop = TrainLoop(engine.step, tags={"arm": arm.name},
+                     batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
+                     key_at=lambda s: jax.random.fold_in(step_root, s),
+                     stop_if=_diverged)
+    if diag is not None:
+        loop.add_hook(lambda i: i.record.update(diag(i.state, i.batch, i.key)),
+                      every=cfg.diag_every, before=True)
+    loop.add_hook(lambda i: i.record.update(
+        _eval_record(evaluate, engine.params(i.state), data.train, data.test)),
+        every=cfg.eval_every, at=(cfg.steps,))
+    bar = arm_bar(arm.name, start=start, total=stop, enabled=cfg.progress)
+    loop.add_hook(bar_hook(bar))
+    loop.add_hook(lambda i: (records.append(i.record), log.append(i.record)))
+    loop.add_hook(lambda i: ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
+                                                        "diverged": _diverged(i.record)}),
+                  every=cfg.checkpoint_every, at_end=True)
+    out = loop.run(state, start=start, stop=stop, train_time=train_time)
     bar.close()
     arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
              cfg.progress)
     ckpt.close()
-    return {"records": records, "compile_time": compile_time, "diverged": diverged}
+    return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
 
 
 def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
