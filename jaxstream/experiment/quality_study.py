@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 import jaxstream.grad as jg
 from jaxstream.data import load_digits
+from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.quality.baselines import ExactSubset, MicrobatchForward
@@ -130,21 +131,22 @@ def microbatches(
 
 
 def pretrain(stack: Any, params: Any, data: dict[str, np.ndarray], cfg: GradQualityConfig) -> Any:
-    """A few backprop Adam steps, so gradients are measured at a realistic point."""
+    """A few backprop Adam steps (the training loop, no hooks), so gradients are measured at a
+    realistic point."""
     opt = optax.adam(cfg.pretrain_lr)
 
     @jax.jit
-    def step(p, s, batch):
+    def step(state: tuple, batch: dict, key: None) -> tuple[tuple, dict]:
+        p, s = state
         g = jax.grad(stack)(p, batch)
         updates, s = opt.update(g, s, p)
-        return optax.apply_updates(p, updates), s
+        return (optax.apply_updates(p, updates), s), {}
 
     rng = np.random.default_rng(cfg.seed + 1)
-    state = opt.init(params)
-    for _ in range(cfg.pretrain_steps):
-        idx = rng.choice(len(data["y"]), 128, replace=False)
-        params, state = step(params, state, {k: v[idx] for k, v in data.items()})
-    return params
+    idx = [rng.choice(len(data["y"]), 128, replace=False) for _ in range(cfg.pretrain_steps)]
+    loop = TrainLoop(step, batch_at=lambda t: {k: v[idx[t]] for k, v in data.items()},
+                     key_at=lambda t: None)
+    return loop.run((params, opt.init(params)), start=0, stop=cfg.pretrain_steps).state[0]
 
 
 def _hybrid(cfg: GradQualityConfig, correction: str, num_exact: int, num_tangents: int):
