@@ -69,6 +69,7 @@ class LoopResult(NamedTuple):
     step: int          # steps done
     stopped: bool      # ``stop_if`` ended the loop early
     train_time: float  # seconds in engine steps (hooks excluded), including ``train_time`` given
+                       # (the given value unchanged when the loop is not ``timed``)
 
 
 def host_value(v: Any) -> Any:
@@ -86,12 +87,15 @@ class TrainLoop:
       key_at: ``s -> key`` of step ``s``.
       tags: fields put first in every record (e.g. ``{"arm": "backprop"}``).
       stop_if: ``record -> bool``; true ends the loop after that step (e.g. a non-finite loss).
+      timed: fetch the metrics after every step and time it (``step_time``, ``train_time``);
+        False leaves them on the device (JAX arrays) so the next step is dispatched at once.
     """
 
     def __init__(self, step: Callable, *, batch_at: Callable[[int], Any],
                  key_at: Callable[[int], jax.Array], tags: dict[str, Any] | None = None,
-                 stop_if: Callable[[dict], bool] | None = None):
+                 stop_if: Callable[[dict], bool] | None = None, timed: bool = True):
         self.step, self.batch_at, self.key_at = step, batch_at, key_at
+        self.timed = timed
         self.tags = dict(tags or {})
         self.stop_if = stop_if
         self.hooks: list[Hook] = []
@@ -115,11 +119,12 @@ class TrainLoop:
                     h.fn(info)
             t0 = time.perf_counter()
             state, metrics = self.step(state, batch, key)
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - t0
-            train_time += dt
-            info.record.update({k: host_value(v) for k, v in metrics.items()})
-            info.record["step_time"], info.record["train_time"] = dt, train_time
+            if self.timed:
+                metrics = {k: host_value(v) for k, v in jax.device_get(metrics).items()}
+                dt = time.perf_counter() - t0
+                train_time += dt
+                metrics.update(step_time=dt, train_time=train_time)
+            info.record.update(metrics)
             stopped = self.stop_if is not None and bool(self.stop_if(info.record))
             info.state, info.last = state, info.last or stopped
             for h in after:

@@ -137,7 +137,7 @@ def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: Me
 
     def evaluate(info: StepInfo) -> None:
         test_loss, test_acc = (np.asarray(v) for v in veval(info.state.params, data.test))
-        loss = info.record["loss"]
+        loss = np.asarray(info.record["loss"])
         evals.append(test_acc)
         for i, lr in enumerate(cfg.lrs):
             if hits[i] is None and test_acc[i] >= cfg.target_accuracy:
@@ -146,7 +146,7 @@ def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: Me
                         "test_loss": float(test_loss[i]), "test_accuracy": float(test_acc[i])})
 
     loop = TrainLoop(step, batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
-                     key_at=lambda s: jax.random.fold_in(step_root, s))
+                     key_at=lambda s: jax.random.fold_in(step_root, s), timed=False)
     loop.add_hook(evaluate, every=cfg.eval_every, at=(cfg.steps,))
     bar = arm_bar(arm.name, start=0, total=cfg.steps, enabled=cfg.progress, leave=False)
     loop.add_hook(bar_hook(bar))

@@ -61,3 +61,11 @@ def test_empty_range_runs_nothing():
     loop.add_hook(calls.append, at_end=True)
     out = loop.run(Count(5), start=5, stop=5)
     assert out == (Count(5), 5, False, 0.0) and calls == []
+
+
+def test_untimed_loop_leaves_metrics_as_returned():
+    recs = []
+    loop = TrainLoop(_step, batch_at=lambda s: 1.0, key_at=lambda s: s, timed=False)
+    loop.add_hook(lambda i: recs.append(dict(i.record)))
+    out = loop.run(Count(0), start=0, stop=2)
+    assert out.train_time == 0.0 and [sorted(r) for r in recs] == [["lanes", "loss", "step"]] * 2
