@@ -9,6 +9,7 @@ Usage:
   python benchmarks/forward_table.py --config experiments/forward_table.yaml --json full.json \
       --plot docs/forward_table_frontier.png --docs docs/results.md
   python benchmarks/forward_table.py --from-json full.json --docs docs/results.md --plot f.png
+  python benchmarks/forward_table.py --from-json a.json b.json --docs r.md   # several runs
 
 ``--json PATH`` writes the list of rows (keys include dataset, arm, test_error_mean,
 test_error_sd, train_error_mean, seeds, peak_temp_bytes, cosine_mean) and ``PATH.meta`` the
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--datasets", nargs="*", default=None)
     parser.add_argument("--arms", nargs="*", default=None)
     parser.add_argument("--json", type=str, default=None, help="write the rows here")
-    parser.add_argument("--from-json", type=str, default=None, help="reuse rows, no training")
+    parser.add_argument("--from-json", nargs="+", default=None,
+                        help="reuse rows of one or more runs (each with its PATH.meta), no training")
     parser.add_argument("--plot", type=str, default=None, help="frontier plot (PNG)")
     parser.add_argument("--docs", type=str, default=None, help="write a markdown report here")
     parser.add_argument("--memory-json", type=str, default=None,
@@ -49,8 +51,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     command = "python benchmarks/forward_table.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.from_json:
-        rows = json.loads(Path(args.from_json).read_text())
-        payload = {**json.loads(Path(args.from_json + ".meta").read_text()), "rows": rows}
+        runs = [{**json.loads(Path(f + ".meta").read_text()), "rows": json.loads(Path(f).read_text())}
+                for f in args.from_json]
+        payload = {**runs[0], "rows": [r for run in runs for r in run["rows"]]}
+        if len(runs) > 1:
+            payload["runs"] = runs
     else:
         path = args.config or (QUICK if args.quick else FULL)
         cfg = load_table_config(path, args.set)

@@ -11,6 +11,10 @@ seconds to the target test accuracy, peak temporary memory of one compiled step 
 ``temp_size_in_bytes``), step time, and the cosine and relative squared error
 ‖ĝ − g‖² / ‖g‖² to the exact batch gradient at initialisation (mean over keys).
 
+A data set with ``metric: loss`` (the character transformer on the text corpus) is judged by
+its loss instead: the learning rate is picked by the lowest mean final train loss, the target
+is a test loss (``target_loss``), and the report shows test and train loss (mean ± sd).
+
 Batches are drawn with replacement from the train set (seeded per seed and step), the same for
 every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
 ``frontier.png``.
@@ -36,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
+from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
@@ -77,6 +81,8 @@ class TableDataset:
     eval_every: int = 50
     target_accuracy: float = 0.9
     train_eval_size: int = 1000
+    metric: str = "error"
+    target_loss: float | None = None
 
     def __post_init__(self):
         for f in ("steps", "batch_size", "eval_every", "train_eval_size"):
@@ -85,6 +91,12 @@ class TableDataset:
         if not 0.0 < self.target_accuracy <= 1.0:
             raise ValueError(f"datasets[{self.name}].target_accuracy: must be in (0, 1], got "
                              f"{self.target_accuracy}")
+        if self.metric not in ("error", "loss"):
+            raise ValueError(f"datasets[{self.name}].metric: must be 'error' or 'loss', got "
+                             f"{self.metric!r}")
+        if self.metric == "loss" and (self.target_loss is None or self.target_loss <= 0):
+            raise ValueError(f"datasets[{self.name}].target_loss: metric 'loss' needs a positive "
+                             f"target test loss, got {self.target_loss}")
         if self.steps % self.eval_every:
             raise ValueError(f"datasets[{self.name}].steps: must be a multiple of eval_every "
                              f"({self.eval_every}), got {self.steps}")
@@ -189,10 +201,16 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     train_seconds = time.perf_counter() - t0
     curve = np.stack(curve, axis=1).reshape(len(lrs), cfg.seeds, -1, 4)  # lr, seed, eval, metric
     final = curve[:, :, -1]
-    # Lowest mean final train error; ties (e.g. all zero) broken by the mean final train loss.
-    pick = int(np.lexsort((final[:, :, 3].mean(axis=1), final[:, :, 1].mean(axis=1)))[0])
+    # Lowest mean final train error; ties (e.g. all zero) broken by the mean final train loss
+    # (metric "loss": the other way round). Diverged lanes (NaN) sort last.
+    by_err, by_loss = final[:, :, 1].mean(axis=1), final[:, :, 3].mean(axis=1)
+    keys = (by_err, by_loss) if dcfg.metric == "loss" else (by_loss, by_err)
+    pick = int(np.lexsort(keys)[0])
     fin, cur = final[pick], curve[pick]
-    reached = cur[:, :, 0] <= 1.0 - dcfg.target_accuracy
+    if dcfg.metric == "loss":
+        reached = cur[:, :, 2] <= dcfg.target_loss
+    else:
+        reached = cur[:, :, 0] <= 1.0 - dcfg.target_accuracy
     first = [int((np.argmax(r) + 1) * dcfg.eval_every) if r.any() else None for r in reached]
 
     # One lane alone, compiled once: temporary memory, step time, and (same program, several
@@ -223,13 +241,16 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     step_ms = float(np.median(times[: max(cfg.timing_steps, 1)]) * 1e3)
     cos, rel_mse = np.asarray(cos), np.asarray(rel_mse)
     hit = [f for f in first if f is not None]
+    sd = (lambda x: float(np.std(x, ddof=1))) if cfg.seeds > 1 else (lambda x: 0.0)
     return {
         "dataset": dcfg.name, "arm": arm.name, "lr": float(lrs[pick]), "lrs": list(lrs),
         "test_error_mean": float(fin[:, 0].mean()), "test_error_sd": float(fin[:, 0].std(ddof=1))
         if cfg.seeds > 1 else 0.0,
         "train_error_mean": float(fin[:, 1].mean()),
         "train_error_sd": float(fin[:, 1].std(ddof=1)) if cfg.seeds > 1 else 0.0,
-        "test_loss_mean": float(fin[:, 2].mean()), "train_loss_mean": float(fin[:, 3].mean()),
+        "test_loss_mean": float(fin[:, 2].mean()), "test_loss_sd": sd(fin[:, 2]),
+        "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
+        "metric": dcfg.metric, "target_loss": dcfg.target_loss,
         "seeds": cfg.seeds, "steps": dcfg.steps,
         "peak_temp_bytes": temp, "step_ms": step_ms,
         "cosine_mean": float(cos.mean()), "cosine_sd": float(cos.std(ddof=1)) if len(cos) > 1 else 0.0,
@@ -240,7 +261,11 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "seconds_to_target": float(np.mean(hit)) * step_ms / 1e3 if hit else None,
         "train_seconds_all_lanes": train_seconds,
         "test_error_by_seed": [float(x) for x in fin[:, 0]],
+        "test_loss_by_seed": [float(x) for x in fin[:, 2]],
+        "train_error_by_lr": [float(x) for x in by_err],
+        "train_loss_by_lr": [float(x) for x in by_loss],
         "curve_test_error_mean": [float(x) for x in cur[:, :, 0].mean(axis=0)],
+        "curve_test_loss_mean": [float(x) for x in cur[:, :, 2].mean(axis=0)],
         "eval_every": dcfg.eval_every,
     }
 
@@ -263,7 +288,9 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
             rows.append(row)
             print(f"{row['dataset']:8s} {row['arm']:24s} lr={row['lr']:.0e} test err "
                   f"{100 * row['test_error_mean']:6.2f} ± {100 * row['test_error_sd']:5.2f} % "
-                  f"train {100 * row['train_error_mean']:6.2f} %  cos {row['cosine_mean']:.3f}  "
+                  f"train {100 * row['train_error_mean']:6.2f} %  test loss "
+                  f"{row['test_loss_mean']:.3f} ± {row['test_loss_sd']:.3f}  "
+                  f"cos {row['cosine_mean']:.3f}  "
                   f"temp {row['peak_temp_bytes'] / 2**20:7.2f} MiB  {row['step_ms']:.2f} ms/step "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return rows

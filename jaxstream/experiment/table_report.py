@@ -46,29 +46,59 @@ def _by(rows: list[dict], dataset: str) -> dict[str, dict]:
     return {r["arm"]: r for r in rows if r["dataset"] == dataset}
 
 
+def _is_loss(r: dict) -> bool:
+    return r.get("metric", "error") == "loss"
+
+
+def _m(r: dict) -> tuple[float, float]:
+    """The row's judged figure (test error, or test loss for ``metric: loss``): mean, sd."""
+    if _is_loss(r):
+        return r["test_loss_mean"], r.get("test_loss_sd", 0.0)
+    return r["test_error_mean"], r["test_error_sd"]
+
+
+def _d(x: float, loss: bool) -> str:
+    """A difference of the judged figure: nats for losses, percentage points for errors."""
+    return f"{x:+.3f}" if loss else f"{100 * x:+.2f} pp"
+
+
+def _show(r: dict) -> str:
+    mean, sd = _m(r)
+    return f"{mean:.3f} ± {sd:.3f}" if _is_loss(r) else f"{_pm(mean, sd)} %"
+
+
 def ordering(rows: list[dict], dataset: str) -> list[str]:
-    """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in accuracy) on one data set; one line per relation."""
+    """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in test error, or test loss for ``metric: loss``) on
+    one data set, plus BP best and FG-W worst of these four; one line per relation."""
     r = _by(rows, dataset)
     need = ("FG-W", "FG-A", "LG-FG-A", "BP")
     if any(a not in r for a in need):
         return [f"(ordering not checked: arms {[a for a in need if a not in r]} missing)"]
+    loss = _is_loss(r["BP"])
+    what, near = ("test loss", 0.01) if loss else ("error", 0.01)
 
-    def se(a: str) -> float:  # standard error of the mean test error
-        return r[a]["test_error_sd"] / math.sqrt(max(r[a]["seeds"], 1))
+    def se(a: str) -> float:  # standard error of the mean judged figure
+        return _m(r[a])[1] / math.sqrt(max(r[a]["seeds"], 1))
 
     def cmp(a: str, b: str) -> tuple[float, float]:
-        return r[a]["test_error_mean"] - r[b]["test_error_mean"], 2 * math.hypot(se(a), se(b))
+        return _m(r[a])[0] - _m(r[b])[0], 2 * math.hypot(se(a), se(b))
+
+    def say(d: float, tol: float) -> str:
+        return f"{what} difference {_d(d, loss)}, 2·SE {_d(tol, loss).lstrip('+')}"
 
     out = []
     d, tol = cmp("FG-W", "FG-A")
-    out.append(f"FG-W worse than FG-A: {'yes' if d > tol else 'no'} "
-               f"(error difference {100 * d:+.2f} pp, 2·SE {100 * tol:.2f} pp)")
+    out.append(f"FG-W worse than FG-A: {'yes' if d > tol else 'no'} ({say(d, tol)})")
     d, tol = cmp("FG-A", "LG-FG-A")
-    out.append(f"FG-A no better than LG-FG-A: {'yes' if d >= -tol else 'no'} "
-               f"(difference {100 * d:+.2f} pp, 2·SE {100 * tol:.2f} pp)")
+    out.append(f"FG-A no better than LG-FG-A: {'yes' if d >= -tol else 'no'} ({say(d, tol)})")
     d, tol = cmp("LG-FG-A", "BP")
-    out.append(f"LG-FG-A ≈ BP (within 2·SE or 1 pp): {'yes' if abs(d) <= max(tol, 0.01) else 'no'} "
-               f"(difference {100 * d:+.2f} pp, 2·SE {100 * tol:.2f} pp)")
+    band = f"{near:.2f} nats" if loss else "1 pp"
+    out.append(f"LG-FG-A ≈ BP (within 2·SE or {band}): "
+               f"{'yes' if abs(d) <= max(tol, near) else 'no'} ({say(d, tol)})")
+    means = {a: _m(r[a])[0] for a in need}
+    out.append(f"BP best and FG-W worst of these four: "
+               f"{'yes' if min(means, key=means.get) == 'BP' and max(means, key=means.get) == 'FG-W' else 'no'}"
+               f" (best {min(means, key=means.get)}, worst {max(means, key=means.get)})")
     return out
 
 
@@ -78,29 +108,49 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
     fwd = [r[a] for a in FORWARD_ARMS if a in r]
     if "exact-subset" not in r or not fwd:
         return ["(verdict not computed: exact-subset or forward arms missing)"]
-    best_fwd = min(fwd, key=lambda x: x["test_error_mean"])
+    best_fwd = min(fwd, key=lambda x: _m(x)[0])
     sub = r["exact-subset"]
-    out = [f"ingredients: exact-subset {_pm(sub['test_error_mean'], sub['test_error_sd'])} %, "
-           f"best forward arm {best_fwd['arm']} "
-           f"{_pm(best_fwd['test_error_mean'], best_fwd['test_error_sd'])} %"]
+    loss = _is_loss(sub)
+    out = [(f"ingredients: exact-subset {_show(sub)}, best forward arm {best_fwd['arm']} "
+           f"{_show(best_fwd)}")]
     for name, h in r.items():
         if not name.startswith("hybrid"):
             continue
         verdicts = []
         for other in (sub, best_fwd):
-            d = h["test_error_mean"] - other["test_error_mean"]
-            tol = 2 * math.hypot(h["test_error_sd"] / math.sqrt(h["seeds"]),
-                                 other["test_error_sd"] / math.sqrt(other["seeds"]))
+            d = _m(h)[0] - _m(other)[0]
+            tol = 2 * math.hypot(_m(h)[1] / math.sqrt(h["seeds"]),
+                                 _m(other)[1] / math.sqrt(other["seeds"]))
             word = "better than" if d < -tol else ("worse than" if d > tol else "tie with")
-            verdicts.append(f"{word} {other['arm']} ({100 * d:+.2f} pp, 2·SE {100 * tol:.2f})")
+            verdicts.append(f"{word} {other['arm']} ({_d(d, loss)}, "
+                            f"2·SE {_d(tol, loss).lstrip('+')})")
         beats = all(v.startswith("better") for v in verdicts)
-        out.append(f"{name}: {_pm(h['test_error_mean'], h['test_error_sd'])} % — "
+        out.append(f"{name}: {_show(h)} — "
                    f"{'; '.join(verdicts)} → {'BEATS BOTH' if beats else 'does not beat both'}")
     return out
 
 
+def loss_table(rows: list[dict], dataset: str) -> str:
+    """A markdown table for a ``metric: loss`` data set (no published rows beside it)."""
+    lines = [("| arm | lr | test loss | train loss | test token error % | steps to target loss "
+             "(seeds) | s to target | peak temp MiB | ms / step | cosine at init | "
+             "rel. sq. error at init |"), "|" + "---|" * 11]
+    for r in (x for x in rows if x["dataset"] == dataset):
+        lines.append(
+            f"| {r['arm']} | {r['lr']:.0e} | {r['test_loss_mean']:.3f} ± "
+            f"{r.get('test_loss_sd', 0.0):.3f} | {r['train_loss_mean']:.3f} ± "
+            f"{r.get('train_loss_sd', 0.0):.3f} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
+            f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
+            f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
+            f"{r['step_ms']:.2f} | {r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f} | "
+            f"{r.get('relative_mse', float('nan')):.3g} |")
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], dataset: str) -> str:
     """A markdown table for one data set, Ren et al.'s MNIST rows beside it."""
+    if any(_is_loss(r) for r in rows if r["dataset"] == dataset):
+        return loss_table(rows, dataset)
     head = ("| arm | lr | test error % | train error % | test loss | steps to target (seeds) | "
             "s to target | peak temp MiB | ms / step | cosine at init | rel. sq. error at init | "
             "Ren MNIST MLP | Ren MNIST M/1/16 |")
@@ -147,35 +197,50 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
         "",
         "Written by a command from run outputs; do not edit by hand.",
         "",
-        f"- command: `{payload.get('command', '?')}` (config `{payload.get('config', '?')}`)",
         f"- report written by: `{payload.get('report_command', payload.get('command', '?'))}`",
-        f"- machine: {payload.get('machine', '?')}",
-        f"- wall time of the run: {payload.get('seconds', float('nan')):.0f} s",
+    ]
+    for run in payload.get("runs") or [payload]:  # several runs (e.g. one per data set)
+        parts += [
+            (f"- run: `{run.get('command', '?')}` (config `{run.get('config', '?')}`), "
+            f"data sets {sorted({r['dataset'] for r in run.get('rows', rows)})}"),
+            f"  - machine: {run.get('machine', '?')}",
+            f"  - wall time of the run: {run.get('seconds', float('nan')):.0f} s",
+        ]
+    parts += [
         "",
-        "Test and train error are at the end of training, mean ± sd over seeds, at the learning "
+        ("Test and train error are at the end of training, mean ± sd over seeds, at the learning "
         "rate with the lowest mean final train error among the arm's sweep. Steps to target: "
         "mean over the seeds that reached the data set's target test accuracy (first evaluation "
         "at or above it). Seconds to target: those steps times the median step time of one lane "
         "alone. Peak temp: XLA's temporary buffers of one compiled training step. Cosine: "
         "estimate vs exact gradient of one batch at initialisation, mean ± sd over keys. "
         "The last two columns are Ren et al. (ICLR 2023) published MNIST test errors (%), for "
-        "comparison only: different data set and models.",
+        "comparison only: different data set and models. Data sets judged by loss (the "
+        "character transformer on the standard-library text corpus) report test and train "
+        "cross-entropy (nats per character, mean ± sd over seeds) at the learning rate with "
+        "the lowest mean final train loss, steps to a target test loss, and the token error; "
+        "their ordering and hybrid checks compare test losses."),
     ]
     for ds in datasets:
         r0 = next(r for r in rows if r["dataset"] == ds)
+        loss = _is_loss(r0)
+        target = (f"target test loss {r0['target_loss']:.2f}" if loss
+                  else f"target test accuracy {100 * r0['target_accuracy']:.0f} %")
         parts += ["", f"## {ds}", "",
-                  f"{r0['steps']} steps, {r0['seeds']} seeds, target test accuracy "
-                  f"{100 * r0['target_accuracy']:.0f} %.", "", table(rows, ds), "",
-                  "Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP (accuracy):", ""]
+                  f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
+                  f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}):",
+                  ""]
         parts += [f"- {line}" for line in ordering(rows, ds)]
-        parts += ["", "Hybrids against their ingredients (test error, 2·SE over seeds):", ""]
+        parts += ["", (f"Hybrids against their ingredients (test {'loss' if loss else 'error'}, "
+                  "2·SE over seeds):"), ""]
         parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:
         parts += ["", f"![frontier]({os.path.basename(plot)})",
-                  "", "Final test accuracy against peak temporary memory and against training "
-                  "time (steps × step time), one point per arm."]
+                  "", ("Final test accuracy (test loss for data sets judged by loss) against peak "
+                  "temporary memory and against training time (steps × step time), one point "
+                  "per arm.")]
     return "\n".join(parts) + "\n"
 
 
@@ -196,13 +261,15 @@ def frontier_plot(rows: list[dict], path: str) -> None:
             for r in rs:
                 x = (r["peak_temp_bytes"] / 2**20 if xkey == "mem"
                      else r["steps"] * r["step_ms"] / 1e3)
-                acc = 100 * (1 - r["test_error_mean"])
-                ax.errorbar(x, acc, yerr=100 * r["test_error_sd"], fmt="o", capsize=3)
-                ax.annotate(r["arm"], (x, acc), fontsize=7, xytext=(3, 3),
+                mean, sd = _m(r)
+                y, err = (mean, sd) if _is_loss(r) else (100 * (1 - mean), 100 * sd)
+                ax.errorbar(x, y, yerr=err, fmt="o", capsize=3)
+                ax.annotate(r["arm"], (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
             ax.set_xscale("log")
             ax.set_xlabel(label)
-            ax.set_ylabel("test accuracy (%)")
+            ax.set_ylabel("test loss (nats / char)" if any(map(_is_loss, rs))
+                          else "test accuracy (%)")
             ax.set_title(ds)
             ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""The forward-table benchmark: shipped configs parse; a tiny table runs and writes its rows."""
+"""The forward-table benchmark: shipped configs parse; a tiny table runs and writes its rows;
+``jaxstream run`` runs a tiny table end to end, a data set judged by loss included."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def test_shipped_tables_parse(path):
     cfg = ft.load_table_config(path)
     assert ARMS <= {a.name for a in cfg.arms}
     assert {"digits", "mnist1d"} <= {d.name for d in cfg.datasets}
+    if path == ft.FULL:  # the char transformer on the text corpus, judged by test loss
+        (text,) = [d for d in cfg.datasets if d.name == "text"]
+        assert text.metric == "loss" and text.model.depth <= 2 and text.data.seq_len == 32
     assert cfg.seeds >= 3
     for arm in cfg.arms:
         arm.estimator.build()  # every estimator section builds
@@ -32,6 +36,38 @@ def test_bad_table_is_refused_before_compute():
         ft.load_table_config(ft.QUICK, ["datasets.0.batch_size=60"])
     with pytest.raises(ValueError, match="nope"):
         ft.load_table_config(ft.QUICK, ["nope=1"])
+    with pytest.raises(ValueError, match=r"datasets\[digits\]\.metric"):
+        ft.load_table_config(ft.QUICK, ["datasets.0.metric=accuracy"])
+    with pytest.raises(ValueError, match=r"datasets\[digits\]\.target_loss"):
+        ft.load_table_config(ft.QUICK, ["datasets.0.metric=loss"])
+
+
+def test_cli_runs_a_tiny_table_judged_by_loss(tmp_path):
+    """``jaxstream run`` on the quick table, shrunk to a tiny MLP on digits judged by loss (as
+    the char transformer on text is in the full table) and one arm with two learning rates: the
+    run directory gets its rows, report and plot; the rate picked is the one with the lowest
+    mean final train loss."""
+    from jaxstream.cli import main
+
+    text = ("[{name: dl, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32, metric: loss, "
+            "target_loss: 9.0}]")
+    arms = "[{name: BP, estimator: {type: backprop}, lrs: [0.00001, 0.03]}]"
+    out = tmp_path / "run"
+    assert main(["run", str(ft.QUICK), "--out", str(out), "seeds=2", "cosine_keys=1",
+                 "timing_steps=1", f"datasets={text}", f"arms={arms}"]) == 0
+    (row,) = json.loads((out / "rows.json").read_text())
+    assert row["dataset"] == "dl" and row["metric"] == "loss" and row["seeds"] == 2
+    losses = row["train_loss_by_lr"]
+    assert row["lr"] == row["lrs"][losses.index(min(losses))]
+    assert losses[1] < losses[0]  # 4 Adam steps at 3e-2 lower the loss more than at 1e-5
+    assert row["train_loss_mean"] == pytest.approx(min(losses))
+    assert row["test_loss_sd"] > 0 and len(row["test_loss_by_seed"]) == 2
+    assert row["seeds_reaching_target"] == 2  # target 9 nats: reached at the first evaluation
+    assert row["steps_to_target_mean"] == 2
+    report = (out / "results.md").read_text()
+    assert "## dl" in report and "| test loss | train loss |" in report
+    assert (out / "frontier.png").stat().st_size > 0
 
 
 def test_tiny_table_runs():
@@ -58,6 +94,17 @@ def test_cli_writes_json_docs_and_plot_from_rows(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 0
     text = (tmp_path / "r.md").read_text()
     assert "| BP |" in text and "machine: m" in text and "--from-json" in text
+    # Two runs (e.g. one per data set) in one report, each with its own command and machine.
+    src2 = tmp_path / "in2.json"
+    src2.write_text(json.dumps([{**_row("BP", 0.7), "dataset": "t", "metric": "loss",
+                                 "test_loss_mean": 2.5, "test_loss_sd": 0.01,
+                                 "train_loss_mean": 2.4, "target_loss": 2.6}]))
+    (tmp_path / "in2.json.meta").write_text(json.dumps({"command": "c2", "machine": "m2"}))
+    got = ft.main(["--from-json", str(src), str(src2), "--docs", str(tmp_path / "r2.md")])
+    assert [r["dataset"] for r in got] == ["d", "d", "t"]
+    text = (tmp_path / "r2.md").read_text()
+    assert "`c`" in text and "`c2`" in text and "machine: m2" in text and "## t" in text
+    assert "| BP | 1e-03 | 2.500 ± 0.010 | 2.400 ± 0.000 |" in text
 
 
 def _row(arm, err, sd=0.001, seeds=4):
@@ -73,7 +120,7 @@ def test_report_checks_follow_the_rows():
     rows = [_row("BP", 0.03), _row("FG-W", 0.20), _row("FG-A", 0.05), _row("LG-FG-A", 0.031),
             _row("exact-subset", 0.04), _row("hybrid-a", 0.025), _row("hybrid-b", 0.041)]
     lines = ordering(rows, "d")
-    assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes"]
+    assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes", "yes"]
     rows[2]["test_error_mean"] = 0.25  # FG-A now worse than FG-W
     assert ordering(rows, "d")[0].split(":")[1].split()[0] == "no"
     verdict = hybrid_verdict(rows, "d")
@@ -85,3 +132,24 @@ def test_report_checks_follow_the_rows():
                                     "hybrid": 4.0, "inference": 1.0}}]}
     text = markdown({"rows": rows, "command": "c", "machine": "m"}, None, memory)
     assert "| 8 |" in text and "0.250 | 1.50" in text and "Ren" in text
+
+
+def test_report_judges_loss_data_sets_by_test_loss():
+    from jaxstream.experiment.table_report import hybrid_verdict, ordering
+
+    def row(arm, loss, err):  # token errors ordered the other way, so a wrong key shows
+        return {**_row(arm, err), "metric": "loss", "test_loss_mean": loss, "test_loss_sd": 0.01}
+
+    rows = [row("BP", 2.0, 0.9), row("FG-W", 3.5, 0.1), row("FG-A", 3.0, 0.2),
+            row("LG-FG-A", 2.005, 0.3), row("exact-subset", 2.2, 0.4),
+            row("hybrid-a", 2.1, 0.5)]
+    lines = ordering(rows, "d")
+    assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes", "yes"]
+    assert "+0.500" in lines[0]  # FG-W - FG-A in nats
+    rows[0]["test_loss_mean"] = 2.5  # BP no longer best, nor ≈ LG-FG-A
+    lines = ordering(rows, "d")
+    assert lines[2].split(":")[1].split()[0] == "no" and "(best LG-FG-A, worst FG-W)" in lines[3]
+    verdict = hybrid_verdict(rows, "d")
+    assert "best forward arm LG-FG-A 2.005 ± 0.010" in verdict[0]
+    assert "better than exact-subset (-0.100" in verdict[1]
+    assert verdict[1].endswith("does not beat both")  # LG-FG-A (2.005) is better
