@@ -71,10 +71,16 @@ def blocks_jvp(stack: Stack, spec: TangentSpec, blocks: Any, first_layer: Any, h
                dh: jax.Array, key: jax.Array):
     """:func:`block_jvp` scanned over stacked ``blocks`` whose first has global index
     ``first_layer``: one layer's tangent live at a time."""
+    return _scan_blocks(block_jvp, stack, spec, blocks, first_layer, h, dh, key)
+
+
+def _scan_blocks(kernel: Callable, stack: Stack, spec: TangentSpec, blocks: Any,
+                 first_layer: Any, h: jax.Array, dh: jax.Array, key: jax.Array):
+    """``kernel(stack, spec, p, layer, h, dh, key)`` scanned over the stacked blocks."""
 
     def body(carry, xs):
         p, layer = xs
-        return block_jvp(stack, spec, p, layer, *carry, key), None
+        return kernel(stack, spec, p, layer, *carry, key), None
 
     n = jax.tree.leaves(blocks)[0].shape[0]
     (h, dh), _ = jax.lax.scan(body, (h, dh), (blocks, first_layer + jnp.arange(n)))
@@ -115,14 +121,7 @@ def block_act(stack: Stack, spec: TangentSpec, p: Any, layer: Any, h: jax.Array,
 def blocks_act(stack: Stack, spec: TangentSpec, blocks: Any, first_layer: Any, h: jax.Array,
                dh: jax.Array, key: jax.Array):
     """:func:`block_act` scanned over stacked ``blocks``."""
-
-    def body(carry, xs):
-        p, layer = xs
-        return block_act(stack, spec, p, layer, *carry, key), None
-
-    n = jax.tree.leaves(blocks)[0].shape[0]
-    (h, dh), _ = jax.lax.scan(body, (h, dh), (blocks, first_layer + jnp.arange(n)))
-    return h, dh
+    return _scan_blocks(block_act, stack, spec, blocks, first_layer, h, dh, key)
 
 
 def head_act(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,

@@ -5,7 +5,6 @@ control variate on 4 simulated devices and checks step 1 against the in-memory r
 step 0's selected micro-batches at step 0's params (every stage: one group), tangents of step 1.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,6 @@ import pytest
 import jaxstream.grad as jg
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.tangents import TangentSpec, micro_key
-from jaxstream.models import mlp
 from jaxstream.pipeline import (
     complete,
     coverage_per_stage,
@@ -39,6 +37,7 @@ from jaxstream.pipeline import (
 from jaxstream.pipeline import groups as stage_groups
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
+from tests.pipeline.tiny import tiny_setup
 
 K = 2  # tangents
 
@@ -167,18 +166,7 @@ def test_bad_arguments():
         min_added_ticks(4, 8, 9)
 
 
-@functools.cache
-def _stack(depth):
-    return mlp(in_dim=6, width=5, depth=depth, num_classes=3)
-
-
-def _setup(m, n, layers_per_stage=1, seed=0):
-    stack = _stack(m * layers_per_stage)
-    params = stack.init(jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    batch = {"x": rng.standard_normal((n, 2, 6), dtype=np.float32),
-             "y": rng.integers(0, 3, (n, 2), dtype=np.int32)}
-    return stack, params, batch
+_setup = tiny_setup
 
 
 def _max_rel(a, b):

@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jaxstream.grad as jg
@@ -32,24 +31,13 @@ from jaxstream.pipeline import (
 from jaxstream.pipeline import executor as ex
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
+from tests.pipeline.tiny import tiny_setup
 from tests.trees import max_rel_err
 
 K = 2  # tangents
 
 
-@functools.cache
-def _stack(depth):
-    # one Stack object per depth: the jitted references below take it as a static argument
-    return mlp(in_dim=6, width=5, depth=depth, num_classes=3)
-
-
-def _setup(m, n, layers_per_stage=1, seed=0):
-    stack = _stack(m * layers_per_stage)
-    params = stack.init(jax.random.key(seed))
-    rng = np.random.default_rng(seed)
-    batch = {"x": rng.standard_normal((n, 2, 6), dtype=np.float32),
-             "y": rng.integers(0, 3, (n, 2), dtype=np.int32)}
-    return stack, params, batch
+_setup = tiny_setup
 
 
 _max_rel = max_rel_err
