@@ -12,6 +12,15 @@ K coefficients (d_k/K for mean aggregation), the n x K coefficients are all-gath
 ``tangents="shared"``, averaged: K numbers), and every device regenerates the tangents from
 the keys and forms the same estimate.  Bytes on the wire: n*K floats instead of the
 parameter count.
+
+Activity perturbation puts a tangent on every example's activations. With
+``tangents="shared"`` each replica draws a segment's tangents for the *whole* batch (from the
+step key, as the in-memory estimator does) and keeps its own shard's rows, so the replicas'
+tangents together are the whole batch's draw and the estimate equals the in-memory one.
+
+``exchange="moments"`` runs the optimizer inside the map as well (:meth:`DataParallel.step`):
+each replica feeds its own estimate to its own optimizer state (stacked over the axis) and an
+optimizer such as :func:`jaxstream.optim.max_adabelief_exchange` all-reduces its moments.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import shard_map
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -29,18 +39,60 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.comm.ring import ring_all_reduce_tree
 from jaxstream.grad import Forward, Hybrid, directional
 from jaxstream.grad.estimators import coefficients
-from jaxstream.grad.tangents import combine, gram
+from jaxstream.grad.tangents import TangentSpec, combine, gram
 
-__all__ = ["ALLREDUCE", "EXCHANGE", "TANGENTS", "DataParallel", "data_parallel", "device_keys"]
+__all__ = [
+    "ALLREDUCE",
+    "EXCHANGE",
+    "TANGENTS",
+    "DataParallel",
+    "ShardRows",
+    "data_parallel",
+    "device_keys",
+]
 
 ALLREDUCE = ("psum", "ring")
-EXCHANGE = ("gradients", "scalars")
+EXCHANGE = ("gradients", "scalars", "moments")
 TANGENTS = ("independent", "shared")
 
 
 def device_keys(key: jax.Array, num_devices: int) -> jax.Array:
     """Keys of the n devices of a step keyed ``key``: ``fold_in(key, i)``."""
     return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(num_devices))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRows(TangentSpec):
+    """A tangent spec that draws a per-example tangent for the whole batch and keeps the rows
+    of this replica's shard (inside ``shard_map`` over ``axis``, ``shards`` equal shards).
+
+    ``sample(key, (b, ...))`` draws ``(num, b * shards, ...)`` exactly as the base spec draws a
+    whole-batch tangent and returns rows ``[i*b, (i+1)*b)`` of replica i: the replicas' union
+    is the whole batch's draw (orthogonal and antithetic tangents included). The price: each
+    replica draws ``shards`` times the random numbers of its own rows.
+
+    Example:
+      >>> spec = ShardRows.of(TangentSpec(2), "data", 4)   # inside shard_map over "data"
+    """
+
+    axis: str = "data"
+    shards: int = 1
+
+    @classmethod
+    def of(cls, spec: TangentSpec, axis: str, shards: int) -> ShardRows:
+        """``spec``'s distribution, drawn for ``shards`` shards over ``axis``."""
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(TangentSpec)}
+        return cls(**fields, axis=axis, shards=shards)
+
+    def sample(self, key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+        rows = shape[0]
+        whole = super().sample(key, (rows * self.shards, *shape[1:]), dtype)
+        start = jax.lax.axis_index(self.axis) * rows
+        return jax.lax.dynamic_slice_in_dim(whole, start, rows, axis=1)
+
+
+def _is_activity(estimator: Any) -> bool:
+    return isinstance(estimator, Forward) and estimator.perturb == "activations"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +129,11 @@ class DataParallel:
                 )
         if self.batch_axis < 0:
             raise ValueError(f"batch_axis: must be >= 0, got {self.batch_axis}")
+        if _is_activity(self.estimator) and self.tangents == "shared" and self.batch_axis:
+            raise ValueError(
+                "batch_axis: activity perturbation splits the examples' axis 0; "
+                f"got {self.batch_axis}"
+            )
 
     @property
     def num_devices(self) -> int:
@@ -101,14 +158,29 @@ class DataParallel:
             return ring_all_reduce_tree(tree, self.axis, mean=True)
         return jax.tree.map(lambda x: jax.lax.pmean(x, self.axis), tree)
 
+    def _local_estimator(self) -> Callable:
+        """The estimator each replica runs on its shard."""
+        est = self.estimator
+        if _is_activity(est) and self.tangents == "shared":
+            # per-example tangents: draw the whole batch's, keep this shard's rows
+            return dataclasses.replace(est, spec=ShardRows.of(est.spec, self.axis, self.num_devices))
+        return est
+
+    def _replica(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array):
+        """This replica's own ``(loss, estimate)`` of its shard (nothing all-reduced)."""
+        return self._local_estimator()(loss_fn, params, batch, self._key(key))[:2]
+
     def _body(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array):
         if self.exchange == "scalars":
             return self._scalar_body(loss_fn, params, batch, key)
+        if self.exchange == "moments":  # the estimate: the mean of the replicas' own
+            loss, grads = self._replica(loss_fn, params, batch, key)
+            return self._mean(loss), self._mean(grads)
         if isinstance(self.estimator, Hybrid) and self.tangents == "shared":
             # reduce the per-micro-batch scalars and exact gradients, then correct once: equal
             # to the whole-batch hybrid for every correction (weighted and guess included)
             return self.estimator(loss_fn, params, batch, key, reduce=self._mean)[:2]
-        loss, grads = self.estimator(loss_fn, params, batch, self._key(key))[:2]
+        loss, grads = self._replica(loss_fn, params, batch, key)
         return self._mean(loss), self._mean(grads)
 
     def _scalar_body(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array):
@@ -142,14 +214,89 @@ class DataParallel:
             out_specs=(P(), P()),
             check_vma=False,
         )
-        if any(t == AxisType.Explicit for t in self.mesh.axis_types):
-            # Explicit-sharding meshes (jax.make_mesh's default) need inputs laid out as specced.
-            params, batch, key = (
-                jax.reshard(x, NamedSharding(self.mesh, spec))
-                for x, spec in ((params, P()), (batch, batch_spec), (key, P()))
-            )
+        # Explicit-sharding meshes (jax.make_mesh's default) need inputs laid out as specced.
+        params, batch, key = (
+            self._layout(x, spec) for x, spec in ((params, P()), (batch, batch_spec), (key, P()))
+        )
         loss, grads = fn(params, batch, key)
         return (loss, grads, {}) if diagnostics else (loss, grads)
+
+    def _layout(self, tree: Any, spec: P) -> Any:
+        if any(t == AxisType.Explicit for t in self.mesh.axis_types):
+            return jax.reshard(tree, NamedSharding(self.mesh, spec))
+        return tree
+
+    def replicate_state(self, state: Any) -> Any:
+        """One copy of an optimizer ``state`` per replica: leaves stacked on a leading axis of
+        size n, sharded over ``axis`` (the per-replica state :meth:`step` takes)."""
+        n = self.num_devices
+        stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), state)
+        return jax.device_put(stacked, NamedSharding(self.mesh, P(self.axis)))
+
+    def step(
+        self,
+        loss_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        params: Any,
+        opt_states: Any,
+        batch: Any,
+        key: jax.Array,
+    ) -> tuple[Any, Any, jax.Array, jax.Array]:
+        """One optimizer step with per-replica optimizer states (``exchange="moments"``).
+
+        Every replica estimates the gradient of its shard (not all-reduced) and runs
+        ``optimizer.update`` on it with its own state, inside the map; an optimizer that
+        exchanges over ``axis`` (:func:`jaxstream.optim.max_adabelief_exchange` with
+        ``axis_name=axis``) makes the updates, hence the params, the same on every replica.
+
+        Args:
+          loss_fn, params, batch, key: as for ``__call__`` (params replicated).
+          optimizer: an optax transformation whose update runs inside ``shard_map``.
+          opt_states: the replicas' states, leaves with a leading axis of size n
+            (:meth:`replicate_state`).
+
+        Returns:
+          ``(params, opt_states, loss, grad_rms)``: the new params (replica 0's), the new
+          states, the whole-batch mean loss and the root mean square of the replicas' gradient
+          norms (a scalar all-reduce; the norm of the mean gradient would cost a params-sized
+          one).
+
+        Example:
+          >>> dp = data_parallel(jg.backprop(), mesh, exchange="moments")
+          >>> opt = max_adabelief_exchange(1e-3, axis_name="data")
+          >>> states = dp.replicate_state(opt.init(params))
+          >>> params, states, loss, _ = jax.jit(dp.step, static_argnums=(0, 1))(
+          ...     stack, opt, params, states, batch, key)
+        """
+        if self.exchange != "moments":
+            raise ValueError(
+                f"exchange: step() needs 'moments' (per-replica optimizer states); got "
+                f"{self.exchange!r}; with {EXCHANGE[:2]} call the estimator and update once"
+            )
+        self._check_batch(batch)
+        batch_spec = P(*([None] * self.batch_axis), self.axis)
+
+        def body(p, states, b, k):
+            state = jax.tree.map(lambda x: x[0], states)
+            loss, grads = self._replica(loss_fn, p, b, k)
+            updates, state = optimizer.update(grads, state, p)
+            sq = jax.lax.pmean(optax.tree.norm(grads, squared=True), self.axis)
+            p = optax.apply_updates(p, updates)
+            state = jax.tree.map(lambda x: x[None], state)
+            return p, state, self._mean(loss), jnp.sqrt(sq)
+
+        fn = shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(P(), P(self.axis), batch_spec, P()),
+            out_specs=(P(), P(self.axis), P(), P()),
+            check_vma=False,
+        )
+        params, batch, key = (
+            self._layout(x, spec) for x, spec in ((params, P()), (batch, batch_spec), (key, P()))
+        )
+        opt_states = self._layout(opt_states, P(self.axis))
+        return fn(params, opt_states, batch, key)
 
 
 def data_parallel(
@@ -169,11 +316,15 @@ def data_parallel(
       mesh: a mesh with an axis named ``axis``; other axes (e.g. ``stage``) see replicated data.
       axis: the data axis.
       allreduce: ``"psum"`` (XLA) or ``"ring"`` (reduce-scatter + all-gather by ppermute).
-      exchange: ``"gradients"`` (average the per-device estimates) or ``"scalars"`` (forward
-        weight perturbation only: all-gather n x K coefficients, regenerate tangents).
+      exchange: ``"gradients"`` (average the per-device estimates), ``"scalars"`` (forward
+        weight perturbation only: all-gather n x K coefficients, regenerate tangents) or
+        ``"moments"`` (no gradient all-reduce: :meth:`DataParallel.step` runs a per-replica
+        optimizer such as :func:`jaxstream.optim.max_adabelief_exchange` inside the map;
+        calling the estimator returns the mean of the replicas' own estimates).
       tangents: ``"independent"`` (device i uses ``fold_in(key, i)``: n x K tangents in all) or
         ``"shared"`` (every device uses ``key``: the estimate equals the single-device estimate
-        of the whole batch with that key).
+        of the whole batch with that key; activity tangents are drawn for the whole batch and
+        sliced, see :class:`ShardRows`).
       batch_axis: the batch axis to split (1 for a hybrid's (N, B, ...) micro-batched batch).
 
     Returns:

@@ -105,9 +105,11 @@ def _check_option_type(field: str, value: Any, default: Any) -> None:
 
 
 def build_optimizer(
-    cfg: OptimizerConfig, learning_rate: float, total_steps: int | None = None
+    cfg: OptimizerConfig, learning_rate: float, total_steps: int | None = None,
+    factory: OptimizerFactory | None = None,
 ) -> optax.GradientTransformation:
-    """The optax transformation for ``cfg`` with base ``learning_rate``."""
+    """The optax transformation for ``cfg`` with base ``learning_rate`` (``factory``: build it
+    with this instead of the registered factory of ``cfg.name``, same options and schedule)."""
     check_optimizer(cfg)
     lr: Any = learning_rate
     if cfg.schedule == "cosine" or cfg.warmup_steps:
@@ -121,7 +123,7 @@ def build_optimizer(
             lr = optax.join_schedules([warm, main], [cfg.warmup_steps])
         else:
             lr = main
-    tx = _OPTIMIZERS[cfg.name](lr, **cfg.options)
+    tx = (factory or _OPTIMIZERS[cfg.name])(lr, **cfg.options)
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
     return tx

@@ -111,6 +111,10 @@ class TrainConfig:
             check_arm = getattr(self.engine, "check_arm", None)  # engine/estimator compatibility
             if check_arm is not None:
                 check_arm(arm, f"arms.{i}")
+            check_opt = getattr(self.engine, "check_optimizer", None)  # engine/optimizer
+            if check_opt is not None:
+                check_opt(self.arm_optimizer(arm),
+                          f"arms.{i}.optimizer" if arm.optimizer is not None else "optimizer")
         check_optimizer(self.optimizer, "optimizer")
         check_arms = getattr(self.engine, "check_arms", None)
         if check_arms is not None:

@@ -12,7 +12,7 @@ from jaxstream.comm import collectives, traffic_summary
 from jaxstream.comm.dataparallel import data_parallel, device_keys
 from jaxstream.grad import backprop, forward, hybrid
 from jaxstream.models import mlp
-from tests.trees import assert_trees_close
+from tests.trees import assert_trees_close, max_rel_err
 
 N = 8
 
@@ -146,3 +146,28 @@ def test_explicit_2d_mesh_data_axis(setup):
     ref_loss, ref_grads = jax.value_and_grad(stack)(params, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     _close(grads, ref_grads)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"distribution": "rademacher"}, {"distribution": "gaussian", "orthogonal": True,
+                                      "local_losses": True}],
+    ids=["rademacher", "gaussian-orthogonal-local"],
+)
+def test_activity_shared_tangents_equal_whole_batch_estimate(setup, kw):
+    """Activity tangents are per example: each replica draws the whole batch's and keeps its
+    rows, so 4 replicas give the in-memory whole-batch estimate for the same key."""
+    stack, params, batch, _ = setup
+    n, key = 4, jax.random.key(3)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+    est = forward(num_tangents=2, perturb="activations", **kw)
+    dp = data_parallel(est, mesh, tangents="shared", allreduce="ring")
+    loss, grads = _run(dp, stack, params, batch, key)
+    ref_loss, ref_grads = _run(est, stack, params, batch, key)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _close(grads, ref_grads)
+    # Not an identity: shard-shaped draws with the same key (the replicas' tangents repeated
+    # from shard to shard) give another estimate.
+    parts = jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), batch)
+    per = jax.jit(jax.vmap(lambda b: est(stack, params, b, key)[1]))(parts)
+    assert max_rel_err(jax.tree.map(lambda g: g.mean(0), per), ref_grads) > 0.1
