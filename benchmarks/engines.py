@@ -14,8 +14,8 @@ micro-batch, hybrids a static selection, so the reference is the in-memory estim
 same per-micro-batch keys (ᵖ) and fixed ``exact_indices``; ``guess`` is given its direction
 before the forward pass — in training the previous step's exact mean, here this step's, so that
 it can be compared), ``stream`` (layers from a TensorStore). Data parallel activity
-perturbation draws its tangents per replica shard: compared with the in-memory estimator per
-shard (ˢ).
+perturbation with shared tangents draws each activation tangent for the whole batch and keeps
+the shard's rows, so its reference is the in-memory estimator itself.
 """
 
 from __future__ import annotations
@@ -98,15 +98,6 @@ def per_micro_forward(est, stack, params, micro, key):
             jax.tree.map(lambda *g: sum(g) / n, *[o[1] for o in out]))
 
 
-def per_shard_forward(est, stack, params, flat, key, shards):
-    """The in-memory estimator on each of the data-parallel shards with the same key, averaged
-    (what replicas compute when the estimate depends on the batch's shape: activity tangents
-    are drawn per shard)."""
-    parts = jax.tree.map(lambda a: a.reshape(shards, -1, *a.shape[1:]), flat)
-    out = [est(stack, params, jax.tree.map(lambda a: a[i], parts), key) for i in range(shards)]
-    return jax.tree.map(lambda *g: sum(g) / shards, *[o[1] for o in out])
-
-
 def run_pipeline(name, est, stack, params, micro, key):
     """(grads, own reference or None); raises ValueError/TypeError when the pipeline refuses.
     Forward estimators run on a forward-only table with tangents per micro-batch (reference:
@@ -156,10 +147,8 @@ def main(argv=None) -> dict:
         dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)
         runs = {
             "memory": lambda: (ref, None),
-            "dataparallel": lambda: (
-                jax.jit(dp, static_argnums=0)(stack, params, data, key)[1],
-                per_shard_forward(est, stack, params, data, key, M)
-                if isinstance(est, jg.Forward) and est.perturb == "activations" else None),
+            "dataparallel": lambda: (jax.jit(dp, static_argnums=0)(stack, params, data, key)[1],
+                                     None),
             "pipeline": lambda: run_pipeline(name, est, stack, params, micro, key),
             "stream": lambda: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
         }
@@ -173,8 +162,7 @@ def main(argv=None) -> dict:
             else:
                 row.update(status="ran", max_rel_err=max_rel_err(grads, own_ref or ref),
                            cosine_to_exact=cosine(grads, exact),
-                           reference="same" if own_ref is None else
-                           ("per-shard" if engine == "dataparallel" else "per-micro-batch"))
+                           reference="same" if own_ref is None else "per-micro-batch")
             rows.append(row)
             err = "" if row["max_rel_err"] is None else f"{row['max_rel_err']:.2e}"
             cos = "" if row["cosine_to_exact"] is None else f"{row['cosine_to_exact']:+.3f}"
@@ -201,7 +189,7 @@ def _print_matrix(rows) -> str:
     def text(r):
         if r["status"] != "ran":
             return "refused"
-        mark = {"same": "", "per-micro-batch": " ᵖ", "per-shard": " ˢ"}[r["reference"]]
+        mark = {"same": "", "per-micro-batch": " ᵖ"}[r["reference"]]
         return f"{r['max_rel_err']:.1e}{mark} ({r['cosine_to_exact']:+.3f})"
 
     print("\nmax relative error against the in-memory estimator (cosine to the exact gradient)")

@@ -15,7 +15,8 @@ State: the per-replica state is exactly :class:`~jaxstream.optim.ScaleByMaxBelie
 (count, m_i, s_i, s^max_i) and stays per replica: it is *not* replaced by the averages, so
 the replicas' states differ while their parameters (and updates) are the same.  A checkpoint
 must hold every replica's state (n copies), e.g. the stacked state of ``shard_map`` with
-``P("data")``; restoring one replica's state into all changes the run.
+``P("data")``; restoring one replica's state into all changes the run.  The ``dataparallel``
+engine does this with ``exchange: moments`` (:meth:`jaxstream.comm.DataParallel.step`).
 
 Wire: two params-sized all-reduces per step (m̂ and ŝ^max, sent as one bucket) against one
 for a gradient all-reduce.
