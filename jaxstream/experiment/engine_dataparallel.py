@@ -97,8 +97,12 @@ class DataParallelEngine(LocalEngine):
 
     def init(self, params: Any, key: jax.Array) -> LocalState:
         del key
-        state = LocalState(params, self.optimizer.init(params))
-        return jax.device_put(state, NamedSharding(self.dp.mesh, P()))
+        params = jax.device_put(params, NamedSharding(self.dp.mesh, P()))
+        return LocalState(params, self._opt_state(params))
+
+    def _opt_state(self, params: Any) -> Any:
+        """One optimizer state, replicated."""
+        return jax.device_put(self.optimizer.init(params), NamedSharding(self.dp.mesh, P()))
 
 
 class MomentExchangeEngine(DataParallelEngine):
@@ -109,9 +113,9 @@ class MomentExchangeEngine(DataParallelEngine):
     the replicas' own gradient norms (there is no all-reduced gradient).
     """
 
-    def init(self, params: Any, key: jax.Array) -> LocalState:
-        params = super().init(params, key).params
-        return LocalState(params, self.dp.replicate_state(self.optimizer.init(params)))
+    def _opt_state(self, params: Any) -> Any:
+        """One optimizer state per replica, stacked and sharded over ``data``."""
+        return self.dp.replicate_state(self.optimizer.init(params))
 
     def _step(self, state: LocalState, batch: dict, key: jax.Array):
         batch = split_micro_batches(batch, self.micro_batches)
