@@ -9,8 +9,9 @@ whole-batch gradients), codec_bytes_ratio (packed vs dense all-reduce, bytes on 
 cholesky_max_rel_err (rebuilt L L^T vs the matrix sent), balance_before / balance_after
 (slowest / mean stage time, count-even split vs optimal placement of a widening MLP on
 devices of speeds 1, 1, 2, 0.5; slowest / ideal and the equal-speed case are reported too),
-exchange_* (Max-AdaBelief with the gradient all-reduced vs the m̂ / s_max exchange of
-jaxstream.optim.max_adabelief_exchange: bytes per step, final loss and test accuracy on digits).
+exchange_* (the dataparallel engine's steps, Max-AdaBelief with the gradient all-reduced vs
+``exchange: moments``, the m̂ / s_max exchange of jaxstream.optim.max_adabelief_exchange: bytes
+per step, final loss and test accuracy on digits).
 Bytes are read from the compiled HLO (jaxstream.comm.traffic), times are medians.
 ``--doc`` rewrites the ``<!-- benchmark: dataparallel.py NAME -->`` blocks of a Markdown file
 with the tables of this run (see benchmarks/docblocks.py).
@@ -31,7 +32,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from docblocks import write_blocks
 from jax import shard_map
 from jax.sharding import Mesh
@@ -41,13 +41,14 @@ from sklearn.datasets import load_digits
 from jaxstream.comm import (
     collectives,
     ring_all_reduce,
-    ring_all_reduce_tree,
     send_symmetric,
     symmetric_traffic,
     traffic_summary,
 )
 from jaxstream.comm.dataparallel import data_parallel
 from jaxstream.data.digits import load_digits as load_digits_split
+from jaxstream.experiment.engine_dataparallel import DataParallelEngine, MomentExchangeEngine
+from jaxstream.experiment.engines import LocalEngineConfig
 from jaxstream.grad import backprop, forward
 from jaxstream.models import mlp
 from jaxstream.optim import max_adabelief, max_adabelief_exchange
@@ -309,34 +310,14 @@ def placement_part(repeats: int) -> dict:
     }
 
 
-def _dp_step(stack, opt, mesh: Mesh, grads: str | None):
-    """One data-parallel training step in ``shard_map``: per-replica optimizer state.
-
-    ``grads``: ``"psum"`` / ``"ring"`` to all-reduce the gradient before ``opt``, or ``None``
-    when ``opt`` exchanges itself (``max_adabelief_exchange``).  Losses stay per replica so
-    the compiled step holds only the optimizer's traffic.
-    """
-
-    def body(params, state, batch):
-        state = jax.tree.map(lambda x: x[0], state)
-        loss, g = jax.value_and_grad(stack)(params, batch)
-        if grads == "psum":
-            g = jax.lax.pmean(g, "data")
-        elif grads == "ring":
-            g = ring_all_reduce_tree(g, "data", mean=True)
-        updates, state = opt.update(g, state, params)
-        new_state = jax.tree.map(lambda x: x[None], state)
-        return optax.apply_updates(params, updates), new_state, loss[None]
-
-    return jax.jit(
-        shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(), P("data"), P("data")),
-            out_specs=(P(), P("data"), P("data")),
-            check_vma=False,
-        )
-    )
+def _engine(stack, mesh: Mesh, exchange: str, allreduce: str, kw: dict):
+    """The ``dataparallel`` engine as the runner builds it (backprop arm, lr 3e-3)."""
+    dp = data_parallel(backprop(), mesh, allreduce=allreduce, exchange=exchange)
+    if exchange == "moments":
+        opt = max_adabelief_exchange(3e-3, **kw, allreduce=allreduce)
+        return MomentExchangeEngine(LocalEngineConfig(), dp=dp, stack=stack, optimizer=opt)
+    return DataParallelEngine(LocalEngineConfig(), dp=dp, stack=stack,
+                              optimizer=max_adabelief(3e-3, **kw))
 
 
 def exchange_part(mesh: Mesh, width: int, steps: int, repeats: int) -> dict:
@@ -350,27 +331,27 @@ def exchange_part(mesh: Mesh, width: int, steps: int, repeats: int) -> dict:
     test = {k: jnp.asarray(v) for k, v in ds.test.items()}
     kw = {"eps": 1e-8, "eps_root": 1e-12, "max_of": "corrected"}
     arms = {
-        "gradients psum, max_adabelief": (max_adabelief(3e-3, **kw), "psum"),
-        "gradients ring, max_adabelief": (max_adabelief(3e-3, **kw), "ring"),
-        "moments psum (m̂, s_max)": (max_adabelief_exchange(3e-3, **kw), None),
-        "moments ring (m̂, s_max)": (max_adabelief_exchange(3e-3, **kw, allreduce="ring"), None),
+        "gradients psum, max_adabelief": ("gradients", "psum"),
+        "gradients ring, max_adabelief": ("gradients", "ring"),
+        "moments psum (m̂, s_max)": ("moments", "psum"),
+        "moments ring (m̂, s_max)": ("moments", "ring"),
     }
     accuracy = jax.jit(stack.accuracy)
     rows, finals = [], {}
-    for name, (opt, grads) in arms.items():
-        step = _dp_step(stack, opt, mesh, grads)
-        params = jax.device_put(params0, jax.sharding.NamedSharding(mesh, P()))
-        state = jax.tree.map(lambda x: jnp.stack([x] * N), opt.init(params0))
-        state = jax.device_put(state, jax.sharding.NamedSharding(mesh, P("data")))
+    key = jax.random.key(0)
+    for name, (exchange, allreduce) in arms.items():
+        engine = _engine(stack, mesh, exchange, allreduce, kw)
+        state = engine.init(params0, None)
         first = {k: jnp.asarray(v[idx[0]]) for k, v in ds.train.items()}
-        traffic = traffic_summary(collectives(step, params, state, first, num_devices=N))
+        traffic = traffic_summary(collectives(engine.step, state, first, key, num_devices=N))
         payload = traffic["all-reduce"] + traffic["all-gather"] / N + traffic["collective-permute"]
-        ms = _time(step, params, state, first, repeats=repeats) * 1e3
+        ms = _time(engine.step, state, first, key, repeats=repeats) * 1e3
         losses = []
         for t in range(steps):
             batch = {k: jnp.asarray(v[idx[t]]) for k, v in ds.train.items()}
-            params, state, loss = step(params, state, batch)
-            losses.append(float(np.mean(loss)))
+            state, metrics = engine.step(state, batch, key)
+            losses.append(float(metrics["loss"]))
+        params = engine.params(state)
         finals[name] = params
         rows.append(
             [
