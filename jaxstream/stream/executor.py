@@ -247,7 +247,7 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
-        if self.kind != "hybrid":
+        if self._merge_micro_batches():
             # one shared tangent / exact gradient of the mean over all samples: the N
             # micro-batches are computed as one (same device memory, same sums as in memory)
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
@@ -269,17 +269,15 @@ class StreamedExecutor:
     def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        for u, (host, dev) in self._sweep(["embed", *layers, "head"], self._load, t0, "forward"):
+        units = ["embed", *self._groups(layers), "head"]
+        for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
                 h, dh = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
             elif u == "head":
                 losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
                 stash["head"] = None if stash_idx is None else jax.device_get(h[stash_idx])
             else:
-                if stash_idx is not None:
-                    stash[u] = jax.device_get(h[stash_idx])
-                h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
-                h.block_until_ready()
+                h, dh = self._block_jvp(dev, u, keys, h, dh, stash, stash_idx)
             if host is not None:
                 hosts[u] = host
         return jax.device_get(losses), jax.device_get(d).astype(np.float32), hosts, stash, x
@@ -320,20 +318,22 @@ class StreamedExecutor:
         estimate needs only its own output and the head: one sweep."""
         x = self._cast_batch(batch)
         keys = key[None]
-        units = ["embed", *layers, "head"]
-        kind = lambda u: u if isinstance(u, str) else "block"  # noqa: E731
-        layer = lambda u: jnp.int32(0 if isinstance(u, str) else u)  # noqa: E731
+        units = ["embed", *self._groups(layers), "head"]
+        z = jnp.int32(0)
         if self.estimator.local_losses:
             head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
             h = x["x"]
             for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
-                out, g = K.unit_local_grad(self.stack, self.spec, kind(u), dev, layer(u), keys, h,
-                                           head_dev, x)
+                if isinstance(u, str):
+                    out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, h,
+                                               head_dev, x)
+                else:
+                    out, g = self._block_local_grad(dev, u, keys, h, head_dev, x)
                 if u == "head":
                     loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
                         o.astype(jnp.float32), b))(out, x))
                 h = out
-                sink(u, _f32(g, self.host), host)
+                self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
             return float(loss)
         for u, (_, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
@@ -341,11 +341,14 @@ class StreamedExecutor:
             elif u == "head":
                 ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
             else:
-                h, dh = K.block_act(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+                h, dh = self._block_act(dev, u, keys, h, dh)
         h = x["x"]
         for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
-            h, g = K.unit_act_grad(self.stack, self.spec, kind(u), dev, layer(u), keys, h, d)
-            sink(u, _f32(g, self.host), host)
+            if isinstance(u, str):
+                h, g = K.unit_act_grad(self.stack, self.spec, u, dev, z, keys, h, d)
+            else:
+                h, g = self._block_act_grad(dev, u, keys, h, d)
+            self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
         return float(jnp.mean(ex_loss))
 
     def _like(self, u, hosts):
@@ -401,14 +404,10 @@ class StreamedExecutor:
             losses = jax.device_get(head_losses)
         finish("head", g, hosts["head"])
 
-        def rload(u):
-            host = self.store.read(u, staged=True).result()
-            return host, self._to_device(host)
-
-        vjp = K.block_vjp_each if hybrid else K.block_vjp
-        for u, (host, dev) in self._sweep(list(reversed(layers)), rload, t0, "reverse"):
-            g, ct = vjp(self.stack, dev, jax.device_put(stash[u], self.device), ct)
-            finish(u, g, host)
+        for u, (host, dev) in self._sweep(list(reversed(self._groups(layers))), self._rload, t0,
+                                          "reverse"):
+            g, ct = self._block_vjp(dev, u, stash, ct, hybrid)
+            self._each(u, g, host, finish)
         embed_dev = self._to_device(hosts["embed"])
         g = (K.embed_vjp_each if hybrid else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
         finish("embed", g, hosts["embed"])
@@ -446,17 +445,19 @@ class StreamedExecutor:
         units = ["embed", *layers, "head"]
 
         def gload(u):
-            host, dev = self._load_both(u) if u not in hosts else (hosts[u], self._to_device(hosts[u]))
-            v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
-            return dev, self._to_device(v)
+            if isinstance(u, str):
+                dev = self._to_device(hosts[u])
+                v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
+                return dev, self._to_device(v)
+            return self._load_along(u, scale)
 
-        for u, (dev, v) in self._sweep(units, gload, t0, "guess"):
+        for u, (dev, v) in self._sweep(["embed", *self._groups(layers), "head"], gload, t0, "guess"):
             if u == "embed":
                 h, dh = K.embed_along(self.stack, dev, v, x["x"])
             elif u == "head":
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
-                h, dh = K.block_along(self.stack, dev, v, h, dh)
+                h, dh = self._block_along(dev, v, h, dh)
         coef = float(np.mean(jax.device_get(dg))) * scale
 
         def uload(u):
@@ -466,6 +467,60 @@ class StreamedExecutor:
 
         for u, (p, g) in self._sweep(units, uload, t0, "update"):
             sink(u, g, p)
+
+    # ------------------------------------------------------------------ blocks on the device
+    # What a sweep does with the blocks. Here one layer at a time on one device; an engine
+    # that places a group of layers over several devices overrides these (and the loaders).
+    def _groups(self, layers: Sequence[int]) -> list:
+        """The device units of a block sweep: here each layer alone."""
+        return list(layers)
+
+    def _merge_micro_batches(self) -> bool:
+        """Whether the step computes its N micro-batches as one (every kind but hybrid)."""
+        return self.kind != "hybrid"
+
+    def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
+        """``fn(layer, gradient, host params)`` for each layer of device unit ``u``."""
+        fn(u, g, host)
+
+    def _rload(self, u: Any) -> tuple[Any, Any]:
+        """(host, device) params of a unit as staged this step (the reverse sweep)."""
+        host = self.store.read(u, staged=True).result()
+        return host, self._to_device(host)
+
+    def _load_along(self, u: Any, scale: float) -> tuple[Any, Any]:
+        """(device params, device direction) of a block unit for the ``guess`` sweep."""
+        _, dev = self._load_both(u)
+        v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
+        return dev, self._to_device(v)
+
+    def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
+        if stash_idx is not None:
+            stash[u] = jax.device_get(h[stash_idx])
+        h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+        h.block_until_ready()
+        return h, dh
+
+    def _block_act(self, dev, u, keys, h, dh):
+        return K.block_act(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+
+    def _block_act_grad(self, dev, u, keys, h, d):
+        return K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h, d)
+
+    def _block_local_grad(self, dev, u, keys, h, head_dev, x):
+        return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h,
+                                 head_dev, x)
+
+    def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
+        vjp = K.block_vjp_each if each else K.block_vjp
+        return vjp(self.stack, dev, jax.device_put(stash[u], self.device), ct)
+
+    def _block_along(self, dev, v, h, dh):
+        return K.block_along(self.stack, dev, v, h, dh)
+
+    def _block_apply(self, dev, u, h, stash: dict):
+        stash[u] = jax.device_get(h)
+        return K.block_apply(self.stack, dev, h)
 
     # ------------------------------------------------------------------ helpers
     def _members(self, key, n, layers) -> dict:
@@ -507,14 +562,14 @@ class StreamedExecutor:
         """Forward sweep without tangents, stashing every block's input (backprop)."""
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        for u, (host, dev) in self._sweep(["embed", *layers, "head"], self._load, t0, "forward"):
+        units = ["embed", *self._groups(layers), "head"]
+        for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
                 h = K.embed_apply(self.stack, dev, x["x"])
             elif u == "head":
                 stash["head"] = jax.device_get(h)
             else:
-                stash[u] = jax.device_get(h)
-                h = K.block_apply(self.stack, dev, h)
+                h = self._block_apply(dev, u, h, stash)
             if host is not None:
                 hosts[u] = host
         return None, hosts, stash, x
