@@ -208,7 +208,8 @@ class StreamedExecutor:
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)),
-                "layers_read": sum(1 for e in self.events if isinstance(e.unit, int))}
+                "layers_read": sum(len(e.unit) if isinstance(e.unit, tuple) else 1
+                                   for e in self.events if not isinstance(e.unit, str))}
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
         """The step's gradient estimate without updating: ``(loss, grads)``, grads shaped like
