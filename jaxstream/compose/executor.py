@@ -97,6 +97,13 @@ class ComposedExecutor(StreamedExecutor):
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
         self._pipes: dict = {}
+        self.ticks = 0  # pipeline ticks of the passes since the last step began
+
+    def step(self, batch: dict, key: jax.Array, step: int | None = None, extra: Any = None) -> dict:
+        """One committed optimizer step (see :meth:`StreamedExecutor.step`); the metrics add
+        ``ticks``, the pipeline ticks of the step's chunk passes."""
+        self.ticks = 0
+        return {**super().step(batch, key, step, extra), "ticks": self.ticks}
 
     # ------------------------------------------------------------------ placement
     def _groups(self, layers: Sequence[int]) -> list:
@@ -161,12 +168,18 @@ class ComposedExecutor(StreamedExecutor):
 
     # ------------------------------------------------------------------ the passes
     def _pipe(self, name: str, **kw) -> Callable:
+        """The pass ``name`` (built once per options); calling it counts its ticks."""
         key = (name, tuple(sorted(kw.items())))
         if key not in self._pipes:
             fn, specs = _PASSES[name](self.stack, self.spec, **kw)
             opts = {k: v for k, v in kw.items() if k in ("num_slots", "emit_sum", "reverse")}
             self._pipes[key] = build_pipe(self.mesh, fn, **specs, **opts)
-        return self._pipes[key]
+        run = self._pipes[key]
+
+        def counted(params, states, *rest):
+            self.ticks += jax.tree.leaves(states)[0].shape[0] + self.num_stages - 1
+            return run(params, states, *rest)
+        return counted
 
     @staticmethod
     def _slots(n: int, idx) -> tuple[jax.Array, int]:
