@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
 from jaxstream.models.stack import Stack
-from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor, host_value
 from jaxstream.stream.store import LayerStore
 
 ACT = P(None, DATA)  # (N, B, ...)
@@ -121,22 +121,40 @@ class ComposedExecutor(StreamedExecutor):
         if b % self.mesh.shape[DATA]:
             raise ValueError(f"batch: the micro-batch size {b} must be divisible by "
                              f"data = {self.mesh.shape[DATA]}")
-        cast = super()._cast_batch(batch)
-        return jax.device_put(cast, NamedSharding(self.mesh, ACT))
+        return self._global(jax.tree.map(self._cast, batch), ACT)
 
     def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
         if not isinstance(u, tuple):
             return fn(u, g, host)
-        g = jax.device_get(g)
+        g = host_value(g)
         for i, l in enumerate(u):
             fn(l, jax.tree.map(lambda a: a[i], g), None if host is None else host[i])
 
     # ------------------------------------------------------------------ loading chunks
     def _put(self, trees: list, sharding: NamedSharding) -> Any:
-        def cast(*leaves):
-            a = np.stack([np.asarray(x) for x in leaves])
-            return a.astype(self.dtype, copy=False) if np.issubdtype(a.dtype, np.floating) else a
-        return jax.device_put(jax.tree.map(cast, *trees), sharding)
+        """Stacks per-stage trees into arrays sharded by ``sharding`` (stage on the first
+        axis): each device gets its own slice straight from its tree (no stacked host copy;
+        only this process's devices, so it also runs under ``jax.distributed``)."""
+        def put(*leaves):
+            leaves = [self._cast(x) for x in leaves]
+            return jax.make_array_from_callback(
+                (len(leaves),) + leaves[0].shape, sharding,
+                lambda i: leaves[i[0].start or 0][(None,) + tuple(i[1:])])
+        return jax.tree.map(put, *trees)
+
+    def _cast(self, a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        return a.astype(self.dtype, copy=False) if np.issubdtype(a.dtype, np.floating) else a
+
+    def _global(self, tree: Any, spec: P) -> Any:
+        """Host values as arrays laid out by ``spec`` over the mesh (every process passes the
+        same values)."""
+        sh = NamedSharding(self.mesh, spec)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(
+            np.shape(a), sh, lambda i, a=a: np.asarray(a)[i]), tree)
+
+    def _to_device(self, tree: Any) -> Any:
+        return self._global(jax.tree.map(self._cast, tree), P())
 
     def _read(self, u: tuple, staged: bool = False) -> list:
         futures = [self.store.read(l, staged=staged) for l in u]
@@ -186,20 +204,20 @@ class ComposedExecutor(StreamedExecutor):
         slots = np.full(n, -1, np.int32)
         if idx is not None:
             slots[np.asarray(idx)] = np.arange(len(idx), dtype=np.int32)
-        return jnp.asarray(slots), (0 if idx is None else len(idx))
+        return slots, (0 if idx is None else len(idx))
 
     def _layers(self, u: tuple) -> jax.Array:
-        return jax.device_put(np.asarray(u, np.int32), self._stage)
+        return self._put([np.int32(l) for l in u], self._stage)
 
     def _unstash(self, u: tuple, em: Any, stash: dict) -> None:
-        em = np.asarray(jax.device_get(em))
+        em = host_value(em)
         for i, l in enumerate(u):
             stash[l] = em[i]
 
     def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
         slots, s = self._slots(h.shape[0], stash_idx)
         run = self._pipe("jvp", num_slots=s)
-        (h, dh), em = run(dev, (h, dh), jax.random.key_data(keys), self._layers(u), (), slots)
+        (h, dh), em = run(dev, (h, dh), _kd(keys), self._layers(u), (), slots)
         if stash_idx is not None:
             self._unstash(u, em, stash)
         h.block_until_ready()
@@ -207,20 +225,20 @@ class ComposedExecutor(StreamedExecutor):
 
     def _block_act(self, dev, u, keys, h, dh):
         slots, _ = self._slots(h.shape[0], None)
-        (h, dh), _ = self._pipe("act")(dev, (h, dh), jax.random.key_data(keys), self._layers(u),
+        (h, dh), _ = self._pipe("act")(dev, (h, dh), _kd(keys), self._layers(u),
                                        (), slots)
         return h, dh
 
     def _block_act_grad(self, dev, u, keys, h, d):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("act_grad", num_examples=int(d.shape[0] * d.shape[2]), emit_sum=True)
-        (h,), g = run(dev, (h,), (jax.random.key_data(keys), d), self._layers(u), (), slots)
+        (h,), g = run(dev, (h,), (_kd(keys), d), self._layers(u), (), slots)
         return h, g
 
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("local", num_micro=int(h.shape[0]), emit_sum=True)
-        (h,), g = run(dev, (h,), (jax.random.key_data(keys), x), self._layers(u), head_dev, slots)
+        (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
         return h, g
 
     def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
@@ -228,25 +246,30 @@ class ComposedExecutor(StreamedExecutor):
         st = self._put([stash[l] for l in u], self._stash)
         if each:
             run = self._pipe("vjp", num_slots=s, reverse=True)
-            slots = jnp.arange(s, dtype=jnp.int32)
+            slots = np.arange(s, dtype=np.int32)
         else:
             run = self._pipe("vjp", emit_sum=True, reverse=True)
-            slots = jnp.zeros(s, jnp.int32)
-        (ct,), g = run(dev, (ct,), jnp.arange(s, dtype=jnp.int32), st, (), slots)
+            slots = np.zeros(s, np.int32)
+        (ct,), g = run(dev, (ct,), np.arange(s, dtype=np.int32), st, (), slots)
         return g, ct
 
     def _block_along(self, dev, v, h, dh):
         slots, _ = self._slots(h.shape[0], None)
-        (h, dh), _ = self._pipe("along")(dev, (h, dh), jnp.zeros(h.shape[0]), v, (), slots)
+        (h, dh), _ = self._pipe("along")(dev, (h, dh), np.zeros(h.shape[0], np.float32), v, (), slots)
         return h, dh
 
     def _block_apply(self, dev, u, h, stash: dict):
         n = h.shape[0]
         run = self._pipe("apply", num_slots=n)
-        (h,), em = run(dev, (h,), jnp.zeros(n), self._layers(u), (),
-                       jnp.arange(n, dtype=jnp.int32))
+        (h,), em = run(dev, (h,), np.zeros(n, np.float32), self._layers(u), (),
+                       np.arange(n, dtype=np.int32))
         self._unstash(u, em, stash)
         return h
+
+
+def _kd(keys: jax.Array) -> np.ndarray:
+    """Key data of typed keys, as host values (the same on every process)."""
+    return np.asarray(host_value(jax.random.key_data(keys)))
 
 
 # ---------------------------------------------------------------------- per-micro-batch passes

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.estimators import Backprop, Forward, coefficients
@@ -114,8 +115,8 @@ class StreamedExecutor:
         self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
             stack, estimator, optimizer, store, config)
         self.spec: TangentSpec = getattr(estimator, "spec", TangentSpec())
-        self.device = device or jax.devices()[0]
-        self.host = jax.devices("cpu")[0]
+        self.device = device or jax.local_devices()[0]
+        self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
         self.events: list[Event] = []
         self._pending: dict = dict(store.extra.get("pending", {}))
@@ -216,7 +217,7 @@ class StreamedExecutor:
         params (skipped layers get zeros). For tests against the in-memory estimators."""
         out: dict = {}
         loss, _ = self._run(batch, key, self.layers(step),
-                            lambda u, g, *a, **k: out.__setitem__(u, jax.device_get(g)),
+                            lambda u, g, *a, **k: out.__setitem__(u, host_value(g)),
                             time.perf_counter(), commit_lazy=False)
         zeros = lambda u: jax.tree.map(np.zeros_like, self.store.read(u).result())
         blocks = [out.get(l) if l in out else zeros(l) for l in range(self.store.num_layers)]
@@ -276,12 +277,12 @@ class StreamedExecutor:
                 h, dh = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
             elif u == "head":
                 losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
-                stash["head"] = None if stash_idx is None else jax.device_get(h[stash_idx])
+                stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
             else:
                 h, dh = self._block_jvp(dev, u, keys, h, dh, stash, stash_idx)
             if host is not None:
                 hosts[u] = host
-        return jax.device_get(losses), jax.device_get(d).astype(np.float32), hosts, stash, x
+        return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
 
     def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
         n = jax.tree.leaves(batch)[0].shape[0]
@@ -367,7 +368,7 @@ class StreamedExecutor:
             losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
         sel = jax.tree.map(lambda a: a[idx], x)
         s = len(idx)
-        h_in = jax.device_put(stash["head"], self.device)
+        h_in = self._to_device(stash["head"])
         guess = hybrid and self.estimator.correction == "guess"
         cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "stein",
                                                       "guess")
@@ -393,7 +394,7 @@ class StreamedExecutor:
                 h_u, spread[u] = K.unit_group(g, m, p_h)
                 if not guess:
                     c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
-                sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(jax.device_get(h_u))))
+                sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
             scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
 
         head_dev = self._to_device(hosts["head"])
@@ -402,7 +403,7 @@ class StreamedExecutor:
         else:
             head_losses, g, ct = K.head_loss_vjp(self.stack, head_dev, h_in, sel,
                                                  jnp.full((s,), 1.0 / s, jnp.float32))
-            losses = jax.device_get(head_losses)
+            losses = host_value(head_losses)
         finish("head", g, hosts["head"])
 
         for u, (host, dev) in self._sweep(list(reversed(self._groups(layers))), self._rload, t0,
@@ -459,7 +460,7 @@ class StreamedExecutor:
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
                 h, dh = self._block_along(dev, v, h, dh)
-        coef = float(np.mean(jax.device_get(dg))) * scale
+        coef = float(np.mean(host_value(dg))) * scale
 
         def uload(u):
             p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
@@ -497,7 +498,7 @@ class StreamedExecutor:
 
     def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
         if stash_idx is not None:
-            stash[u] = jax.device_get(h[stash_idx])
+            stash[u] = host_value(h[stash_idx])
         h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
         h.block_until_ready()
         return h, dh
@@ -520,7 +521,7 @@ class StreamedExecutor:
         return K.block_along(self.stack, dev, v, h, dh)
 
     def _block_apply(self, dev, u, h, stash: dict):
-        stash[u] = jax.device_get(h)
+        stash[u] = host_value(h)
         return K.block_apply(self.stack, dev, h)
 
     # ------------------------------------------------------------------ helpers
@@ -568,7 +569,7 @@ class StreamedExecutor:
             if u == "embed":
                 h = K.embed_apply(self.stack, dev, x["x"])
             elif u == "head":
-                stash["head"] = jax.device_get(h)
+                stash["head"] = host_value(h)
             else:
                 h = self._block_apply(dev, u, h, stash)
             if host is not None:
@@ -578,4 +579,15 @@ class StreamedExecutor:
 
 def _f32(tree: Any, host: Any) -> Any:
     """A gradient pytree as fp32 on the host (the optimizer's precision)."""
-    return jax.tree.map(lambda a: jax.device_put(a, host).astype(jnp.float32), tree)
+    return jax.tree.map(lambda a: jax.device_put(np.asarray(host_value(a), np.float32), host),
+                        tree)
+
+
+def host_value(tree: Any) -> Any:
+    """NumPy values of a pytree of arrays, also of arrays spread over several processes
+    (gathered: every process calls this in the same order)."""
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(jax.device_get(a))
+    return jax.tree.map(one, tree)
