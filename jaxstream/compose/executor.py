@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -96,7 +97,6 @@ class ComposedExecutor(StreamedExecutor):
         self.mesh, self.num_stages = mesh, m
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
-        self._pipes: dict = {}
         self.ticks = 0  # pipeline ticks of the passes since the last step began
 
     def step(self, batch: dict, key: jax.Array, step: int | None = None, extra: Any = None) -> dict:
@@ -187,12 +187,7 @@ class ComposedExecutor(StreamedExecutor):
     # ------------------------------------------------------------------ the passes
     def _pipe(self, name: str, **kw) -> Callable:
         """The pass ``name`` (built once per options); calling it counts its ticks."""
-        key = (name, tuple(sorted(kw.items())))
-        if key not in self._pipes:
-            fn, specs = _PASSES[name](self.stack, self.spec, **kw)
-            opts = {k: v for k, v in kw.items() if k in ("num_slots", "emit_sum", "reverse")}
-            self._pipes[key] = build_pipe(self.mesh, fn, **specs, **opts)
-        run = self._pipes[key]
+        run = _pass(self.mesh, self.stack, self.spec, name, tuple(sorted(kw.items())))
 
         def counted(params, states, *rest):
             self.ticks += jax.tree.leaves(states)[0].shape[0] + self.num_stages - 1
@@ -265,6 +260,16 @@ class ComposedExecutor(StreamedExecutor):
                        np.arange(n, dtype=np.int32))
         self._unstash(u, em, stash)
         return h
+
+
+@functools.lru_cache(maxsize=256)
+def _pass(mesh: Mesh, stack: Stack, spec: Any, name: str, kw: tuple) -> Callable:
+    """The jitted pass ``name`` (shared by every executor with the same mesh, model and
+    tangents, so a new store or executor compiles nothing again)."""
+    kw = dict(kw)
+    fn, specs = _PASSES[name](stack, spec, **kw)
+    opts = {k: v for k, v in kw.items() if k in ("num_slots", "emit_sum", "reverse")}
+    return build_pipe(mesh, fn, **specs, **opts)
 
 
 def _kd(keys: jax.Array) -> np.ndarray:
