@@ -102,8 +102,6 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
         mesh = make_mesh(d, s)
         for name in names:
             est, layout, kind = ESTIMATORS[name]
-            if d > 1 and kind in ("activity", "local"):
-                continue  # activity tangents are drawn for the whole batch: data = 1 only
             with tempfile.TemporaryDirectory() as tmp:
                 store = LayerStore.create(Path(tmp) / "s", params, optimizer=optax.sgd(0.1))
                 ex = ComposedExecutor(stack, est, optax.sgd(0.1), store, FP32, mesh=mesh)

@@ -14,9 +14,9 @@ layer back through the store's crash-safe commit, as in the streamed executor.
 
 Every estimator of the streamed executor runs; the gradient equals the in-memory estimator's
 for the same key (the segment kernels are the same, applied per micro-batch). Activity
-perturbation draws its activation tangents for the whole batch at once, so it runs with
-``data == 1`` and its N micro-batches as one (no pipelining). The cost model is in
-docs/composed.md.
+perturbation draws its activation tangents for the whole batch at once (each replica keeps its
+rows of the draw) and runs its N micro-batches as one pass (no pipelining). The cost model is
+in docs/composed.md.
 
 Example::
 
@@ -90,10 +90,6 @@ class ComposedExecutor(StreamedExecutor):
                              f"layers (allowed: divisors of {stack.num_layers})")
         super().__init__(stack, estimator, optimizer, store, config,
                          device=NamedSharding(mesh, P()))
-        if self.kind == "activity" and mesh.shape[DATA] > 1:
-            raise ValueError("mesh: activity perturbation draws its activation tangents for the "
-                             "whole batch, so it needs data = 1, got "
-                             f"data = {mesh.shape[DATA]}")
         self.mesh, self.num_stages = mesh, m
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
@@ -232,7 +228,8 @@ class ComposedExecutor(StreamedExecutor):
 
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         slots, _ = self._slots(h.shape[0], None)
-        run = self._pipe("local", num_micro=int(h.shape[0]), emit_sum=True)
+        run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
+                         emit_sum=True)
         (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
         return h, g
 
@@ -286,29 +283,47 @@ def _jvp(stack, spec, num_slots=0):
     return fn, dict(state_specs=(ACT, TAN), aux_specs=P(), emit_specs=STASH)
 
 
+def _u(spec, key, segment, out):
+    """This replica's slice of the activation tangents of ``segment``, drawn for the whole
+    batch (as the in-memory estimator draws them; every replica draws all, keeps its rows)."""
+    b, d = out.shape[0], jax.lax.axis_index(DATA)
+    full = spec.sample(sg.segment_key(sg.activity_key(key), segment),
+                       (b * jax.lax.axis_size(DATA),) + out.shape[1:], out.dtype)
+    return jax.lax.dynamic_slice_in_dim(full, d * b, b, axis=1)
+
+
+def _cotangent(u, d, num_examples):
+    """(1/(K·B_total)) Σ_k d[k, b] u_k[b] (:func:`jaxstream.grad.segments.act_cotangent`)."""
+    cot = jnp.einsum("kb...,kb->b...", u.astype(jnp.float32), d.astype(jnp.float32))
+    return cot / (u.shape[0] * num_examples)
+
+
 def _act(stack, spec):
     def fn(p, layer, _, state, kd):
         h, dh = state
-        return sg.block_act(stack, spec, p, layer, h, dh, jax.random.wrap_key_data(kd)), ()
+        h2, dh2 = sg.jvp_k(lambda hh: stack.block(p, hh), (h,), (dh.astype(h.dtype),))
+        return (h2, dh2 + _u(spec, jax.random.wrap_key_data(kd), layer, h2)), ()
     return fn, dict(state_specs=(ACT, TAN), aux_specs=P(), emit_specs=())
 
 
 def _act_grad(stack, spec, num_examples, emit_sum=True):
     def fn(p, layer, _, state, aux):
         (h,), (kd, d) = state, aux
-        out, g = sg.act_grad(lambda pp: stack.block(pp, h), p, spec,
-                             jax.random.wrap_key_data(kd), layer, d, num_examples)
+        out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
+        u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
+        (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
         return (out,), jax.lax.psum(g, DATA)
     return fn, dict(state_specs=(ACT,), aux_specs=(P(), TAN), emit_specs=P(STAGE))
 
 
-def _local(stack, spec, num_micro, emit_sum=True):
+def _local(stack, spec, num_micro, num_examples, emit_sum=True):
     def fn(p, layer, head, state, aux):
         (h,), (kd, b) = state, aux
-        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)  # noqa: E731
-        out, g = sg.local_act_grad(lambda pp: stack.block(pp, h), p, spec,
-                                   jax.random.wrap_key_data(kd), layer,
-                                   lambda hh: example(stack.head(head, hh)))
+        out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
+        u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
+        loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)  # noqa: E731
+        _, d = sg.jvp_k(loss, (out,), (u,))
+        (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
         return (out,), jax.lax.psum(jax.tree.map(lambda a: a / num_micro, g), DATA)
     return fn, dict(state_specs=(ACT,), aux_specs=(P(), ACT), emit_specs=P(STAGE))
 

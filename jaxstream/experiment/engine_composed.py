@@ -42,13 +42,6 @@ class ComposedEngineConfig(StreamEngineConfig):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"engine.{name}: must be an int >= 1, got {v!r}")
 
-    def check_arm(self, arm: Any, field: str) -> None:
-        super().check_arm(arm, field)
-        est = arm.estimator.build()
-        if self.data > 1 and getattr(est, "perturb", None) == "activations":
-            raise ValueError(f"{field}.estimator: activity perturbation on the composed engine "
-                             f"needs engine.data = 1, got {self.data}")
-
     def check_model(self, model: Any) -> None:
         """The model's depth divides into the stages (when the model section says its depth)."""
         depth = getattr(model, "depth", None)
