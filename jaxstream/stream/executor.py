@@ -121,7 +121,6 @@ class StreamedExecutor:
         self.events: list[Event] = []
         self._pending: dict = dict(store.extra.get("pending", {}))
         self._applied: set = set()
-        self._dry = False
 
     # ------------------------------------------------------------------ loading
     def _to_device(self, tree: Any) -> Any:
@@ -130,7 +129,8 @@ class StreamedExecutor:
         return jax.device_put(cast, self.device)
 
     def _apply_pending(self, unit: Any, params: Any) -> Any:
-        """Applies the lazy records of ``unit`` (host, fp32) and stages the result."""
+        """Applies the lazy records of ``unit`` (host, fp32) and stages the result (a step's
+        commit makes it visible; :meth:`estimate` and :meth:`forward` drop it)."""
         recs = lazy.take(self._pending, unit)
         if not recs:
             return params
@@ -141,9 +141,8 @@ class StreamedExecutor:
                 g = K.unit_estimate(self.spec, K.seg_keys(key[None], unit), jnp.asarray(coeffs), params)
                 params, opt = K.optax_step(self.optimizer, g, opt, params)
             params, opt = jax.tree.map(np.asarray, (params, opt))
-        if not self._dry:
-            self.store.write(unit, params, opt)
-            self._applied.add(str(unit))
+        self.store.write(unit, params, opt)
+        self._applied.add(str(unit))
         return params
 
     def _load(self, unit: Any) -> tuple[Any, Any]:
@@ -214,11 +213,16 @@ class StreamedExecutor:
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
         """The step's gradient estimate without updating: ``(loss, grads)``, grads shaped like
-        params (skipped layers get zeros). For tests against the in-memory estimators."""
+        params (skipped layers get zeros). For tests against the in-memory estimators. What it
+        stages (pending lazy updates applied on read, scratch) is dropped: the store keeps its
+        committed step."""
         out: dict = {}
-        loss, _ = self._run(batch, key, self.layers(step),
-                            lambda u, g, *a, **k: out.__setitem__(u, host_value(g)),
-                            time.perf_counter(), commit_lazy=False)
+        try:
+            loss, _ = self._run(batch, key, self.layers(step),
+                                lambda u, g, *a, **k: out.__setitem__(u, host_value(g)),
+                                time.perf_counter(), commit_lazy=False)
+        finally:
+            self.store.abort()
         zeros = lambda u: jax.tree.map(np.zeros_like, self.store.read(u).result())
         blocks = [out.get(l) if l in out else zeros(l) for l in range(self.store.num_layers)]
         grads = {"embed": out["embed"], "head": out["head"],
@@ -227,19 +231,21 @@ class StreamedExecutor:
 
     def forward(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The streamed forward sweep alone (no update): per micro-batch losses (N,) and
-        directional derivatives (N, K) of the estimator's tangents for ``key``."""
-        self._dry = True
+        directional derivatives (N, K) of the estimator's tangents for ``key``. Nothing it
+        stages is kept."""
         n = jax.tree.leaves(batch)[0].shape[0]
-        losses, d, *_ = self._forward_sweep(batch, jnp.stack([key] * n), list(self.layers(step)),
-                                            time.perf_counter())
-        self._dry = False
+        try:
+            losses, d, *_ = self._forward_sweep(batch, jnp.stack([key] * n),
+                                                list(self.layers(step)), time.perf_counter())
+        finally:
+            self.store.abort()
         return losses, d
 
     def flush(self, step: int | None = None) -> None:
         """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""
         if not any(self._pending.values()):
             return
-        self._applied, self._dry = set(), False
+        self._applied = set()
         for unit in [u for u, r in self._pending.items() if r]:
             u = int(unit) if unit.isdigit() else unit
             self._apply_pending(u, self.store.read(u).result())
@@ -254,7 +260,6 @@ class StreamedExecutor:
             # micro-batches are computed as one (same device memory, same sums as in memory)
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self._applied = set()
-        self._dry = not commit_lazy
         if self.kind == "forward":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
         elif self.kind == "activity":
