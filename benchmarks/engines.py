@@ -13,7 +13,8 @@ tangents, gradients all-reduced), ``pipeline`` (4 stages; forward estimates use 
 micro-batch, hybrids a static selection, so the reference is the in-memory estimator with the
 same per-micro-batch keys (ᵖ) and fixed ``exact_indices``; ``guess`` is given its direction
 before the forward pass — in training the previous step's exact mean, here this step's, so that
-it can be compared), ``stream`` (layers from a TensorStore). Data parallel activity
+it can be compared), ``stream`` (layers from a TensorStore), ``composed`` (layers from a
+TensorStore through 2 pipeline stages beside 2 replicas: a 2 × 2 mesh). Data parallel activity
 perturbation with shared tangents draws each activation tangent for the whole batch and keeps
 the shard's rows, so its reference is the in-memory estimator itself.
 """
@@ -39,6 +40,7 @@ import optax
 
 import jaxstream.grad as jg
 from jaxstream.comm import data_parallel
+from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.grad.tangents import micro_key
 from jaxstream.models import mlp
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
@@ -122,6 +124,15 @@ def run_stream(est, stack, params, micro, key, root):
     return ex.estimate(micro, key)[1]
 
 
+def run_composed(est, stack, params, micro, key, root):
+    """The composed engine: streamed stages on a 2 × 2 data × stage mesh."""
+    store = LayerStore.create(root, params, optimizer=optax.sgd(0.1))
+    ex = ComposedExecutor(stack, est, optax.sgd(0.1), store,
+                          StreamConfig(compute_dtype="float32", prefetch=1),
+                          mesh=make_mesh(data=2, stage=2))
+    return ex.estimate(micro, key)[1]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="(the matrix is small either way)")
@@ -151,6 +162,8 @@ def main(argv=None) -> dict:
                                      None),
             "pipeline": lambda: run_pipeline(name, est, stack, params, micro, key),
             "stream": lambda: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
+            "composed": lambda: (run_composed(est, stack, params, micro, key, tmp / f"c{i}"),
+                                 None),
         }
         for engine, fn in runs.items():
             row = {"engine": engine, "estimator": name}

@@ -6,6 +6,7 @@ library package (``jaxstream.pipeline``, ``jaxstream.stream``, ``jaxstream.comm`
 """
 
 from jaxstream.experiment import (  # noqa: F401
+    engine_composed,
     engine_dataparallel,
     engine_pipeline,
     engine_stream,

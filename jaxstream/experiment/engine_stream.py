@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,7 @@ class StreamEngineConfig:
     micro_batches: int = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: int = 64
+    streams_layers: ClassVar[bool] = True  # the memory check counts one layer, not the model
 
     def __post_init__(self):
         if self.prefetch < 0:
@@ -160,10 +161,13 @@ class StreamEngine:
                 store = LayerStore.create(self.location, jax.device_get(self._init_params),
                                           optimizer=self.optimizer, model_config=self.model_config,
                                           file_io_concurrency=self.cfg.file_io_concurrency)
-            scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
-                                self.cfg.depth)
-            self.executor = StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
+            self.executor = self._new_executor(store)
         return self.executor
+
+    def _new_executor(self, store: LayerStore) -> StreamedExecutor:
+        scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
+                            self.cfg.depth)
+        return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:
         """Remembers ``params``: the store is created from them (or reopened) on first use."""
@@ -200,8 +204,7 @@ class StreamEngine:
                              f"(step {store.step}); pass --resume to continue that run, set "
                              "engine.continue_store=true to train on from it, or choose "
                              "another path")
-        scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update, self.cfg.depth)
-        self.executor = StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
+        self.executor = self._new_executor(store)
         if store.step > ckpt:
             return StreamState(jnp.asarray(store.step, jnp.int32)), store.step
         return state, start
@@ -224,7 +227,8 @@ class StreamEngine:
         except StoreNonFiniteError:
             return state, {"loss": float("nan"), "nonfinite_refused": 1.0}
         return StreamState(jnp.asarray(s + 1, jnp.int32)), {
-            "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"])}
+            "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"]),
+            **{k: float(v) for k, v in m.items() if k == "ticks"}}
 
     def estimate(self, state: StreamState, batch: dict, key: jax.Array):
         ex = self._executor()

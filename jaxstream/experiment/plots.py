@@ -55,6 +55,17 @@ def time_series(records: Sequence[dict], y: str, skip: int = WARMUP_STEPS) -> tu
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def tick_series(records: Sequence[dict], y: str) -> tuple[list, list]:
+    """``y`` against the pipeline ticks spent so far (the steps' ``ticks`` summed)."""
+    total, xs, ys = 0.0, [], []
+    for r in sorted(records, key=lambda r: r.get("step", 0)):
+        total += r.get("ticks") or 0.0
+        if r.get(y) is not None:
+            xs.append(total)
+            ys.append(r[y])
+    return xs, ys
+
+
 def smooth(ys: Sequence[float], window: int = 5) -> list[float]:
     """Centred moving average (shorter windows at the ends)."""
     h = window // 2
@@ -117,7 +128,8 @@ def _save(fig: Any, path: Path, layout: bool = True) -> Path:
 
 def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
                 target: float | None = None) -> list[Path]:
-    """Write ``loss.png``, ``test_accuracy.png`` and (if logged) ``cosine.png``; return paths."""
+    """Write ``loss.png``, ``test_accuracy.png``, (if logged) ``test_loss.png`` against ticks
+    and time, and ``cosine.png``; return paths."""
     plt = _plt()
     out_dir = Path(out_dir)
     per_arm = {a: arm_records(records, a) for a in arms}
@@ -138,6 +150,22 @@ def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
     ax2.set(title="test accuracy against training time")
     ax1.legend(fontsize="small")
     written.append(_save(fig, out_dir / "test_accuracy.png"))
+
+    if any(r.get("ticks") for r in records):  # pipelined engines: cost in ticks and time
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4), sharey=True)
+        curves = {}
+        for i, (a, rs) in enumerate(per_arm.items()):
+            curves[a] = tick_series(rs, "test_loss")
+            if curves[a][0]:
+                ax1.plot(*curves[a], label=a, **style(i, len(curves[a][0])))
+        note_coinciding(ax1, curves)
+        ax1.grid(alpha=0.3)
+        _panel(ax2, per_arm, "test_loss", by_time=True)
+        ax1.set(xlabel="pipeline ticks (summed over steps)", ylabel="test loss",
+                title="test loss against ticks")
+        ax2.set(title="test loss against training time")
+        ax1.legend(fontsize="small")
+        written.append(_save(fig, out_dir / "test_loss.png"))
 
     if any(r.get("cosine") is not None for r in records):
         fig, ax = plt.subplots(figsize=(6.5, 4))

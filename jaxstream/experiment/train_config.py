@@ -119,12 +119,15 @@ class TrainConfig:
         check_arms = getattr(self.engine, "check_arms", None)
         if check_arms is not None:
             check_arms(names)
+        check_model = getattr(self.engine, "check_model", None)  # e.g. depth against stages
+        if check_model is not None:
+            check_model(self.model)
 
     def check_run(self, resume: bool) -> None:
         """Checks that need the machine or the disk, before anything is written: the memory
         estimate of the model against the machine's memory, and the engine's own checks
         (e.g. a new run must not reuse an existing layer store)."""
-        streamed = type(self.engine).__name__ == "StreamEngineConfig"
+        streamed = getattr(self.engine, "streams_layers", False)
         estimate = getattr(self.model, "memory_estimate", None)
         if estimate is not None:
             need = estimate(self.batch_size, per_layer=streamed)

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.estimators import Backprop, Forward, coefficients
@@ -114,13 +115,12 @@ class StreamedExecutor:
         self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
             stack, estimator, optimizer, store, config)
         self.spec: TangentSpec = getattr(estimator, "spec", TangentSpec())
-        self.device = device or jax.devices()[0]
-        self.host = jax.devices("cpu")[0]
+        self.device = device or jax.local_devices()[0]
+        self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
         self.events: list[Event] = []
         self._pending: dict = dict(store.extra.get("pending", {}))
         self._applied: set = set()
-        self._dry = False
 
     # ------------------------------------------------------------------ loading
     def _to_device(self, tree: Any) -> Any:
@@ -129,7 +129,8 @@ class StreamedExecutor:
         return jax.device_put(cast, self.device)
 
     def _apply_pending(self, unit: Any, params: Any) -> Any:
-        """Applies the lazy records of ``unit`` (host, fp32) and stages the result."""
+        """Applies the lazy records of ``unit`` (host, fp32) and stages the result (a step's
+        commit makes it visible; :meth:`estimate` and :meth:`forward` drop it)."""
         recs = lazy.take(self._pending, unit)
         if not recs:
             return params
@@ -140,9 +141,8 @@ class StreamedExecutor:
                 g = K.unit_estimate(self.spec, K.seg_keys(key[None], unit), jnp.asarray(coeffs), params)
                 params, opt = K.optax_step(self.optimizer, g, opt, params)
             params, opt = jax.tree.map(np.asarray, (params, opt))
-        if not self._dry:
-            self.store.write(unit, params, opt)
-            self._applied.add(str(unit))
+        self.store.write(unit, params, opt)
+        self._applied.add(str(unit))
         return params
 
     def _load(self, unit: Any) -> tuple[Any, Any]:
@@ -208,15 +208,21 @@ class StreamedExecutor:
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)),
-                "layers_read": sum(1 for e in self.events if isinstance(e.unit, int))}
+                "layers_read": sum(len(e.unit) if isinstance(e.unit, tuple) else 1
+                                   for e in self.events if not isinstance(e.unit, str))}
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
         """The step's gradient estimate without updating: ``(loss, grads)``, grads shaped like
-        params (skipped layers get zeros). For tests against the in-memory estimators."""
+        params (skipped layers get zeros). For tests against the in-memory estimators. What it
+        stages (pending lazy updates applied on read, scratch) is dropped: the store keeps its
+        committed step."""
         out: dict = {}
-        loss, _ = self._run(batch, key, self.layers(step),
-                            lambda u, g, *a, **k: out.__setitem__(u, jax.device_get(g)),
-                            time.perf_counter(), commit_lazy=False)
+        try:
+            loss, _ = self._run(batch, key, self.layers(step),
+                                lambda u, g, *a, **k: out.__setitem__(u, host_value(g)),
+                                time.perf_counter(), commit_lazy=False)
+        finally:
+            self.store.abort()
         zeros = lambda u: jax.tree.map(np.zeros_like, self.store.read(u).result())
         blocks = [out.get(l) if l in out else zeros(l) for l in range(self.store.num_layers)]
         grads = {"embed": out["embed"], "head": out["head"],
@@ -225,19 +231,21 @@ class StreamedExecutor:
 
     def forward(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The streamed forward sweep alone (no update): per micro-batch losses (N,) and
-        directional derivatives (N, K) of the estimator's tangents for ``key``."""
-        self._dry = True
+        directional derivatives (N, K) of the estimator's tangents for ``key``. Nothing it
+        stages is kept."""
         n = jax.tree.leaves(batch)[0].shape[0]
-        losses, d, *_ = self._forward_sweep(batch, jnp.stack([key] * n), list(self.layers(step)),
-                                            time.perf_counter())
-        self._dry = False
+        try:
+            losses, d, *_ = self._forward_sweep(batch, jnp.stack([key] * n),
+                                                list(self.layers(step)), time.perf_counter())
+        finally:
+            self.store.abort()
         return losses, d
 
     def flush(self, step: int | None = None) -> None:
         """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""
         if not any(self._pending.values()):
             return
-        self._applied, self._dry = set(), False
+        self._applied = set()
         for unit in [u for u, r in self._pending.items() if r]:
             u = int(unit) if unit.isdigit() else unit
             self._apply_pending(u, self.store.read(u).result())
@@ -247,12 +255,11 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
-        if self.kind != "hybrid":
+        if self._merge_micro_batches():
             # one shared tangent / exact gradient of the mean over all samples: the N
             # micro-batches are computed as one (same device memory, same sums as in memory)
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self._applied = set()
-        self._dry = not commit_lazy
         if self.kind == "forward":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
         elif self.kind == "activity":
@@ -269,20 +276,18 @@ class StreamedExecutor:
     def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        for u, (host, dev) in self._sweep(["embed", *layers, "head"], self._load, t0, "forward"):
+        units = ["embed", *self._groups(layers), "head"]
+        for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
                 h, dh = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
             elif u == "head":
                 losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
-                stash["head"] = None if stash_idx is None else jax.device_get(h[stash_idx])
+                stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
             else:
-                if stash_idx is not None:
-                    stash[u] = jax.device_get(h[stash_idx])
-                h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
-                h.block_until_ready()
+                h, dh = self._block_jvp(dev, u, keys, h, dh, stash, stash_idx)
             if host is not None:
                 hosts[u] = host
-        return jax.device_get(losses), jax.device_get(d).astype(np.float32), hosts, stash, x
+        return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
 
     def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
         n = jax.tree.leaves(batch)[0].shape[0]
@@ -320,20 +325,22 @@ class StreamedExecutor:
         estimate needs only its own output and the head: one sweep."""
         x = self._cast_batch(batch)
         keys = key[None]
-        units = ["embed", *layers, "head"]
-        kind = lambda u: u if isinstance(u, str) else "block"  # noqa: E731
-        layer = lambda u: jnp.int32(0 if isinstance(u, str) else u)  # noqa: E731
+        units = ["embed", *self._groups(layers), "head"]
+        z = jnp.int32(0)
         if self.estimator.local_losses:
             head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
             h = x["x"]
             for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
-                out, g = K.unit_local_grad(self.stack, self.spec, kind(u), dev, layer(u), keys, h,
-                                           head_dev, x)
+                if isinstance(u, str):
+                    out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, h,
+                                               head_dev, x)
+                else:
+                    out, g = self._block_local_grad(dev, u, keys, h, head_dev, x)
                 if u == "head":
                     loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
                         o.astype(jnp.float32), b))(out, x))
                 h = out
-                sink(u, _f32(g, self.host), host)
+                self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
             return float(loss)
         for u, (_, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
@@ -341,11 +348,14 @@ class StreamedExecutor:
             elif u == "head":
                 ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
             else:
-                h, dh = K.block_act(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+                h, dh = self._block_act(dev, u, keys, h, dh)
         h = x["x"]
         for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
-            h, g = K.unit_act_grad(self.stack, self.spec, kind(u), dev, layer(u), keys, h, d)
-            sink(u, _f32(g, self.host), host)
+            if isinstance(u, str):
+                h, g = K.unit_act_grad(self.stack, self.spec, u, dev, z, keys, h, d)
+            else:
+                h, g = self._block_act_grad(dev, u, keys, h, d)
+            self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
         return float(jnp.mean(ex_loss))
 
     def _like(self, u, hosts):
@@ -363,7 +373,7 @@ class StreamedExecutor:
             losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
         sel = jax.tree.map(lambda a: a[idx], x)
         s = len(idx)
-        h_in = jax.device_put(stash["head"], self.device)
+        h_in = self._to_device(stash["head"])
         guess = hybrid and self.estimator.correction == "guess"
         cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "stein",
                                                       "guess")
@@ -389,7 +399,7 @@ class StreamedExecutor:
                 h_u, spread[u] = K.unit_group(g, m, p_h)
                 if not guess:
                     c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
-                sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(jax.device_get(h_u))))
+                sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
             scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
 
         head_dev = self._to_device(hosts["head"])
@@ -398,17 +408,13 @@ class StreamedExecutor:
         else:
             head_losses, g, ct = K.head_loss_vjp(self.stack, head_dev, h_in, sel,
                                                  jnp.full((s,), 1.0 / s, jnp.float32))
-            losses = jax.device_get(head_losses)
+            losses = host_value(head_losses)
         finish("head", g, hosts["head"])
 
-        def rload(u):
-            host = self.store.read(u, staged=True).result()
-            return host, self._to_device(host)
-
-        vjp = K.block_vjp_each if hybrid else K.block_vjp
-        for u, (host, dev) in self._sweep(list(reversed(layers)), rload, t0, "reverse"):
-            g, ct = vjp(self.stack, dev, jax.device_put(stash[u], self.device), ct)
-            finish(u, g, host)
+        for u, (host, dev) in self._sweep(list(reversed(self._groups(layers))), self._rload, t0,
+                                          "reverse"):
+            g, ct = self._block_vjp(dev, u, stash, ct, hybrid)
+            self._each(u, g, host, finish)
         embed_dev = self._to_device(hosts["embed"])
         g = (K.embed_vjp_each if hybrid else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
         finish("embed", g, hosts["embed"])
@@ -446,18 +452,20 @@ class StreamedExecutor:
         units = ["embed", *layers, "head"]
 
         def gload(u):
-            host, dev = self._load_both(u) if u not in hosts else (hosts[u], self._to_device(hosts[u]))
-            v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
-            return dev, self._to_device(v)
+            if isinstance(u, str):
+                dev = self._to_device(hosts[u])
+                v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
+                return dev, self._to_device(v)
+            return self._load_along(u, scale)
 
-        for u, (dev, v) in self._sweep(units, gload, t0, "guess"):
+        for u, (dev, v) in self._sweep(["embed", *self._groups(layers), "head"], gload, t0, "guess"):
             if u == "embed":
                 h, dh = K.embed_along(self.stack, dev, v, x["x"])
             elif u == "head":
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
-                h, dh = K.block_along(self.stack, dev, v, h, dh)
-        coef = float(np.mean(jax.device_get(dg))) * scale
+                h, dh = self._block_along(dev, v, h, dh)
+        coef = float(np.mean(host_value(dg))) * scale
 
         def uload(u):
             p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
@@ -466,6 +474,60 @@ class StreamedExecutor:
 
         for u, (p, g) in self._sweep(units, uload, t0, "update"):
             sink(u, g, p)
+
+    # ------------------------------------------------------------------ blocks on the device
+    # What a sweep does with the blocks. Here one layer at a time on one device; an engine
+    # that places a group of layers over several devices overrides these (and the loaders).
+    def _groups(self, layers: Sequence[int]) -> list:
+        """The device units of a block sweep: here each layer alone."""
+        return list(layers)
+
+    def _merge_micro_batches(self) -> bool:
+        """Whether the step computes its N micro-batches as one (every kind but hybrid)."""
+        return self.kind != "hybrid"
+
+    def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
+        """``fn(layer, gradient, host params)`` for each layer of device unit ``u``."""
+        fn(u, g, host)
+
+    def _rload(self, u: Any) -> tuple[Any, Any]:
+        """(host, device) params of a unit as staged this step (the reverse sweep)."""
+        host = self.store.read(u, staged=True).result()
+        return host, self._to_device(host)
+
+    def _load_along(self, u: Any, scale: float) -> tuple[Any, Any]:
+        """(device params, device direction) of a block unit for the ``guess`` sweep."""
+        _, dev = self._load_both(u)
+        v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
+        return dev, self._to_device(v)
+
+    def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
+        if stash_idx is not None:
+            stash[u] = host_value(h[stash_idx])
+        h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+        h.block_until_ready()
+        return h, dh
+
+    def _block_act(self, dev, u, keys, h, dh):
+        return K.block_act(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
+
+    def _block_act_grad(self, dev, u, keys, h, d):
+        return K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h, d)
+
+    def _block_local_grad(self, dev, u, keys, h, head_dev, x):
+        return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h,
+                                 head_dev, x)
+
+    def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
+        vjp = K.block_vjp_each if each else K.block_vjp
+        return vjp(self.stack, dev, jax.device_put(stash[u], self.device), ct)
+
+    def _block_along(self, dev, v, h, dh):
+        return K.block_along(self.stack, dev, v, h, dh)
+
+    def _block_apply(self, dev, u, h, stash: dict):
+        stash[u] = host_value(h)
+        return K.block_apply(self.stack, dev, h)
 
     # ------------------------------------------------------------------ helpers
     def _members(self, key, n, layers) -> dict:
@@ -507,14 +569,14 @@ class StreamedExecutor:
         """Forward sweep without tangents, stashing every block's input (backprop)."""
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        for u, (host, dev) in self._sweep(["embed", *layers, "head"], self._load, t0, "forward"):
+        units = ["embed", *self._groups(layers), "head"]
+        for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
                 h = K.embed_apply(self.stack, dev, x["x"])
             elif u == "head":
-                stash["head"] = jax.device_get(h)
+                stash["head"] = host_value(h)
             else:
-                stash[u] = jax.device_get(h)
-                h = K.block_apply(self.stack, dev, h)
+                h = self._block_apply(dev, u, h, stash)
             if host is not None:
                 hosts[u] = host
         return None, hosts, stash, x
@@ -522,4 +584,15 @@ class StreamedExecutor:
 
 def _f32(tree: Any, host: Any) -> Any:
     """A gradient pytree as fp32 on the host (the optimizer's precision)."""
-    return jax.tree.map(lambda a: jax.device_put(a, host).astype(jnp.float32), tree)
+    return jax.tree.map(lambda a: jax.device_put(np.asarray(host_value(a), np.float32), host),
+                        tree)
+
+
+def host_value(tree: Any) -> Any:
+    """NumPy values of a pytree of arrays, also of arrays spread over several processes
+    (gathered: every process calls this in the same order)."""
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(jax.device_get(a))
+    return jax.tree.map(one, tree)

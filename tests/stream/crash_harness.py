@@ -98,11 +98,11 @@ def _committed_params(path: str) -> list[np.ndarray]:
     params = store.read_params()
     if any(store.extra.get("pending", {}).values()):
         ex = StreamedExecutor(stack, est, opt, store, StreamConfig(compute_dtype="float32", update="lazy"))
-        ex._dry = True
         for l in range(store.num_layers):
             layer = ex._apply_pending(l, store.read(l).result())
             for leaf, new in zip(jax.tree.leaves(params["blocks"]), jax.tree.leaves(layer)):
                 leaf[l] = new
+        store.abort()  # the applied records stay staged only: nothing is written
     return [np.asarray(a) for a in jax.tree.leaves(params)]
 
 

@@ -123,6 +123,14 @@ def test_lazy_updates_equal_eager(tmp_path, data):
         ex = StreamedExecutor(STACK, est, opt, store, StreamConfig(prefetch=2, compute_dtype="float32", update=mode))
         for t in range(3):
             ex.step(micro, jax.random.key(200 + t))
+            if mode == "lazy" and t == 1:
+                # an estimate between steps applies the pending records only for itself: the
+                # store keeps its committed step and records, the next step applies them
+                before = store.read_params()
+                ex.estimate(micro, jax.random.key(9))
+                after = LayerStore.open(tmp_path / mode)
+                assert after.step == 2 and after.extra["pending"]
+                assert max_rel_err(after.read_params(), before) == 0.0
         if mode == "lazy":
             assert LayerStore.open(tmp_path / mode).extra["pending"]  # updates really deferred
             ex.flush()

@@ -1,0 +1,9 @@
+"""Pipeline stages that stream their layers, with replicas beside them: one engine over a
+``data × stage`` mesh (:class:`ComposedExecutor`)."""
+
+from jaxstream.compose.cost import ChunkCost, chunk_cost
+from jaxstream.compose.executor import ComposedExecutor, make_mesh
+from jaxstream.compose.pipe import DATA, STAGE, build_pipe
+
+__all__ = ["DATA", "STAGE", "ChunkCost", "ComposedExecutor", "build_pipe", "chunk_cost",
+           "make_mesh"]

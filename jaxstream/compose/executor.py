@@ -1,0 +1,356 @@
+"""The mission's machine as one engine: pipeline stages that stream their layers, replicas
+beside them, over a ``data × stage`` mesh.
+
+The streamed executor's sweeps (:mod:`jaxstream.stream.executor`) run unchanged; what changes
+is where a block runs. The step's layers are cut into *chunks* of M consecutive layers (M the
+``stage`` size): chunk c puts layer cM + s on stage s. A sweep reads a chunk from the
+:class:`~jaxstream.stream.LayerStore` (prefetching the next), places it one layer per stage,
+and runs a GPipe pass of all N micro-batches through it (:mod:`.pipe`), each micro-batch's
+examples split over ``data``; then the next chunk. So a device holds its stage's current layer
+and the prefetched ones, never the model, and a replica reduces over ``data`` only what a
+layer's estimate needs (its parameter gradient, inside the pass; the loss and the scalars d of
+a forward estimate, in the head). The optimizer stays on the host and writes each updated
+layer back through the store's crash-safe commit, as in the streamed executor.
+
+Every estimator of the streamed executor runs; the gradient equals the in-memory estimator's
+for the same key (the segment kernels are the same, applied per micro-batch). Activity
+perturbation draws its activation tangents for the whole batch at once (each replica keeps its
+rows of the draw) and runs its N micro-batches as one pass (no pipelining). The cost model is
+in docs/composed.md.
+
+Example::
+
+    mesh = compose.make_mesh(data=2, stage=4)
+    ex = compose.ComposedExecutor(stack, jg.hybrid(num_exact=2), optax.adam(1e-3), store, mesh=mesh)
+    metrics = ex.step(batch, key)   # leaves (N, B, ...), B divisible by 2
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxstream.compose.pipe import DATA, STAGE, build_pipe
+from jaxstream.grad import segments as sg
+from jaxstream.models.stack import Stack
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor, host_value
+from jaxstream.stream.store import LayerStore
+
+ACT = P(None, DATA)  # (N, B, ...)
+TAN = P(None, None, DATA)  # (N, K, B, ...)
+STASH = P(STAGE, None, DATA)  # (M, S, B, ...)
+
+
+def make_mesh(data: int = 1, stage: int = 1, devices: Sequence | None = None) -> Mesh:
+    """A ``("data", "stage")`` mesh of ``data × stage`` devices.
+
+    Raises:
+      ValueError: sizes below 1, or a mesh that does not divide the devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    for name, v in (("data", data), ("stage", stage)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"mesh: {name} must be an int >= 1, got {v!r}")
+    size = data * stage
+    if size > len(devices) or len(devices) % size:
+        raise ValueError(
+            f"mesh: data × stage = {data} × {stage} = {size} must divide the {len(devices)} "
+            f"available devices (allowed sizes: divisors of {len(devices)}; on a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX is imported)")
+    return Mesh(np.array(devices[:size]).reshape(data, stage), (DATA, STAGE))
+
+
+class ComposedExecutor(StreamedExecutor):
+    """Streamed training steps whose blocks run as pipelined chunks over a ``data × stage``
+    mesh (see the module docstring).
+
+    Args:
+      stack: the model; its depth must divide into ``mesh.shape["stage"]`` stages.
+      estimator: any estimator of :class:`~jaxstream.stream.StreamedExecutor`.
+      optimizer: an element-wise optax transformation (host, fp32, per layer).
+      store: the :class:`~jaxstream.stream.LayerStore` holding the parameters.
+      config: :class:`~jaxstream.stream.StreamConfig` (prefetch counts chunks).
+      mesh: from :func:`make_mesh`.
+    """
+
+    def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
+                 config: StreamConfig = StreamConfig(), *, mesh: Mesh):
+        if tuple(mesh.axis_names) != (DATA, STAGE):
+            raise ValueError(f"mesh: axes must be {(DATA, STAGE)}, got {tuple(mesh.axis_names)} "
+                             "(use jaxstream.compose.make_mesh)")
+        m = mesh.shape[STAGE]
+        if stack.num_layers % m:
+            raise ValueError(f"mesh: stage = {m} must divide the model's {stack.num_layers} "
+                             f"layers (allowed: divisors of {stack.num_layers})")
+        super().__init__(stack, estimator, optimizer, store, config,
+                         device=NamedSharding(mesh, P()))
+        self.mesh, self.num_stages = mesh, m
+        self._stage = NamedSharding(mesh, P(STAGE))
+        self._stash = NamedSharding(mesh, STASH)
+        self.ticks = 0  # pipeline ticks of the passes since the last step began
+
+    def step(self, batch: dict, key: jax.Array, step: int | None = None, extra: Any = None) -> dict:
+        """One committed optimizer step (see :meth:`StreamedExecutor.step`); the metrics add
+        ``ticks``, the pipeline ticks of the step's chunk passes."""
+        self.ticks = 0
+        return {**super().step(batch, key, step, extra), "ticks": self.ticks}
+
+    # ------------------------------------------------------------------ placement
+    def _groups(self, layers: Sequence[int]) -> list:
+        m = self.num_stages
+        if len(layers) % m:
+            raise ValueError(f"depth: a step's {len(layers)} layers must divide into the "
+                             f"{m} stages (use a depth policy with multiples of {m})")
+        return [tuple(int(l) for l in layers[i:i + m]) for i in range(0, len(layers), m)]
+
+    def _merge_micro_batches(self) -> bool:
+        return self.kind == "activity"  # the micro-batches are what the pipeline overlaps
+
+    def _cast_batch(self, batch: dict) -> dict:
+        b = jax.tree.leaves(batch)[0].shape[1]
+        if b % self.mesh.shape[DATA]:
+            raise ValueError(f"batch: the micro-batch size {b} must be divisible by "
+                             f"data = {self.mesh.shape[DATA]}")
+        return self._global(jax.tree.map(self._cast, batch), ACT)
+
+    def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
+        if not isinstance(u, tuple):
+            return fn(u, g, host)
+        g = host_value(g)
+        for i, l in enumerate(u):
+            fn(l, jax.tree.map(lambda a: a[i], g), None if host is None else host[i])
+
+    # ------------------------------------------------------------------ loading chunks
+    def _put(self, trees: list, sharding: NamedSharding) -> Any:
+        """Stacks per-stage trees into arrays sharded by ``sharding`` (stage on the first
+        axis): each device gets its own slice straight from its tree (no stacked host copy;
+        only this process's devices, so it also runs under ``jax.distributed``)."""
+        def put(*leaves):
+            leaves = [self._cast(x) for x in leaves]
+            return jax.make_array_from_callback(
+                (len(leaves),) + leaves[0].shape, sharding,
+                lambda i: leaves[i[0].start or 0][(None,) + tuple(i[1:])])
+        return jax.tree.map(put, *trees)
+
+    def _cast(self, a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        return a.astype(self.dtype, copy=False) if np.issubdtype(a.dtype, np.floating) else a
+
+    def _global(self, tree: Any, spec: P) -> Any:
+        """Host values as arrays laid out by ``spec`` over the mesh (every process passes the
+        same values)."""
+        sh = NamedSharding(self.mesh, spec)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(
+            np.shape(a), sh, lambda i, a=a: np.asarray(a)[i]), tree)
+
+    def _to_device(self, tree: Any) -> Any:
+        return self._global(jax.tree.map(self._cast, tree), P())
+
+    def _read(self, u: tuple, staged: bool = False) -> list:
+        futures = [self.store.read(l, staged=staged) for l in u]
+        hosts = [f.result() for f in futures]
+        return hosts if staged else [self._apply_pending(l, h) for l, h in zip(u, hosts)]
+
+    def _load(self, unit: Any) -> tuple[Any, Any]:
+        if not isinstance(unit, tuple):
+            return super()._load(unit)
+        return None, self._put(self._read(unit), self._stage)
+
+    def _load_both(self, unit: Any) -> tuple[Any, Any]:
+        if not isinstance(unit, tuple):
+            return super()._load_both(unit)
+        hosts = self._read(unit)
+        return hosts, self._put(hosts, self._stage)
+
+    def _rload(self, u: Any) -> tuple[Any, Any]:
+        if not isinstance(u, tuple):
+            return super()._rload(u)
+        hosts = self._read(u, staged=True)
+        return hosts, self._put(hosts, self._stage)
+
+    def _load_along(self, u: Any, scale: float) -> tuple[Any, Any]:
+        dev = self._put(self._read(u), self._stage)
+        vs = [jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(l).result())
+              for l in u]
+        return dev, self._put(vs, self._stage)
+
+    # ------------------------------------------------------------------ the passes
+    def _pipe(self, name: str, **kw) -> Callable:
+        """The pass ``name`` (built once per options); calling it counts its ticks."""
+        run = _pass(self.mesh, self.stack, self.spec, name, tuple(sorted(kw.items())))
+
+        def counted(params, states, *rest):
+            self.ticks += jax.tree.leaves(states)[0].shape[0] + self.num_stages - 1
+            return run(params, states, *rest)
+        return counted
+
+    @staticmethod
+    def _slots(n: int, idx) -> tuple[jax.Array, int]:
+        slots = np.full(n, -1, np.int32)
+        if idx is not None:
+            slots[np.asarray(idx)] = np.arange(len(idx), dtype=np.int32)
+        return slots, (0 if idx is None else len(idx))
+
+    def _layers(self, u: tuple) -> jax.Array:
+        return self._put([np.int32(l) for l in u], self._stage)
+
+    def _unstash(self, u: tuple, em: Any, stash: dict) -> None:
+        em = host_value(em)
+        for i, l in enumerate(u):
+            stash[l] = em[i]
+
+    def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
+        slots, s = self._slots(h.shape[0], stash_idx)
+        run = self._pipe("jvp", num_slots=s)
+        (h, dh), em = run(dev, (h, dh), _kd(keys), self._layers(u), (), slots)
+        if stash_idx is not None:
+            self._unstash(u, em, stash)
+        h.block_until_ready()
+        return h, dh
+
+    def _block_act(self, dev, u, keys, h, dh):
+        slots, _ = self._slots(h.shape[0], None)
+        (h, dh), _ = self._pipe("act")(dev, (h, dh), _kd(keys), self._layers(u),
+                                       (), slots)
+        return h, dh
+
+    def _block_act_grad(self, dev, u, keys, h, d):
+        slots, _ = self._slots(h.shape[0], None)
+        run = self._pipe("act_grad", num_examples=int(d.shape[0] * d.shape[2]), emit_sum=True)
+        (h,), g = run(dev, (h,), (_kd(keys), d), self._layers(u), (), slots)
+        return h, g
+
+    def _block_local_grad(self, dev, u, keys, h, head_dev, x):
+        slots, _ = self._slots(h.shape[0], None)
+        run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
+                         emit_sum=True)
+        (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
+        return h, g
+
+    def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
+        s = ct.shape[0]
+        st = self._put([stash[l] for l in u], self._stash)
+        if each:
+            run = self._pipe("vjp", num_slots=s, reverse=True)
+            slots = np.arange(s, dtype=np.int32)
+        else:
+            run = self._pipe("vjp", emit_sum=True, reverse=True)
+            slots = np.zeros(s, np.int32)
+        (ct,), g = run(dev, (ct,), np.arange(s, dtype=np.int32), st, (), slots)
+        return g, ct
+
+    def _block_along(self, dev, v, h, dh):
+        slots, _ = self._slots(h.shape[0], None)
+        (h, dh), _ = self._pipe("along")(dev, (h, dh), np.zeros(h.shape[0], np.float32), v, (), slots)
+        return h, dh
+
+    def _block_apply(self, dev, u, h, stash: dict):
+        n = h.shape[0]
+        run = self._pipe("apply", num_slots=n)
+        (h,), em = run(dev, (h,), np.zeros(n, np.float32), self._layers(u), (),
+                       np.arange(n, dtype=np.int32))
+        self._unstash(u, em, stash)
+        return h
+
+
+@functools.lru_cache(maxsize=256)
+def _pass(mesh: Mesh, stack: Stack, spec: Any, name: str, kw: tuple) -> Callable:
+    """The jitted pass ``name`` (shared by every executor with the same mesh, model and
+    tangents, so a new store or executor compiles nothing again)."""
+    kw = dict(kw)
+    fn, specs = _PASSES[name](stack, spec, **kw)
+    opts = {k: v for k, v in kw.items() if k in ("num_slots", "emit_sum", "reverse")}
+    return build_pipe(mesh, fn, **specs, **opts)
+
+
+def _kd(keys: jax.Array) -> np.ndarray:
+    """Key data of typed keys, as host values (the same on every process)."""
+    return np.asarray(host_value(jax.random.key_data(keys)))
+
+
+# ---------------------------------------------------------------------- per-micro-batch passes
+# Each returns (fn(p, stage_aux, consts, state, aux) -> (state, emit), specs for build_pipe).
+def _jvp(stack, spec, num_slots=0):
+    def fn(p, layer, _, state, kd):
+        h, dh = state
+        return sg.block_jvp(stack, spec, p, layer, h, dh, jax.random.wrap_key_data(kd)), h
+    return fn, dict(state_specs=(ACT, TAN), aux_specs=P(), emit_specs=STASH)
+
+
+def _u(spec, key, segment, out):
+    """This replica's slice of the activation tangents of ``segment``, drawn for the whole
+    batch (as the in-memory estimator draws them; every replica draws all, keeps its rows)."""
+    b, d = out.shape[0], jax.lax.axis_index(DATA)
+    full = spec.sample(sg.segment_key(sg.activity_key(key), segment),
+                       (b * jax.lax.axis_size(DATA),) + out.shape[1:], out.dtype)
+    return jax.lax.dynamic_slice_in_dim(full, d * b, b, axis=1)
+
+
+def _cotangent(u, d, num_examples):
+    """(1/(K·B_total)) Σ_k d[k, b] u_k[b] (:func:`jaxstream.grad.segments.act_cotangent`)."""
+    cot = jnp.einsum("kb...,kb->b...", u.astype(jnp.float32), d.astype(jnp.float32))
+    return cot / (u.shape[0] * num_examples)
+
+
+def _act(stack, spec):
+    def fn(p, layer, _, state, kd):
+        h, dh = state
+        h2, dh2 = sg.jvp_k(lambda hh: stack.block(p, hh), (h,), (dh.astype(h.dtype),))
+        return (h2, dh2 + _u(spec, jax.random.wrap_key_data(kd), layer, h2)), ()
+    return fn, dict(state_specs=(ACT, TAN), aux_specs=P(), emit_specs=())
+
+
+def _act_grad(stack, spec, num_examples, emit_sum=True):
+    def fn(p, layer, _, state, aux):
+        (h,), (kd, d) = state, aux
+        out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
+        u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
+        (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
+        return (out,), jax.lax.psum(g, DATA)
+    return fn, dict(state_specs=(ACT,), aux_specs=(P(), TAN), emit_specs=P(STAGE))
+
+
+def _local(stack, spec, num_micro, num_examples, emit_sum=True):
+    def fn(p, layer, head, state, aux):
+        (h,), (kd, b) = state, aux
+        out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
+        u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
+        loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)  # noqa: E731
+        _, d = sg.jvp_k(loss, (out,), (u,))
+        (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
+        return (out,), jax.lax.psum(jax.tree.map(lambda a: a / num_micro, g), DATA)
+    return fn, dict(state_specs=(ACT,), aux_specs=(P(), ACT), emit_specs=P(STAGE))
+
+
+def _vjp(stack, spec, num_slots=0, emit_sum=False, reverse=True):
+    def fn(p, stash, _, state, i):
+        (ct,) = state
+        out, pull = jax.vjp(stack.block, p, stash[i])
+        gp, gh = pull(ct.astype(out.dtype))
+        return (gh,), jax.lax.psum(gp, DATA)
+    return fn, dict(state_specs=(ACT,), aux_specs=P(), stage_aux_specs=STASH,
+                    emit_specs=P(STAGE))
+
+
+def _along(stack, spec):
+    def fn(p, v, _, state, __):
+        h, dh = state
+        return sg.block_jvp_along(stack, p, v, h, dh), ()
+    return fn, dict(state_specs=(ACT, ACT), aux_specs=P(), emit_specs=())
+
+
+def _apply(stack, spec, num_slots=0):
+    def fn(p, layer, _, state, __):
+        (h,) = state
+        return (stack.block(p, h),), h
+    return fn, dict(state_specs=(ACT,), aux_specs=P(), emit_specs=STASH)
+
+
+_PASSES = {"jvp": _jvp, "act": _act, "act_grad": _act_grad, "local": _local, "vjp": _vjp,
+           "along": _along, "apply": _apply}

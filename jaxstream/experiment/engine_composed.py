@@ -1,0 +1,82 @@
+"""The ``composed`` engine: pipeline stages that stream their layers, replicas beside them.
+
+``engine: {type: composed, data: 2, stage: 4, store: null, ...}`` trains with
+:class:`jaxstream.compose.ComposedExecutor` on a ``data × stage`` mesh: the layers live in a
+layer store (one per arm, as for ``type: stream``, whose options it shares), each sweep runs
+chunks of ``stage`` layers as GPipe passes over the micro-batches, each micro-batch split over
+``data``. Resume, store checks and non-finite refusal are the stream engine's. Metrics add
+``ticks`` (the step's pipeline ticks) for plots against ticks.
+
+Example (YAML)::
+
+  engine: {type: composed, data: 2, stage: 4, store: null, micro_batches: 8}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
+from jaxstream.experiment.engines import register_engine
+from jaxstream.stream.store import LayerStore
+
+
+@dataclasses.dataclass(frozen=True)
+class ComposedEngineConfig(StreamEngineConfig):
+    """Options of ``engine: {type: composed}``: the stream engine's, plus the mesh.
+
+    Attributes:
+      data: replicas (each micro-batch's examples are split over them).
+      stage: pipeline stages (the model's depth must divide by it); data × stage must divide
+        the devices.
+    """
+
+    data: int = 1
+    stage: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("data", "stage"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"engine.{name}: must be an int >= 1, got {v!r}")
+
+    def check_model(self, model: Any) -> None:
+        """The model's depth divides into the stages (when the model section says its depth)."""
+        depth = getattr(model, "depth", None)
+        if isinstance(depth, int) and depth % self.stage:
+            raise ValueError(f"engine.stage: {self.stage} must divide model.depth = {depth} "
+                             f"(allowed: divisors of {depth})")
+
+    def check_run(self, names: list[str], resume: bool) -> None:
+        """The mesh fits the devices (before anything is written), then the stream checks."""
+        from jaxstream.compose import make_mesh
+
+        try:
+            make_mesh(self.data, self.stage)
+        except ValueError as err:
+            raise ValueError(f"engine.{err}") from None
+        super().check_run(names, resume)
+
+
+class ComposedEngine(StreamEngine):
+    """The stream engine with its executor placed over the mesh."""
+
+    def __init__(self, cfg: ComposedEngineConfig, *, stack: Any, **kw: Any):
+        if stack.num_layers % cfg.stage:
+            raise ValueError(f"engine.stage: {cfg.stage} must divide the model's "
+                             f"{stack.num_layers} layers (model.depth)")
+        super().__init__(cfg, stack=stack, **kw)
+
+    def _new_executor(self, store: LayerStore):
+        from jaxstream.compose import ComposedExecutor, make_mesh
+        from jaxstream.stream.executor import StreamConfig
+
+        scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
+                            self.cfg.depth)
+        return ComposedExecutor(self.stack, self.estimator, self.optimizer, store, scfg,
+                                mesh=make_mesh(self.cfg.data, self.cfg.stage))
+
+
+register_engine("composed", ComposedEngineConfig, lambda cfg, **kw: ComposedEngine(cfg, **kw))

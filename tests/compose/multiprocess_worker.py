@@ -1,0 +1,53 @@
+"""One process of the 2-process composed-engine test: python multiprocess_worker.py PORT ID DIR.
+
+Each process has 4 CPU devices; the 2 × 4 mesh spans both through ``jax.distributed`` (process
+0 holds data row 0, process 1 row 1). Each process streams from its own copy of the store (its
+local disk) and applies the same host updates. Two hybrid steps; then process 0 writes the max
+relative error of its store's parameters against a single-process run of the same steps on one
+device (the streamed executor) to DIR/err.txt.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax
+
+port, pid, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid, local_device_ids=[0, 1, 2, 3])
+
+import numpy as np
+import optax
+
+import jaxstream.grad as jg
+from jaxstream.compose import ComposedExecutor, make_mesh
+from jaxstream.models import mlp
+from jaxstream.stream import LayerStore, StreamConfig, StreamedExecutor
+
+assert jax.device_count() == 8 and jax.local_device_count() == 4
+stack = mlp(in_dim=5, width=6, depth=4, num_classes=3)
+params = jax.tree.map(np.asarray, stack.init(jax.random.key(0)))
+rng = np.random.default_rng(1)  # NumPy data: the same on both processes
+batch = {"x": rng.standard_normal((4, 2, 5), dtype=np.float32),
+         "y": rng.integers(0, 3, (4, 2), dtype=np.int32)}
+est, opt = jg.hybrid(num_exact=2, num_tangents=2, correction="weighted"), optax.adam(1e-2)
+cfg = StreamConfig(compute_dtype="float32", prefetch=1)
+store = LayerStore.create(os.path.join(root, f"store{pid}"), params, optimizer=opt)
+ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
+losses = [ex.step(batch, jax.random.key(s))["loss"] for s in range(2)]
+if pid == 0:
+    ref_store = LayerStore.create(os.path.join(root, "ref"), params, optimizer=opt)
+    one = StreamedExecutor(stack, est, opt, ref_store, cfg, device=jax.local_devices()[0])
+    ref_losses = [one.step(batch, jax.random.key(s))["loss"] for s in range(2)]
+    a, b = store.read_params(), ref_store.read_params()
+    err = max(float(np.max(np.abs(x - y)) / np.max(np.abs(y)))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    moved = max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
+                                                               jax.tree.leaves(params)))
+    loss_err = max(abs(x - y) for x, y in zip(losses, ref_losses))
+    with open(os.path.join(root, "err.txt"), "w") as fh:
+        fh.write(f"{err} {loss_err} {moved}\n")
+jax.distributed.shutdown()
