@@ -9,7 +9,7 @@ Docs mark each generated table with the command that writes it::
 
 and ``python -m jaxstream.experiment.doctable docs/experiments.md`` rewrites every marked block
 from the run directories it names (``compare RUN...`` for train runs, ``sweep RUN`` for an
-``lr_sweep`` run). Each table ends with a line naming the command, the run's config and the
+``lr_sweep`` run, ``ticks RUN`` for a pipelined run's arms at equal pipeline ticks). Each table ends with a line naming the command, the run's config and the
 machine it ran on (from the run's ``env.json``).
 
 Example:
@@ -101,6 +101,32 @@ def sweep_markdown(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ticks_markdown(run: dict[str, Any]) -> str:
+    """A Markdown table of a pipelined run's arms at equal pipeline ticks: each arm's test
+    loss and accuracy at its last evaluation within the smallest arm's total ticks, and at
+    its end (arms log ``ticks`` per step)."""
+    per: dict[str, list[dict]] = {}
+    for r in run["records"]:
+        per.setdefault(r["arm"], []).append(r)
+    rate = {a: next((r["ticks"] for r in rs if r.get("ticks")), None) for a, rs in per.items()}
+    if any(v is None for v in rate.values()):
+        raise ValueError(f"{run['dir']}: every arm must log 'ticks' (a pipelined engine)")
+    steps = {a: max(r.get("step", 0) for r in rs) for a, rs in per.items()}
+    budget = min(rate[a] * steps[a] for a in per)
+    lines = [f"| arm | ticks / step | test loss at {budget:.0f} ticks | test acc at {budget:.0f} "
+             "ticks | final test loss | final test acc | ticks at the end | ms/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    arms = run["summary"].get("arms", {})
+    for a, rs in per.items():
+        ev = sorted((r for r in rs if r.get("test_loss") is not None), key=lambda r: r["step"])
+        at = [r for r in ev if r["step"] * rate[a] <= budget][-1]
+        lines.append(f"| {a} | {rate[a]:.0f} | {at['test_loss']:.3f} | "
+                     f"{at['test_accuracy']:.3f} | {ev[-1]['test_loss']:.3f} | "
+                     f"{ev[-1]['test_accuracy']:.3f} | {rate[a] * steps[a]:.0f} | "
+                     f"{_f(arms.get(a, {}).get('ms_per_step'), '.0f')} |")
+    return "\n".join(lines)
+
+
 def compare_runs(run_dirs: Sequence[str | Path], plot: str | Path | None = "compare.png",
                  markdown: bool = False) -> str:
     """The arms of train runs side by side (text or Markdown); writes ``plot`` if given."""
@@ -134,7 +160,11 @@ def generate(command: str, root: Path = Path(".")) -> str:
     if what == "sweep":
         run = read_run(dirs[0])
         return sweep_markdown(run) + "\n\n" + provenance(run, full)
-    raise ValueError(f"generated block: {what!r} is not known; choose 'compare' or 'sweep'")
+    if what == "ticks":
+        run = read_run(dirs[0])
+        return ticks_markdown(run) + "\n\n" + provenance(run, full)
+    raise ValueError(f"generated block: {what!r} is not known; choose 'compare', 'sweep' or "
+                     "'ticks'")
 
 
 def update_doc(path: str | Path, root: Path = Path(".")) -> int:
@@ -157,9 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print("usage: python -m jaxstream.experiment.doctable DOC.md... | compare RUN... | "
-              "sweep RUN", file=sys.stderr)
+              "sweep RUN | ticks RUN", file=sys.stderr)
         return 2
-    if argv[0] in ("compare", "sweep"):
+    if argv[0] in ("compare", "sweep", "ticks"):
         print(generate(" ".join(argv)))
         return 0
     for doc in argv:
