@@ -28,7 +28,8 @@ Example::
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +81,7 @@ class ComposedExecutor(StreamedExecutor):
     """
 
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
-                 config: StreamConfig = StreamConfig(), *, mesh: Mesh):
+                 config: StreamConfig | None = None, *, mesh: Mesh):
         if tuple(mesh.axis_names) != (DATA, STAGE):
             raise ValueError(f"mesh: axes must be {(DATA, STAGE)}, got {tuple(mesh.axis_names)} "
                              "(use jaxstream.compose.make_mesh)")
@@ -88,7 +89,7 @@ class ComposedExecutor(StreamedExecutor):
         if stack.num_layers % m:
             raise ValueError(f"mesh: stage = {m} must divide the model's {stack.num_layers} "
                              f"layers (allowed: divisors of {stack.num_layers})")
-        super().__init__(stack, estimator, optimizer, store, config,
+        super().__init__(stack, estimator, optimizer, store, config or StreamConfig(),
                          device=NamedSharding(mesh, P()))
         self.mesh, self.num_stages = mesh, m
         self._stage = NamedSharding(mesh, P(STAGE))
@@ -124,7 +125,7 @@ class ComposedExecutor(StreamedExecutor):
             return fn(u, g, host)
         g = host_value(g)
         for i, l in enumerate(u):
-            fn(l, jax.tree.map(lambda a: a[i], g), None if host is None else host[i])
+            fn(l, jax.tree.map(lambda a, i=i: a[i], g), None if host is None else host[i])
 
     # ------------------------------------------------------------------ loading chunks
     def _put(self, trees: list, sharding: NamedSharding) -> Any:
@@ -280,7 +281,7 @@ def _jvp(stack, spec, num_slots=0):
     def fn(p, layer, _, state, kd):
         h, dh = state
         return sg.block_jvp(stack, spec, p, layer, h, dh, jax.random.wrap_key_data(kd)), h
-    return fn, dict(state_specs=(ACT, TAN), aux_specs=P(), emit_specs=STASH)
+    return fn, {"state_specs": (ACT, TAN), "aux_specs": P(), "emit_specs": STASH}
 
 
 def _u(spec, key, segment, out):
@@ -303,7 +304,7 @@ def _act(stack, spec):
         h, dh = state
         h2, dh2 = sg.jvp_k(lambda hh: stack.block(p, hh), (h,), (dh.astype(h.dtype),))
         return (h2, dh2 + _u(spec, jax.random.wrap_key_data(kd), layer, h2)), ()
-    return fn, dict(state_specs=(ACT, TAN), aux_specs=P(), emit_specs=())
+    return fn, {"state_specs": (ACT, TAN), "aux_specs": P(), "emit_specs": ()}
 
 
 def _act_grad(stack, spec, num_examples, emit_sum=True):
@@ -313,7 +314,7 @@ def _act_grad(stack, spec, num_examples, emit_sum=True):
         u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
         (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
         return (out,), jax.lax.psum(g, DATA)
-    return fn, dict(state_specs=(ACT,), aux_specs=(P(), TAN), emit_specs=P(STAGE))
+    return fn, {"state_specs": (ACT,), "aux_specs": (P(), TAN), "emit_specs": P(STAGE)}
 
 
 def _local(stack, spec, num_micro, num_examples, emit_sum=True):
@@ -321,11 +322,11 @@ def _local(stack, spec, num_micro, num_examples, emit_sum=True):
         (h,), (kd, b) = state, aux
         out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
         u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
-        loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)  # noqa: E731
+        loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
         _, d = sg.jvp_k(loss, (out,), (u,))
         (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
         return (out,), jax.lax.psum(jax.tree.map(lambda a: a / num_micro, g), DATA)
-    return fn, dict(state_specs=(ACT,), aux_specs=(P(), ACT), emit_specs=P(STAGE))
+    return fn, {"state_specs": (ACT,), "aux_specs": (P(), ACT), "emit_specs": P(STAGE)}
 
 
 def _vjp(stack, spec, num_slots=0, emit_sum=False, reverse=True):
@@ -334,22 +335,22 @@ def _vjp(stack, spec, num_slots=0, emit_sum=False, reverse=True):
         out, pull = jax.vjp(stack.block, p, stash[i])
         gp, gh = pull(ct.astype(out.dtype))
         return (gh,), jax.lax.psum(gp, DATA)
-    return fn, dict(state_specs=(ACT,), aux_specs=P(), stage_aux_specs=STASH,
-                    emit_specs=P(STAGE))
+    return fn, {"state_specs": (ACT,), "aux_specs": P(), "stage_aux_specs": STASH,
+                    "emit_specs": P(STAGE)}
 
 
 def _along(stack, spec):
     def fn(p, v, _, state, __):
         h, dh = state
         return sg.block_jvp_along(stack, p, v, h, dh), ()
-    return fn, dict(state_specs=(ACT, ACT), aux_specs=P(), emit_specs=())
+    return fn, {"state_specs": (ACT, ACT), "aux_specs": P(), "emit_specs": ()}
 
 
 def _apply(stack, spec, num_slots=0):
     def fn(p, layer, _, state, __):
         (h,) = state
         return (stack.block(p, h),), h
-    return fn, dict(state_specs=(ACT,), aux_specs=P(), emit_specs=STASH)
+    return fn, {"state_specs": (ACT,), "aux_specs": P(), "emit_specs": STASH}
 
 
 _PASSES = {"jvp": _jvp, "act": _act, "act_grad": _act_grad, "local": _local, "vjp": _vjp,

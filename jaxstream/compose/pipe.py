@@ -31,11 +31,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 DATA, STAGE = "data", "stage"
+BY_STAGE, WHOLE = P(STAGE), P()  # a leading stage axis; the same value on every device
 
 
 def build_pipe(mesh: Mesh, fn: Callable, *, state_specs: Any, aux_specs: Any,
-               stage_aux_specs: Any = P(STAGE), const_specs: Any = P(),
-               emit_specs: Any = P(STAGE), num_slots: int = 0, emit_sum: bool = False,
+               stage_aux_specs: Any = BY_STAGE, const_specs: Any = WHOLE,
+               emit_specs: Any = BY_STAGE, num_slots: int = 0, emit_sum: bool = False,
                reverse: bool = False) -> Callable:
     """The jitted pass ``(params, states, mb_aux, stage_aux, consts, slots) -> (states, emits)``.
 
@@ -64,7 +65,7 @@ def build_pipe(mesh: Mesh, fn: Callable, *, state_specs: Any, aux_specs: Any,
         s = jax.lax.axis_index(STAGE)
         pos = (m - 1 - s) if reverse else s
         n = jax.tree.leaves(states)[0].shape[0]
-        first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+        first = lambda tree: jax.tree.map(lambda a: a[0], tree)
         _, emit_sd = jax.eval_shape(fn, p, sa, consts, first(states), first(mb_aux))
         lead = () if emit_sum else (max(num_slots, 1),)
         buf = jax.tree.map(lambda e: jnp.zeros(lead + e.shape, e.dtype), emit_sd)

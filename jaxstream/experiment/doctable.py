@@ -113,9 +113,9 @@ def ticks_markdown(run: dict[str, Any]) -> str:
         raise ValueError(f"{run['dir']}: every arm must log 'ticks' (a pipelined engine)")
     steps = {a: max(r.get("step", 0) for r in rs) for a, rs in per.items()}
     budget = min(rate[a] * steps[a] for a in per)
-    lines = [f"| arm | ticks / step | test loss at {budget:.0f} ticks | test acc at {budget:.0f} "
-             "ticks | final test loss | final test acc | ticks at the end | ms/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    head = (f"| arm | ticks / step | test loss at {budget:.0f} ticks | test acc at {budget:.0f} "
+            "ticks | final test loss | final test acc | ticks at the end | ms/step |")
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
     arms = run["summary"].get("arms", {})
     for a, rs in per.items():
         ev = sorted((r for r in rs if r.get("test_loss") is not None), key=lambda r: r["step"])

@@ -377,8 +377,6 @@ class StreamedExecutor:
         guess = hybrid and self.estimator.correction == "guess"
         cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "stein",
                                                       "guess")
-        stein = hybrid and self.estimator.correction == "stein"
-        weighted = hybrid and self.estimator.correction == "weighted"
         spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit (weighted)
         c_parts: dict = {}
         scratch: list = []
@@ -426,23 +424,33 @@ class StreamedExecutor:
         elif cv:  # third sweep, now that c_nk = Σ_u h_u·v_nk,u is complete
             for f in scratch:
                 f.result()
-            blocks = [c_parts[l] for l in layers]
-            c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
-            beta = (self._betas(layers, hosts, spread, members, d, c, idx, stein)
-                    if weighted or stein else {})
-
-            def uload(u):
-                p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
-                h_u = self.store.read_scratch(u).result()
-                with jax.default_device(self.host):
-                    return p, K.unit_control_variate(
-                        self.spec, K.seg_keys(keys, u), jnp.asarray(d), jnp.asarray(c), h_u,
-                        jnp.asarray(members[str(u)]), idx_j,
-                        jnp.float32(beta.get(str(u), 1.0)), jax.device_put(p, self.host), stein)
-
-            for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
-                sink(u, g, p)
+            self._cv_sweep(layers, hosts, sink, t0, keys=keys, d=d, c_parts=c_parts,
+                           spread=spread, members=members, idx=idx)
         return float(np.mean(losses)), {}
+
+    def _cv_sweep(self, layers, hosts, sink, t0, *, keys, d, c_parts, spread, members,
+                  idx) -> None:
+        """The update sweep of ``control_variate`` / ``weighted`` / ``stein``: each unit's
+        estimate from its group mean h_u (the store's scratch), the scalars d and the
+        cross-unit c_nk = Σ_u ⟨h_u, v_nk,u⟩ (with β per unit for ``weighted`` / ``stein``)."""
+        corr = self.estimator.correction
+        blocks = [c_parts[l] for l in layers]
+        c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
+        beta = (self._betas(layers, hosts, spread, members, d, c, idx, corr == "stein")
+                if corr in ("weighted", "stein") else {})
+        idx_j = jnp.asarray(idx, jnp.int32)
+
+        def uload(u):
+            p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
+            h_u = self.store.read_scratch(u).result()
+            with jax.default_device(self.host):
+                return p, K.unit_control_variate(
+                    self.spec, K.seg_keys(keys, u), jnp.asarray(d), jnp.asarray(c), h_u,
+                    jnp.asarray(members[str(u)]), idx_j, jnp.float32(beta.get(str(u), 1.0)),
+                    jax.device_put(p, self.host), corr == "stein")
+
+        for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
+            sink(u, g, p)
 
     def _guess_sweeps(self, batch, layers, hosts, sink, t0, norm: float) -> None:
         """``guess``: a forward sweep along u = h / ‖h‖ (h from the store's scratch) gives each
