@@ -23,8 +23,8 @@ from jaxstream.data.batches import batch_at
 from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.estimators import describe, family
-from jaxstream.experiment.plots import write_plots
 from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
+from jaxstream.experiment.plots import write_plots
 from jaxstream.experiment.progress import arm_bar, arm_done, bar_hook, status
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
