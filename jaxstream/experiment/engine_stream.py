@@ -129,12 +129,13 @@ class StreamEngine:
     """
 
     def __init__(self, cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
-                 config: Any = None, arm: Any = None, micro_batches: int = 1, **_: Any):
+                 model: Any = None, arm: Any = "arm", micro_batches: int = 1, **_: Any):
+        """``model``: the model section (recorded in the store, checked when it is reopened);
+        ``arm``: the arm's name (an arm section gives its ``name``), which owns the store."""
         self.cfg, self.stack, self.estimator, self.optimizer = cfg, stack, estimator, optimizer
         self.micro_batches = micro_batches if micro_batches > 1 else cfg.micro_batches
-        self.arm = getattr(arm, "name", "arm")
+        self.arm = arm if isinstance(arm, str) else getattr(arm, "name", "arm")
         self.location = cfg.location(self.arm)
-        model = getattr(config, "model", None)
         self.model_config = ({"type": type(model).__name__, **dataclasses.asdict(model)}
                              if dataclasses.is_dataclass(model) else {"name": stack.name})
         self.model_config["num_layers"] = stack.num_layers
@@ -246,4 +247,14 @@ class StreamEngine:
         return jax.tree.map(jnp.asarray, ex.store.read_params())
 
 
-register_engine("stream", StreamEngineConfig, lambda cfg, **kw: StreamEngine(cfg, **kw))
+def build_stream_engine(cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
+                        config: Any = None, arm: Any = None, micro_batches: int = 1,
+                        **_: Any) -> StreamEngine:
+    """The registry's build: hands the engine its own section, the model section and the arm's
+    name, not the whole experiment config."""
+    return StreamEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
+                        model=getattr(config, "model", None),
+                        arm=getattr(arm, "name", "arm"), micro_batches=micro_batches)
+
+
+register_engine("stream", StreamEngineConfig, build_stream_engine)

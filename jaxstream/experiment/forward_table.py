@@ -4,11 +4,13 @@ Rows: backprop (BP), rematerialised backprop (BP-remat), forward gradients with 
 or activity (FG-A) perturbation, the same with local losses (LG-FG-W, LG-FG-A), the exact
 subset alone, and each hybrid correction. For each (data set, arm) every learning rate of the
 arm's sweep and every seed train together as one ``vmap``-ed program (Adam; the learning rate
-scales Adam's update, which is exactly Adam at that rate). The learning rate is picked by the
-lowest mean final *train* error over seeds, ties broken by the train loss (the test set never
-chooses). Reported at that rate: test and train error (mean ± sd over seeds), steps and
-seconds to the target test accuracy, peak temporary memory of one compiled step (XLA's
-``temp_size_in_bytes``), step time, and the cosine and relative squared error
+scales Adam's update, which is exactly Adam at that rate), run by the shared
+:class:`~jaxstream.experiment.loop.TrainLoop` (one loop step per ``eval_every`` optimizer
+steps; evaluation is a hook). The learning rate is picked by the lowest mean final *train*
+error over seeds, ties broken by the train loss (the test set never chooses). Reported at that
+rate: test and train error (mean ± sd over seeds), steps and seconds to the target test
+accuracy, peak temporary memory of one compiled step (XLA's ``temp_size_in_bytes``), step time,
+and the cosine and relative squared error
 ‖ĝ − g‖² / ‖g‖² to the exact batch gradient at initialisation (mean over keys).
 
 A data set with ``metric: loss`` (the character transformer on the text corpus) is judged by
@@ -43,6 +45,7 @@ import optax
 from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
+from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
@@ -194,10 +197,14 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     state = (params, jax.vmap(tx.init)(params))
     run = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)))
     evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
-    curve, t0 = [], time.perf_counter()
-    for c in range(dcfg.steps // dcfg.eval_every):
-        state, _ = run(state, lane_lr, lane_seed, c * dcfg.eval_every)
-        curve.append(np.asarray(evaluate(state[0])))  # (lanes, 4)
+    # The shared training loop, one loop step per chunk of eval_every steps (all lanes); the
+    # chunk's first step is its "batch" (batches are drawn inside), evaluation is a hook.
+    loop = TrainLoop(lambda st, t0, _: (run(st, lane_lr, lane_seed, t0)[0], {}),
+                     batch_at=lambda c: c * dcfg.eval_every, key_at=lambda c: None, timed=False)
+    curve: list[np.ndarray] = []
+    loop.add_hook(lambda i: curve.append(np.asarray(evaluate(i.state[0]))))  # (lanes, 4)
+    t0 = time.perf_counter()
+    state = loop.run(state, start=0, stop=dcfg.steps // dcfg.eval_every).state
     train_seconds = time.perf_counter() - t0
     curve = np.stack(curve, axis=1).reshape(len(lrs), cfg.seeds, -1, 4)  # lr, seed, eval, metric
     final = curve[:, :, -1]

@@ -3,8 +3,10 @@
 The loop owns only what every step does: take the batch and the key of step ``s`` (pure
 functions of ``s``), call the engine's step, time it and turn its metrics into a record.
 Evaluation, diagnostics, logging, checkpoints and progress are hooks, each run every N steps
-(as levanter's ``trainer.add_hook(fn, every=N)``). The engine state is a pytree passed in and
-returned; the loop keeps none of it.
+(as levanter's ``trainer.add_hook(fn, every=N)``). Where a run starts is decided by start hooks
+(:meth:`TrainLoop.add_start_hook`, run by :meth:`TrainLoop.begin`): :class:`Resume` continues
+from the latest checkpoint, an engine's ``resume_at`` reconciles parameters kept outside it (a
+layer store). The engine state is a pytree passed in and returned; the loop keeps none of it.
 
 Example:
     >>> loop = TrainLoop(engine.step, batch_at=lambda s: batches[s],
@@ -12,7 +14,11 @@ Example:
     >>> loop.add_hook(evaluate, every=50, at=(1000,))          # also at the final step
     >>> loop.add_hook(lambda info: log.append(info.record))   # every step
     >>> loop.add_hook(save_checkpoint, every=100, at_end=True)
-    >>> state, step, stopped, train_time = loop.run(state, start=0, stop=1000)
+    >>> resume = Resume(checkpointer)                         # --resume: latest checkpoint
+    >>> loop.add_start_hook(resume)
+    >>> state, start = loop.begin(state)
+    >>> state, step, stopped, train_time = loop.run(state, start=start, stop=1000,
+    ...                                             train_time=resume.train_time)
 """
 
 from __future__ import annotations
@@ -99,11 +105,22 @@ class TrainLoop:
         self.tags = dict(tags or {})
         self.stop_if = stop_if
         self.hooks: list[Hook] = []
+        self.start_hooks: list[Callable[[Any, int], tuple[Any, int]]] = []
 
     def add_hook(self, fn: Callable[[StepInfo], None], *, every: int = 1,
                  at: tuple[int, ...] = (), at_end: bool = False, before: bool = False) -> None:
         """Run ``fn(info)`` every ``every`` steps (hooks run in the order they were added)."""
         self.hooks.append(Hook(fn, every, tuple(at), at_end, before))
+
+    def add_start_hook(self, fn: Callable[[Any, int], tuple[Any, int]]) -> None:
+        """Run ``fn(state, start) -> (state, start)`` in :meth:`begin` (in the order added)."""
+        self.start_hooks.append(fn)
+
+    def begin(self, state: Any, start: int = 0) -> tuple[Any, int]:
+        """The state and step to run from: ``(state, start)`` passed through the start hooks."""
+        for fn in self.start_hooks:
+            state, start = fn(state, start)
+        return state, start
 
     def run(self, state: Any, *, start: int, stop: int, train_time: float = 0.0) -> LoopResult:
         """Steps ``start+1 .. stop`` (fewer if ``stop_if`` fires); returns the new state."""
@@ -133,3 +150,44 @@ class TrainLoop:
             if stopped:
                 break
         return LoopResult(state, step, stopped, train_time)
+
+
+class Resume:
+    """Start hook: continue from the checkpointer's latest save (if any).
+
+    ``checkpointer`` has ``restore_latest(like) -> (step | None, state, meta)`` (e.g.
+    :class:`jaxstream.experiment.checkpoints.ArmCheckpointer`); after :meth:`TrainLoop.begin`,
+    ``meta`` holds the saved metadata (``train_time``, ``diverged``).
+
+    Example:
+        >>> resume = Resume(ArmCheckpointer(run_dir / "checkpoints" / "backprop"))
+        >>> loop.add_start_hook(resume)
+        >>> state, start = loop.begin(state)   # start: the checkpoint's step, or 0
+    """
+
+    def __init__(self, checkpointer: Any):
+        self.checkpointer = checkpointer
+        self.meta: dict[str, Any] = {}
+
+    def __call__(self, state: Any, start: int) -> tuple[Any, int]:
+        step, state, self.meta = self.checkpointer.restore_latest(state)
+        return state, step or start
+
+    @property
+    def train_time(self) -> float:
+        """Seconds of engine steps before the checkpoint (0 without one)."""
+        return float(self.meta.get("train_time", 0.0))
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the checkpointed run had diverged (it is then not continued)."""
+        return bool(self.meta.get("diverged", False))
+
+
+def resumed_records(kept: list[dict], start: int, tags: dict[str, Any]) -> list[dict]:
+    """The records of steps ``0 .. start`` from an earlier session, in step order; a step done
+    whose record the log lost gets ``{**tags, "step": k, "lost": True}``."""
+    records = [r for r in kept if r["step"] <= start] if start else []
+    logged = {r["step"] for r in records}
+    records += [{**tags, "step": k, "lost": True} for k in range(1, start + 1) if k not in logged]
+    return sorted(records, key=lambda r: r["step"])

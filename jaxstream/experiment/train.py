@@ -23,8 +23,8 @@ from jaxstream.data.batches import batch_at
 from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.estimators import describe, family
+from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
 from jaxstream.experiment.plots import write_plots
-from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.progress import arm_bar, arm_done, bar_hook, status
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
@@ -72,36 +72,31 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     stop = min(cfg.steps, cfg.max_steps or cfg.steps)
     evaluate = evaluator_for(stack)
     diag = diagnostics_for(engine, stack) if cfg.diag_every else None
+    tags = {"arm": arm.name}
+    loop = TrainLoop(engine.step, tags=tags,
+                     batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
+                     key_at=lambda s: jax.random.fold_in(step_root, s),
+                     stop_if=_diverged)
 
-    start, meta = 0, {}
+    resume_ckpt = Resume(ckpt)
     if resume:
-        step, state, meta = ckpt.restore_latest(state)
-        start = step or 0
+        loop.add_start_hook(resume_ckpt)
     resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
     if resume_at is not None:
-        state, start = resume_at(state, start, run_dir=run_dir, resume=resume)
-    records = [r for r in kept if r["step"] <= start] if start else []
-    logged = {r["step"] for r in records}  # steps done whose records the log lost
-    records += [{"arm": arm.name, "step": k, "lost": True} for k in range(1, start + 1)
-                if k not in logged]
-    records.sort(key=lambda r: r["step"])
+        loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume))
+    state, start = loop.begin(state)
+    records = resumed_records(kept, start, tags)
     if start == 0:
-        records = [{"arm": arm.name, "step": 0,
+        records = [{**tags, "step": 0,
                     **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
     on_start(records)
-    diverged = bool(meta.get("diverged", False))
-    train_time = float(meta.get("train_time", 0.0))
+    diverged = resume_ckpt.diverged
     if diverged or start >= stop:
         ckpt.close()
         return {"records": records, "compile_time": None, "diverged": diverged}
 
     status(f"{arm.name}: compiling the first step")
-    compile_time = _warm_up(engine, state, batch_at(data.train, cfg.batch_size, cfg.seed, start),
-                            jax.random.fold_in(step_root, 0))
-    loop = TrainLoop(engine.step, tags={"arm": arm.name},
-                     batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
-                     key_at=lambda s: jax.random.fold_in(step_root, s),
-                     stop_if=_diverged)
+    compile_time = _warm_up(engine, state, loop.batch_at(start), jax.random.fold_in(step_root, 0))
     if diag is not None:
         loop.add_hook(lambda i: i.record.update(diag(i.state, i.batch, i.key)),
                       every=cfg.diag_every, before=True)
@@ -114,7 +109,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     loop.add_hook(lambda i: ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
                                                         "diverged": _diverged(i.record)}),
                   every=cfg.checkpoint_every, at_end=True)
-    out = loop.run(state, start=start, stop=stop, train_time=train_time)
+    out = loop.run(state, start=start, stop=stop, train_time=resume_ckpt.train_time)
     bar.close()
     arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
              cfg.progress)

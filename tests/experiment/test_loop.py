@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxstream.experiment.loop import TrainLoop
+from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
 
 
 class Count(NamedTuple):
@@ -69,3 +69,41 @@ def test_untimed_loop_leaves_metrics_as_returned():
     loop.add_hook(lambda i: recs.append(dict(i.record)))
     out = loop.run(Count(0), start=0, stop=2)
     assert out.train_time == 0.0 and [sorted(r) for r in recs] == [["lanes", "loss", "step"]] * 2
+
+
+class _Checkpointer:
+    """restore_latest as ArmCheckpointer's: (step, state, meta), or (None, like, {})."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def restore_latest(self, like):
+        if self.step is None:
+            return None, like, {}
+        return self.step, Count(self.step), {"train_time": 2.5, "diverged": False}
+
+
+def test_start_hooks_resume_then_reconcile_in_order():
+    resume = Resume(_Checkpointer(4))
+    loop = _loop()
+    loop.add_start_hook(resume)
+    loop.add_start_hook(lambda state, start: (Count(state.n + 1), start + 1))  # a store ahead
+    state, start = loop.begin(Count(0))
+    assert (state, start) == (Count(5), 5) and resume.train_time == 2.5 and not resume.diverged
+    out = loop.run(state, start=start, stop=7, train_time=resume.train_time)
+    assert out.state == Count(7) and out.train_time > 2.5
+
+
+def test_resume_without_checkpoint_starts_at_zero():
+    resume = Resume(_Checkpointer(None))
+    loop = _loop()
+    loop.add_start_hook(resume)
+    assert loop.begin(Count(0)) == (Count(0), 0) and resume.train_time == 0.0
+
+
+def test_resumed_records_keep_steps_up_to_start_and_mark_lost_ones():
+    kept = [{"arm": "a", "step": s, "loss": float(s)} for s in (0, 1, 3, 5)]
+    recs = resumed_records(kept, 4, {"arm": "a"})
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
+    assert recs[2] == {"arm": "a", "step": 2, "lost": True} and "lost" not in recs[3]
+    assert resumed_records(kept, 0, {"arm": "a"}) == []

@@ -67,12 +67,11 @@ def test_forward_only_equals_single_device():
 
 @pytest.mark.parametrize("est", [
     jg.forward(K, "gaussian", perturb="activations"),
-    jg.forward(K, perturb="activations", local_losses=True),
-    jg.forward(K, "gaussian", aggregation="projection"),
-], ids=["activations", "local_losses", "projection"])
+], ids=["activations"])
 def test_forward_variants_equal_the_per_micro_batch_estimator(est):
-    """Activity perturbation, local losses and projection on a forward-only table equal the
-    in-memory estimator run per micro-batch n with key fold_in(key, n), averaged."""
+    """Activity perturbation (Gaussian) on a forward-only table equals the in-memory estimator
+    run per micro-batch n with key fold_in(key, n), averaged. Local losses and projection are
+    checked the same way by tests/test_engine_matrix.py (pipeline-fwd-act-local, -fwd-w-proj)."""
     m, n = 4, 3
     stack, params, batch = _setup(m, n)
     key = jax.random.key(5)

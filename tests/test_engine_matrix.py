@@ -1,0 +1,250 @@
+"""The engine x estimator matrix (docs/engines.md) as one test per pair.
+
+Every engine's gradient equals the in-memory estimator (``jaxstream.grad``) configured the same
+way for the same keys, to a max relative error of 1e-5 (fp32; max over leaves of
+‖a − b‖∞ / ‖b‖∞). The references are written here from the public estimators alone, with the
+variants docs/engines.md states:
+
+* pipeline forward estimates draw tangents per micro-batch: the reference is the estimator on
+  micro-batch n with key ``fold_in(key, n)``, averaged over n;
+* pipeline selections are static: the hybrids use ``exact_indices``; nested groups (a
+  ``truncated`` table) become ``exact_from``, read off the table's W / BW / FBW cells here;
+* pipeline ``guess`` differentiates along a direction from the step before (an exact-subset
+  mean at other params and another batch), given to the reference as ``guess=``;
+* data-parallel activity tangents are drawn per shard: the reference is the estimator on each
+  of the shards with the same key, averaged.
+
+The in-memory column of the matrix is the reference itself, so it has no test here. Sizes:
+an MLP of depth 4 (one block per stage), 4 micro-batches of 4 examples, 4 devices (from the
+8 simulated CPU devices of tests/conftest.py). Each reference compiles once and serves every
+engine; each engine compiles once per estimator (the references and the data-parallel step
+with LLVM's optimisations off, which halves their compile time).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import jaxstream.grad as jg
+from jaxstream.comm import data_parallel
+from jaxstream.models import mlp
+from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
+from jaxstream.pipeline.executor import pipeline
+from jaxstream.pipeline.table import GRAD_OPS
+from jaxstream.stream import LayerStore
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from tests.trees import max_rel_err
+
+M, N, B, K = 4, 4, 4, 2  # stages / devices, micro-batches, examples per micro-batch, tangents
+SEL = (0, 1)  # the hybrids' exact micro-batches (static: a pipeline table fixes them)
+TOL = 1e-5
+STACK = mlp(in_dim=6, width=8, depth=M, num_classes=3)
+SGD = optax.sgd(0.1)
+NESTED = truncated(M, N, SEL)
+
+
+def table_exact_from(sched, num_layers: int) -> tuple[int, ...]:
+    """``exact_from`` of the groups ``sched`` produces, read off its cells: micro-batch j's first
+    exact block is the first layer of the lowest stage with a weight-gradient op for j."""
+    per = num_layers // sched.num_stages
+    out = []
+    for j in range(sched.num_microbatches):
+        cells = np.isin(sched.kind, GRAD_OPS) & (sched.micro == j) & ~sched.stale
+        stages = np.nonzero(cells.any(axis=0))[0]
+        out.append(int(stages.min()) * per if stages.size else num_layers + 1)
+    return tuple(out)
+
+
+# name -> (estimator, batch layout of the in-memory reference)
+ESTIMATORS = {
+    "backprop": (jg.backprop(), "flat"),
+    "fwd-w-gauss": (jg.forward(K, "gaussian"), "flat"),
+    "fwd-w-rad": (jg.forward(K, "rademacher"), "flat"),
+    "fwd-w-orth": (jg.forward(K, "gaussian", orthogonal=True), "flat"),
+    "fwd-w-anti": (jg.forward(K, "gaussian", antithetic=True), "flat"),
+    "fwd-w-proj": (jg.forward(K, "gaussian", aggregation="projection"), "flat"),
+    "fwd-act": (jg.forward(K, perturb="activations"), "flat"),
+    "fwd-act-local": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
+    "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=K), "micro"),
+    "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=K),
+               "micro"),
+    "hyb-weighted": (jg.hybrid(exact_indices=SEL, correction="weighted", num_tangents=K), "micro"),
+    "hyb-stein": (jg.hybrid(exact_indices=SEL, correction="stein", num_tangents=K), "micro"),
+    "hyb-guess": (jg.hybrid(exact_indices=SEL, correction="guess", num_tangents=K), "micro"),
+    "hyb-cv-nested": (jg.hybrid(exact_from=table_exact_from(NESTED, M),
+                                correction="control_variate", num_tangents=K), "micro"),
+}
+ENGINES = ("dataparallel", "pipeline", "stream")
+PAIRS = [(engine, name) for name in ESTIMATORS for engine in ENGINES]
+
+
+def _data(seed: int):
+    """(micro-batched, flat) NumPy batch: leaves (N, B, ...) and (N * B, ...)."""
+    rng = np.random.default_rng(seed)
+    micro = {"x": rng.standard_normal((N, B, 6), dtype=np.float32),
+             "y": rng.integers(0, 3, (N, B), dtype=np.int32)}
+    return micro, jax.tree.map(lambda a: a.reshape(N * B, *a.shape[2:]), micro)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    params = STACK.init(jax.random.key(0))
+    micro, flat = _data(0)
+    return params, micro, flat, jax.random.key(7)
+
+
+@pytest.fixture(scope="module")
+def guess_direction():
+    """A direction from the step before: the exact mean of the selected micro-batches at other
+    params, on another batch (what a pipeline's ``guess`` keeps in its state)."""
+    params = STACK.init(jax.random.key(1))
+    micro, _ = _data(1)
+    grad = jax.jit(jax.grad(STACK))
+    gs = [grad(params, jax.tree.map(lambda a, i=i: a[i], micro)) for i in SEL]
+    return jax.tree.map(lambda *g: sum(g) / len(g), *gs)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, problem):
+    """One layer store of the initial params; ``estimate`` reads it and commits nothing."""
+    return LayerStore.create(tmp_path_factory.mktemp("matrix") / "store", problem[0],
+                             optimizer=SGD)
+
+
+# ------------------------------------------------------------------ compiling
+# LLVM's optimisations off: the same XLA program (same numbers to fp32 rounding), compiled in
+# about half the time. Used for the references and the data-parallel step (jitted here).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+class Compiled:
+    """``fn`` jitted and compiled, once, for the arguments of its first call."""
+
+    def __init__(self, fn):
+        self.fn, self.exe = fn, None
+
+    def __call__(self, *args):
+        if self.exe is None:
+            self.exe = jax.jit(self.fn).lower(*args).compile(compiler_options=FAST_COMPILE)
+        return self.exe(*args)
+
+
+# ------------------------------------------------------------------ references (in memory)
+@functools.cache
+def reference(name: str, variant: str) -> Compiled:
+    """The in-memory estimator ``name``: ``(params, batch, key[, direction]) -> (loss, grads)``.
+
+    variant "same": the estimator on the batch; "guess": with ``guess=direction``;
+    "per-micro": on micro-batch n keyed ``fold_in(key, n)``, averaged; "per-shard": on each of
+    M shards of the flat batch with ``key``, averaged.
+    """
+    est, _ = ESTIMATORS[name]
+    if variant == "same":
+        return Compiled(lambda p, b, k: est(STACK, p, b, k))
+    if variant == "guess":
+        return Compiled(lambda p, b, k, u: est(STACK, p, b, k, guess=u))
+    if variant == "per-micro":
+        def per_micro(p, micro, key):
+            keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(N))
+            losses, grads = jax.vmap(lambda b, k: est(STACK, p, b, k))(micro, keys)
+            return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
+        return Compiled(per_micro)
+    if variant == "per-shard":
+        def per_shard(p, flat, key):
+            shards = jax.tree.map(lambda a: a.reshape(M, -1, *a.shape[1:]), flat)
+            losses, grads = jax.vmap(lambda b: est(STACK, p, b, key))(shards)
+            return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
+        return Compiled(per_shard)
+    raise ValueError(f"variant: {variant!r}")
+
+
+def expected(engine: str, name: str, problem, direction):
+    """The in-memory (loss, grads) the engine must reproduce, and the variant's name."""
+    params, micro, flat, key = problem
+    est, layout = ESTIMATORS[name]
+    data = flat if layout == "flat" else micro
+    if engine == "pipeline" and isinstance(est, jg.Forward):
+        return reference(name, "per-micro")(params, micro, key), "per-micro"
+    if engine == "pipeline" and name == "hyb-guess":
+        return reference(name, "guess")(params, micro, key, direction), "guess"
+    if engine == "dataparallel" and isinstance(est, jg.Forward) and est.perturb == "activations":
+        return reference(name, "per-shard")(params, flat, key), "per-shard"
+    return reference(name, "same")(params, data, key), "same"
+
+
+# ------------------------------------------------------------------ engines
+@functools.cache
+def pipeline_for(name: str):
+    """The pipeline of estimator ``name``: forward-only table for forward estimators, GPipe
+    backprop for backprop, ``complete`` (``truncated`` for nested groups) for hybrids."""
+    est, _ = ESTIMATORS[name]
+    if isinstance(est, jg.Backprop):
+        sched = gpipe_backprop(M, N)
+    elif isinstance(est, jg.Forward):
+        sched = gpipe_forward(M, N)
+    else:
+        sched = NESTED if est.exact_from is not None else complete(M, N, SEL)
+    return pipeline(STACK, sched, est)
+
+
+@functools.cache
+def data_parallel_for(name: str):
+    est, layout = ESTIMATORS[name]
+    mesh = Mesh(np.array(jax.devices()[:M]), ("data",))
+    dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)
+    return Compiled(lambda p, b, k: dp(STACK, p, b, k))
+
+
+def run_engine(engine: str, name: str, problem, direction, store, key=None):
+    """(loss, grads) of ``engine`` for estimator ``name`` (``key`` overrides the problem's)."""
+    params, micro, flat, key0 = problem
+    key = key0 if key is None else key
+    est, layout = ESTIMATORS[name]
+    if engine == "dataparallel":
+        return data_parallel_for(name)(params, flat if layout == "flat" else micro, key)
+    if engine == "pipeline":
+        kw = {"guess": direction} if name == "hyb-guess" else {}
+        return pipeline_for(name)(params, micro, key, **kw)[:2]
+    ex = StreamedExecutor(STACK, est, SGD, store, StreamConfig(compute_dtype="float32", prefetch=2))
+    return ex.estimate(micro, key)
+
+
+@pytest.mark.parametrize("engine,name", PAIRS, ids=[f"{e}-{n}" for e, n in PAIRS])
+def test_engine_equals_in_memory_estimator(engine, name, problem, guess_direction, store):
+    loss, grads = run_engine(engine, name, problem, guess_direction, store)
+    (ref_loss, ref), variant = expected(engine, name, problem, guess_direction)
+    err = max_rel_err(grads, ref)
+    print(f"{engine} {name} ({variant}): max relative error {err:.2e}")
+    assert err <= TOL, f"{engine} x {name} ({variant}): max relative error {err:.3g} > {TOL:g}"
+    assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
+
+
+@pytest.mark.parametrize("engine,name", [("pipeline", "fwd-w-gauss"), ("stream", "hyb-cv"),
+                                         ("dataparallel", "fwd-act")])
+def test_a_wrong_engine_fails_the_comparison(engine, name, problem, guess_direction, store):
+    """The comparison can fail: the engine run with another key, or compared with the
+    reference of another variant, is far off."""
+    (_, ref), _ = expected(engine, name, problem, guess_direction)
+    _, other_key = run_engine(engine, name, problem, guess_direction, store,
+                              key=jax.random.key(8))
+    assert max_rel_err(other_key, ref) > 1e-3
+    if engine != "stream":  # a stated variant matters: the whole-batch reference is not it
+        params, _, flat, key = problem
+        _, grads = run_engine(engine, name, problem, guess_direction, store)
+        _, plain = reference(name, "same")(params, flat, key)
+        assert max_rel_err(grads, plain) > 1e-3
+
+
+def test_nested_groups_are_partial():
+    """hyb-cv-nested is not a plain selection: the truncated table gives the selected
+    micro-batches exact gradients for the top stages only, and the others none."""
+    groups = table_exact_from(NESTED, M)
+    assert all(0 < groups[j] <= M for j in SEL), groups
+    assert all(groups[j] == M + 1 for j in range(N) if j not in SEL), groups
