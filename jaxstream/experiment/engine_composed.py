@@ -79,4 +79,13 @@ class ComposedEngine(StreamEngine):
                                 mesh=make_mesh(self.cfg.data, self.cfg.stage))
 
 
-register_engine("composed", ComposedEngineConfig, lambda cfg, **kw: ComposedEngine(cfg, **kw))
+def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: Any,
+                          optimizer: Any, config: Any = None, arm: Any = None,
+                          micro_batches: int = 1, **_: Any) -> ComposedEngine:
+    """The registry's build: the engine's section, the model section and the arm's name."""
+    return ComposedEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
+                          model=getattr(config, "model", None), arm=getattr(arm, "name", "arm"),
+                          micro_batches=micro_batches)
+
+
+register_engine("composed", ComposedEngineConfig, build_composed_engine)
