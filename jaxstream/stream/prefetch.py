@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxstream.stream.store_parts import aligned_empty
+from jaxstream.stream.direct_read import BUFFERS
 
 
 class Event(NamedTuple):
@@ -100,9 +100,9 @@ _END = object()
 def to_device(tree: Any, dtype: Any, device: Any) -> Any:
     """Puts a host pytree on ``device``, floating leaves cast to ``dtype`` (one ``device_put``).
 
-    A cast writes into a 64-byte aligned array, which the CPU client aliases instead of
-    copying once more; leaves already in ``dtype`` (and aligned, as the store's reads are)
-    go as they are.
+    A cast writes into a reused 64-byte aligned buffer (:data:`BUFFERS`), which the CPU client
+    aliases instead of copying once more; leaves already in ``dtype`` (and aligned, as the
+    store's reads are) go as they are.
 
     Example::
 
@@ -114,7 +114,7 @@ def to_device(tree: Any, dtype: Any, device: Any) -> Any:
         a = np.asarray(a)
         if not np.issubdtype(a.dtype, np.floating) or a.dtype == dtype:
             return a
-        out = aligned_empty(a.shape, dtype)
+        out = BUFFERS.take(a.size * dtype.itemsize).view(dtype).reshape(a.shape)
         np.copyto(out, a, casting="unsafe")
         return out
 

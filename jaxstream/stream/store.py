@@ -38,6 +38,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from jaxstream.stream.direct_read import FileChunks
 from jaxstream.stream.errors import (
     StoreError,
     StoreNonFiniteError,
@@ -49,7 +50,6 @@ from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvsto
 from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
 from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
-    FileChunks,
     ReadInto,
     TreeFuture,
     WriteFuture,

@@ -14,9 +14,10 @@ import pytest
 import tensorstore as ts
 
 from jaxstream.stream import LayerStore
+from jaxstream.stream.direct_read import BufferPool, FileChunks
 from jaxstream.stream.errors import StoreCorruptError
 from jaxstream.stream.layout import make_context, open_array, open_kvstore
-from jaxstream.stream.store_parts import ALIGN, FileChunks
+from jaxstream.stream.store_parts import ALIGN
 
 
 def _params(layers=3):
@@ -130,3 +131,23 @@ def test_to_device_casts_floating_leaves_only(dtype):
     assert got["w"].dtype == jnp.dtype(dtype) and got["n"].dtype == np.int32
     np.testing.assert_array_equal(np.asarray(got["w"]), tree["w"].astype(jnp.dtype(dtype)))
     np.testing.assert_array_equal(np.asarray(got["n"]), tree["n"])
+
+
+def test_buffer_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
+    pool = BufferPool(keep=2)
+    a = pool.take(1000)
+    assert a.ctypes.data % ALIGN == 0 and a.nbytes == 1000
+    view = a[:400].view(np.float32).reshape(10, 10)  # what a read returns
+    del a
+    b = pool.take(1000)
+    assert not np.shares_memory(view, b)  # the first buffer is still referred to
+    dev = jax.device_put(view)  # the CPU client may alias it: it keeps it alive too
+    del view
+    c = pool.take(1000)
+    assert not np.shares_memory(c, b)
+    kept = {c.ctypes.data, b.ctypes.data}
+    del b, c
+    d = pool.take(1000)  # a kept buffer nothing refers to any more
+    assert d.ctypes.data in kept
+    del dev, d
+    assert len({pool.take(1000).ctypes.data for _ in range(3)}) == 1
