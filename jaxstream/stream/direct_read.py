@@ -30,16 +30,18 @@ class BufferPool:
     made from it (reshaped views, a device array that aliases it, a TensorStore array over
     it) holds a reference to that owner, so the owner's reference count says whether any of
     them is still alive. Only then is a buffer free to be read into again. At most ``keep``
-    owners per size are kept (the prefetcher has about depth + 2 layers alive at a time).
+    owners per size and ``max_bytes`` in all are kept (the prefetcher has about depth + 2
+    layers alive at a time); a buffer beyond that is an ordinary array.
 
     Example::
 
         buf = BUFFERS.take(4096)   # uint8, 4096 bytes, data aligned to 64 bytes
     """
 
-    def __init__(self, keep: int = 6, align: int = ALIGN):
-        self._keep, self._align = keep, align
+    def __init__(self, keep: int = 8, max_bytes: int = 1 << 30, align: int = ALIGN):
+        self._keep, self._max_bytes, self._align = keep, max_bytes, align
         self._owners: dict[int, list[np.ndarray]] = {}
+        self._kept = 0  # bytes held by the kept owners
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -51,8 +53,9 @@ class BufferPool:
                 if sys.getrefcount(owner) <= _FREE_REFS:
                     return self._view(owner, nbytes)
             owner = np.empty(nbytes + self._align, np.uint8)
-            if len(owners) < self._keep:
+            if len(owners) < self._keep and self._kept + owner.nbytes <= self._max_bytes:
                 owners.append(owner)
+                self._kept += owner.nbytes
             return self._view(owner, nbytes)
 
     def _view(self, owner: np.ndarray, nbytes: int) -> np.ndarray:
@@ -63,6 +66,7 @@ class BufferPool:
         """Drops the kept buffers (arrays still using them stay valid)."""
         with self._lock:
             self._owners.clear()
+            self._kept = 0
 
 
 _FREE_REFS = 3
