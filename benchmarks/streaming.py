@@ -69,6 +69,7 @@ from jaxstream.stream.planner import LayerCost, plan
 from jaxstream.stream.prefetch import Prefetcher
 
 MiB = 1 << 20
+CRC_BYTES = 4  # the zarr3 crc32c codec's checksum at the end of every chunk file
 
 
 def evict(directory: Path) -> None:
@@ -141,10 +142,11 @@ def bench_read(path: Path, store: LayerStore, passes: int) -> dict:
         for _, layer in Prefetcher(lambda l: store.read(l).result(), range(store.num_layers), 4):
             got += sum(a.nbytes for a in jax.tree.leaves(layer))
         ts_.append(time.perf_counter() - t0)
-        assert got == nbytes, (got, nbytes)
+        assert got == nbytes - CRC_BYTES * len(files), (got, nbytes, len(files))
     raw_bw, store_bw = nbytes / min(raw), nbytes / min(ts_)
     return {"bytes": nbytes, "raw_GBps": raw_bw / 1e9, "store_GBps": store_bw / 1e9,
-            "read_ratio": store_bw / raw_bw}
+            "read_ratio": store_bw / raw_bw, "read_ratio_median": float(np.median(raw) / np.median(ts_)),
+            "raw_s": raw, "store_s": ts_}
 
 
 def xla_threads() -> int:
@@ -465,12 +467,51 @@ def finish_scale(proc: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def overlap_rows(name: str, o: dict) -> list[tuple[str, str, str]]:
+    """The table rows of one overlap measurement."""
+    c = o["cpu_s"]
+    return [
+        (f"(b) {name}: compute only", f"{o['compute_only_s'] * 1e3:.1f} ms",
+         f"batch {o['batch']}, cpu {c['compute'] * 1e3:.0f} ms"),
+        (f"(b) {name}: read only", f"{o['read_only_s'] * 1e3:.1f} ms", f"cpu {c['read'] * 1e3:.0f} ms"),
+        (f"(b) {name}: streamed", f"{o['streamed_s'] * 1e3:.1f} ms",
+         (f"efficiency {o['overlap_efficiency']:.3f}, stall {o['stall_s'] * 1e3:.1f} ms "
+          f"(fill {o['fill_stall_s'] * 1e3:.1f}), cpu {c['streamed'] * 1e3:.0f} ms")),
+    ]
+
+
+def read_rows(r: dict) -> list[tuple[str, str, str]]:
+    """The table rows of the read measurement."""
+    return [
+        ("(a) raw sequential read, cold", f"{r['raw_GBps']:.3f} GB/s", f"{r['bytes'] / MiB:.0f} MiB"),
+        ("(a) LayerStore read, cold", f"{r['store_GBps']:.3f} GB/s",
+         f"ratio {r['read_ratio']:.3f} (medians: {r['read_ratio_median']:.3f})"),
+    ]
+
+
+def report_partial(res: dict, json_path: str | None) -> None:
+    """Prints and writes the parts run with ``--only``."""
+    rows = read_rows(res["read"]) if "read" in res else []
+    if "overlap" in res:
+        rows += overlap_rows("XLA 1 thread", res["overlap"])
+    print(f"loadavg {os.getloadavg()}")
+    for a, b, c in rows:
+        print(f"{a:<36} {b:>18}   {c}")
+    out = {k: res[k][k + "_ratio" if k == "read" else "overlap_efficiency"]
+           for k in ("read", "overlap") if k in res}
+    if json_path:
+        Path(json_path).write_text(json.dumps({**out, "details": res}, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (< 2 minutes)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed)")
     ap.add_argument("--crash-kills", type=int, default=0, help="SIGKILL crash runs (0: skip)")
+    ap.add_argument("--only", choices=("read", "overlap", "read,overlap"), default=None,
+                    help="run only (a) the read ratio and/or (b) the overlap (XLA on one thread)")
+    ap.add_argument("--rounds", type=int, default=5, help="overlap rounds (median times)")
     ap.add_argument("--scale-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--overlap-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
@@ -497,12 +538,17 @@ def main() -> None:
             return v
 
         store, stack = timed("build", build_store, work / "read", read_w, read_l)
-        res["read"] = timed("read", bench_read, work / "read", store, passes=3)
-        rounds = 5
+        only = set(args.only.split(",")) if args.only else {"read", "overlap"}
+        if "read" in only:
+            res["read"] = timed("read", bench_read, work / "read", store, passes=3)
+        rounds = args.rounds
         # headline: XLA limited to one thread (its own process: set when the client is created),
         # so the reads keep the other core; beside it the default (all cores) in this process
-        res["overlap"] = timed("overlap", bench_overlap_subprocess, work / "read", read_w, read_l,
-                               rounds)
+        if "overlap" in only:
+            res["overlap"] = timed("overlap", bench_overlap_subprocess, work / "read", read_w,
+                                   read_l, rounds)
+        if args.only:
+            return report_partial(res, args.json)
         if not q:
             res["overlap_xla_default"] = timed("overlap_xla_default", bench_overlap, work / "read",
                                                store, stack, rounds)
@@ -542,22 +588,10 @@ def main() -> None:
            "layout": {k: res["layout"][k] for k in ("per_leaf_MBps", "per_layer_MBps", "ratio")},
            "details": res}
     r, lay = res["read"], res["layout"]
-    rows = [
-        ("(a) raw sequential read, cold", f"{r['raw_GBps']:.3f} GB/s", f"{r['bytes'] / MiB:.0f} MiB"),
-        ("(a) LayerStore read, cold", f"{r['store_GBps']:.3f} GB/s", f"ratio {r['read_ratio']:.3f}"),
-    ]
+    rows = read_rows(r)
     for name, o in (("XLA 1 thread", res["overlap"]), ("XLA default", res.get("overlap_xla_default"))):
-        if o is None:
-            continue
-        c = o["cpu_s"]
-        rows += [
-            (f"(b) {name}: compute only", f"{o['compute_only_s'] * 1e3:.1f} ms",
-             f"batch {o['batch']}, cpu {c['compute'] * 1e3:.0f} ms"),
-            (f"(b) {name}: read only", f"{o['read_only_s'] * 1e3:.1f} ms", f"cpu {c['read'] * 1e3:.0f} ms"),
-            (f"(b) {name}: streamed", f"{o['streamed_s'] * 1e3:.1f} ms",
-             (f"efficiency {o['overlap_efficiency']:.3f}, stall {o['stall_s'] * 1e3:.1f} ms "
-              f"(fill {o['fill_stall_s'] * 1e3:.1f}), cpu {c['streamed'] * 1e3:.0f} ms")),
-        ]
+        if o is not None:
+            rows += overlap_rows(name, o)
     o = res["overlap"]
     rows += [
         ("(b) planner prediction", f"{o['planner_step_s'] * 1e3:.1f} ms", f"min batch {o['planner_min_batch']}"),

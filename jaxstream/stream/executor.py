@@ -124,9 +124,9 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ loading
     def _to_device(self, tree: Any) -> Any:
-        cast = jax.tree.map(lambda a: np.asarray(a).astype(self.dtype, copy=False) if np.issubdtype(
-            np.asarray(a).dtype, np.floating) else np.asarray(a), tree)
-        return jax.device_put(cast, self.device)
+        from jaxstream.stream.prefetch import to_device
+
+        return to_device(tree, self.dtype, self.device)
 
     def _apply_pending(self, unit: Any, params: Any) -> Any:
         """Applies the lazy records of ``unit`` (host, fp32) and stages the result (a step's

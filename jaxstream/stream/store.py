@@ -38,6 +38,7 @@ import jax
 import numpy as np
 import tensorstore as ts
 
+from jaxstream.stream.direct_read import FileChunks
 from jaxstream.stream.errors import (
     StoreError,
     StoreNonFiniteError,
@@ -83,6 +84,7 @@ class LayerStore:
         self._treedefs, self._opt_treedefs = treedefs, opt_treedefs
         self.max_write_bytes = 256 << 20  # staged writes in flight before write() waits
         self._arrays: dict[tuple[str, str, int], ts.TensorStore] = {}
+        self._direct: dict[tuple[str, str, int], FileChunks | None] = {}  # local-file fast path
         self._staged: dict[str, int] = {}
         self._writes: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
@@ -101,7 +103,9 @@ class LayerStore:
                     check_array(file, f"leaves.{kind}.{part}[{i}]", arr, tuple(lead + e["shape"]),
                                 e["dtype"])
                     self._arrays[(kind, part, i)] = arr
+                    self._direct[(kind, part, i)] = FileChunks.of(arr, len(lead))
         self._scratch_lock = threading.Lock()
+        self._fresh: bytes | None = None  # manifest last found current (_check_fresh)
 
     @property
     def manifest_file(self) -> str:
@@ -238,7 +242,10 @@ class LayerStore:
 
     # ------------------------------------------------------------------ reads
     def read(self, unit: Unit, *, staged: bool = False) -> TreeFuture:
-        """Starts reading the parameters of ``unit`` (a layer index, "embed" or "head").
+        """Reads the parameters of ``unit`` (a layer index, "embed" or "head").
+
+        On a local ``file`` store the chunk files are read (and their crc32c checked) when
+        ``result()`` is called, on the caller's thread; other kvstores start reading at once.
 
         Args:
           staged: read this step's staged (uncommitted) write if there is one.
@@ -268,8 +275,10 @@ class LayerStore:
         names = [f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})" for e in table]
         futs = []
         for i, name in enumerate(names):
+            direct = self._direct[(kind, part, i)]
             try:
-                futs.append(ReadInto(self._arrays[(kind, part, i)][idx]))
+                futs.append(direct.read(idx, name) if direct else
+                            ReadInto(self._arrays[(kind, part, i)][idx]))
             except Exception as err:
                 raise read_error(err, name) from err
         post = None if (staged or self._wrote) else (lambda t: self._check_fresh([(part, l, slot)]) or t)
@@ -284,9 +293,12 @@ class LayerStore:
             raise read_error(err, self.manifest_file) from err
         if res.state != "value":
             raise StoreStaleError(f"{self.manifest_file} disappeared while reading step {self.step}")
+        if res.value == self._fresh:  # the manifest this handle already found current
+            return
         m = decode(res.value, self.manifest_file)
         gen0, gen = int(self._m["generation"]), int(m["generation"])
         if gen == gen0:
+            self._fresh = res.value
             return
         slot = lambda mm, part, l: mm["slots"][part] if l is None else mm["slots"]["blocks"][l]
         if gen == gen0 + 1 and all(slot(m, p, l) == s for p, l, s in used):
