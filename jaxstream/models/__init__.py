@@ -2,6 +2,7 @@
 blocks, the fast path) and as sequences of layers written as an ``nnx.Sequential``."""
 
 from jaxstream.models.nnx_stack import from_nnx, nnx_stack_factory
+from jaxstream.models.seq_stack import StackView, as_stack
 from jaxstream.models.sequential import Sequential, from_sequential
 from jaxstream.models.stack import (
     Batch,
@@ -19,6 +20,8 @@ __all__ = [
     "Params",
     "Sequential",
     "Stack",
+    "StackView",
+    "as_stack",
     "char_transformer",
     "cnn",
     "cross_entropy",

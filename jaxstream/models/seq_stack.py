@@ -1,0 +1,145 @@
+"""A user's ``nnx.Sequential`` as a :class:`~jaxstream.models.Stack`, so that the engines that
+place or stream *identical blocks* (pipeline stages, the layer store, the composed engine) run it.
+
+A sequence such as ``Linear(64, 32), relu, [Linear(32, 32), relu] × 6, Linear(32, 10)`` has a
+repeated group of layers: :func:`as_stack` finds the longest run of a repeated group
+(same layer types, same parameter shapes) and makes the layers before it the stack's embed,
+each repetition one block (its parameters stacked over the repetitions), and the layers after
+it the head. The layers outside the run may change shapes freely. A sequence without a repeated
+group (the tutorial CNN) has nothing to stream or to place over stages: a clear error says so;
+its in-memory estimators run on the :class:`~jaxstream.models.sequential.Sequential` itself.
+
+Example:
+    >>> rngs = nnx.Rngs(0)
+    >>> model = from_sequential(nnx.Sequential(
+    ...     nnx.Linear(8, 16, rngs=rngs), nnx.relu,
+    ...     *[m for _ in range(4) for m in (nnx.Linear(16, 16, rngs=rngs), nnx.relu)],
+    ...     nnx.Linear(16, 3, rngs=rngs)))
+    >>> view = as_stack(model)          # embed: 2 layers, 4 blocks of 2 layers, head: 1 layer
+    >>> params = view.params(model.init(jax.random.key(0)))
+    >>> loss, grads = jaxstream.grad.backprop()(view.stack, params, batch, key)
+    >>> seq_grads = view.unstack(grads)  # back in the model's layout
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstream.models.sequential import Sequential
+from jaxstream.models.stack import Stack
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StackView:
+    """A sequential model seen as embed → ``repeats`` blocks of ``period`` layers → head.
+
+    Attributes:
+      stack: the :class:`Stack` (one object per model: jitted engines cache on it).
+      first: index of the first layer of the first block.
+      period: layers per block.
+      repeats: number of blocks.
+      model: the sequential model.
+    """
+
+    stack: Stack
+    first: int
+    period: int
+    repeats: int
+    model: Sequential
+
+    def params(self, seq_params: tuple) -> dict:
+        """The model's parameters (one dict per layer) in the stack's layout: each segment a
+        dict ``{"j": params of its j-th layer}`` over the layers that have parameters (the
+        layout a layer store keeps)."""
+        f, g, r = self.first, self.period, self.repeats
+        groups = [_segment(seq_params[f + k * g:f + (k + 1) * g]) for k in range(r)]
+        return {"embed": _segment(seq_params[:f]),
+                "blocks": jax.tree.map(lambda *a: jnp.stack(a), *groups),
+                "head": _segment(seq_params[f + r * g:])}
+
+    def unstack(self, params: dict) -> tuple:
+        """Stack-layout parameters (or gradients) back in the model's layout."""
+        f, g, r = self.first, self.period, self.repeats
+        blocks = [jax.tree.map(lambda a, k=k: a[k], params["blocks"]) for k in range(r)]
+        out = _unsegment(params["embed"], f)
+        for b in blocks:
+            out += _unsegment(b, g)
+        return out + _unsegment(params["head"], self.model.num_layers - f - r * g)
+
+
+def _segment(layers: tuple) -> dict:
+    return {str(j): p for j, p in enumerate(layers) if jax.tree.leaves(p)}
+
+
+def _unsegment(seg: dict, n: int) -> tuple:
+    return tuple(seg.get(str(j), {}) for j in range(n))
+
+
+def _signature(model: Sequential, l: int) -> Any:
+    layer = model.layers[l]
+    if layer.fn is not None:
+        return ("fn", layer.fn)
+    shapes = tuple((tuple(np.shape(a)), str(jnp.result_type(a)))
+                   for a in jax.tree.leaves(model.params[l]))
+    return ("module", layer.graphdef, jax.tree.structure(model.params[l]), shapes)
+
+
+def find_blocks(model: Sequential) -> tuple[int, int, int]:
+    """``(first, period, repeats)`` of the longest run of a repeated group of layers (most
+    layers covered; then the shortest period), repeats ≥ 2; raises ValueError if none."""
+    sig = [_signature(model, l) for l in range(model.num_layers)]
+    n, best = len(sig), None
+    for g in range(1, n // 2 + 1):
+        for f in range(n - 2 * g + 1):
+            r = 1
+            while f + (r + 1) * g <= n and sig[f + r * g:f + (r + 1) * g] == sig[f:f + g]:
+                r += 1
+            if r >= 2 and any(model.layers[f + j].has_params for j in range(g)):
+                key = (r * g, -g)
+                if best is None or key > best[0]:
+                    best = (key, (f, g, r))
+    if best is None:
+        raise ValueError(
+            f"model: {model.name!r} has no repeated group of layers (the same layer types and "
+            "parameter shapes at least twice in a row), so it has no identical blocks to place "
+            "over pipeline stages or stream from a layer store; its in-memory estimators run "
+            "on the model itself")
+    return best[1]
+
+
+def as_stack(model: Sequential) -> StackView:
+    """The model as a :class:`Stack` (see the module docstring).
+
+    Raises:
+      ValueError: no repeated group of layers; or the model keeps batch statistics or uses
+        dropout (a stack's blocks are pure functions of parameters and inputs).
+    """
+    if model.has_state or any(layer.has_dropout for layer in model.layers):
+        raise ValueError(f"model: {model.name!r} has BatchNorm statistics or dropout; as a stack "
+                         "(pipeline stages, streamed layers) its blocks must be pure functions of "
+                         "parameters and inputs: remove them or train it in memory")
+    f, g, r = find_blocks(model)
+    fn = model.layer_fn
+
+    def run(layers, params, h):
+        for j, l in enumerate(layers):
+            h = fn(l)(params.get(str(j), {}), h)
+        return h
+
+    embed_l, head_l = tuple(range(f)), tuple(range(f + r * g, model.num_layers))
+    block_l = tuple(range(f, f + g))  # every repetition runs the first group's layers
+    stack = Stack(
+        embed=lambda p, x: run(embed_l, p, x),
+        block=lambda p, h: run(block_l, p, h),
+        head=lambda p, h: run(head_l, p, h),
+        example_loss=model.example_loss,
+        init=lambda key: None,
+        num_layers=r, name=model.name)
+    view = StackView(stack, f, g, r, model)
+    return dataclasses.replace(view, stack=dataclasses.replace(
+        stack, init=lambda key: view.params(model.init(key))))
