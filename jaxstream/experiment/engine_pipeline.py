@@ -73,7 +73,7 @@ def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
     import jaxstream.grad as jg
 
     m = cfg.stages
-    if isinstance(estimator, jg.Backprop):
+    if isinstance(estimator, (jg.Backprop, jg.BackpropRemat)):
         n = cfg.micro_batches
         return complete(m, n, range(n))
     if isinstance(estimator, jg.Forward):

@@ -188,9 +188,9 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
 
 def _from_estimator(est: Any) -> dict:
     """The pipeline keywords of a ``jaxstream.grad`` estimator (its own error for others)."""
-    from jaxstream.grad import Backprop, Forward, Hybrid
+    from jaxstream.grad import Backprop, BackpropRemat, Forward, Hybrid
 
-    if isinstance(est, Backprop):
+    if isinstance(est, (Backprop, BackpropRemat)):  # a stage's B op recomputes from its input
         return {"correction": "replace"}
     if not isinstance(est, (Forward, Hybrid)):
         raise TypeError(f"estimator must be jaxstream.grad backprop(), forward() or hybrid(), "

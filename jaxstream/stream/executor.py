@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxstream.grad import corrections as cr
+from jaxstream.grad.baselines import BackpropRemat, ExactSubset, select_exact
 from jaxstream.grad.estimators import Backprop, Forward, coefficients
 from jaxstream.grad.hybrid import Hybrid
 from jaxstream.grad.tangents import TangentSpec, micro_key
@@ -73,15 +74,18 @@ class StreamConfig:
 
 def _kind(estimator: Any, update: str) -> str:
     """Checks the estimator is one the streamed step implements; returns its kind."""
-    if isinstance(estimator, Backprop):
-        kind = "backprop"
+    if isinstance(estimator, (Backprop, BackpropRemat)):
+        kind = "backprop"  # a streamed backprop recomputes each layer from its stashed input
+    elif isinstance(estimator, ExactSubset):
+        kind = "exact_subset"
     elif isinstance(estimator, Forward):
         kind = "forward" if estimator.perturb == "weights" else "activity"
     elif isinstance(estimator, Hybrid):
         kind = "hybrid"
     else:
-        raise TypeError("stream: estimator must be jaxstream.grad backprop(), forward() or "
-                         f"hybrid(), got {type(estimator).__name__}")
+        raise TypeError("stream: estimator must be jaxstream.grad backprop(), "
+                        "backprop_remat(), exact_subset(), forward() or hybrid(), got "
+                        f"{type(estimator).__name__}")
     if update == "lazy" and kind != "forward":
         raise ValueError("stream: update='lazy' needs the forward estimator with "
                          f"perturb='weights' (an update fully described by keys and scalars), "
@@ -255,6 +259,10 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
+        if self.kind == "exact_subset":  # backprop of the selected micro-batches only
+            n = jax.tree.leaves(batch)[0].shape[0]
+            idx = np.asarray(select_exact(key, n, self.estimator.num_exact))
+            batch = jax.tree.map(lambda a: np.asarray(a)[idx], batch)
         if self._merge_micro_batches():
             # one shared tangent / exact gradient of the mean over all samples: the N
             # micro-batches are computed as one (same device memory, same sums as in memory)

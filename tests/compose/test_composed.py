@@ -23,7 +23,8 @@ SGD, ADAM = optax.sgd(0.1), optax.adam(1e-2)
 # (estimator, batch layout of the in-memory reference, mesh data × stage)
 CASES = {
     "forward": (jg.forward(num_tangents=2, distribution="gaussian"), "flat", (2, 2)),
-    "backprop": (jg.backprop(), "flat", (1, 4)),
+    "backprop_remat": (jg.backprop_remat(), "flat", (1, 4)),
+    "exact_subset": (jg.exact_subset(2), "micro", (2, 2)),
     "hybrid_cv": (jg.hybrid(num_exact=2, num_tangents=2), "micro", (2, 2)),
     "hybrid_nested_weighted": (jg.hybrid(exact_from=(0, 2, 4, 1), correction="weighted",
                                          num_tangents=2), "micro", (2, 2)),

@@ -224,3 +224,14 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
         pipeline(stack, gpipe_forward(4, 4), correction="guess")
     with pytest.raises(ValueError, match="pass carry"):
         pipeline(stack, delayed(4, 4, (0,)))(params, batch, jax.random.key(0))
+
+
+def test_backprop_remat_runs_as_the_backprop_table():
+    """backprop_remat() on a pipeline: a stage's B op recomputes from its stashed input, so it
+    is the backprop table; the gradient is the exact one."""
+    stack, params, batch = tiny_setup(2, 3)
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), batch)
+    loss, grads, _ = pipeline(stack, gpipe_backprop(2, 3), jg.backprop_remat())(
+        params, batch, jax.random.key(0))
+    ref_loss, ref = jax.value_and_grad(stack)(params, flat)
+    assert max_rel_err(grads, ref) <= 1e-5 and abs(float(loss) - float(ref_loss)) <= 1e-6

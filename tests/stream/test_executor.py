@@ -60,6 +60,7 @@ ESTIMATORS = {
                                       num_tangents=2), "micro"),
     "hybrid_nested_weighted": (jg.hybrid(exact_from=(0, 2, 4, 1), correction="weighted",
                                          num_tangents=2), "micro"),
+    "exact_subset": (jg.exact_subset(2), "micro"),
 }
 _REFERENCES: dict = {}
 
