@@ -25,8 +25,9 @@ CASES = [
     (QUICKSTART, ["optimizer.options={nesterov: 1}", "optimizer.name=sgd"],
      r"optimizer.options.nesterov: expected true or false"),
     (QUICKSTART, ["model.width=1000000000"], r"model: needs about .* GiB .* this machine has"),
-    (STREAM, ["arms.1.estimator={type: exact_subset, micro_batches: 8, num_exact: 2}"],
-     r"arms.1.estimator: stream: estimator must be jaxstream.grad backprop\(\), forward\(\) or hybrid\(\)"),
+    (STREAM, ["arms.1.estimator={type: local_forward_weights}"],
+     r"arms.1.estimator: stream: estimator must be jaxstream.grad backprop\(\), "
+     r"backprop_remat\(\), exact_subset\(\), forward\(\) or hybrid\(\)"),
     (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
 ]
