@@ -20,13 +20,13 @@ __version__ = "0.1.0"
 
 #: Subpackages reachable as attributes of ``jaxstream`` (imported on first access).
 SUBPACKAGES = ("comm", "compose", "data", "experiment", "grad", "models", "optim", "pipeline",
-               "placement", "plugins", "quality", "stream", "training")
+               "placement", "quality", "stream", "training")
 
 #: Top-level names re-exported from a submodule (imported on first access).
 _NAMES = {"train_step": "jaxstream.training", "from_sequential": "jaxstream.models.sequential"}
 
 __all__ = ["__version__", "comm", "compose", "data", "experiment", "from_sequential", "grad", "models",
-           "optim", "pipeline", "placement", "plugins", "quality", "stream", "train_step",
+           "optim", "pipeline", "placement", "quality", "stream", "train_step",
            "training"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; not executed
@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; not executed
         optim,
         pipeline,
         placement,
-        plugins,
         quality,
         stream,
         training,

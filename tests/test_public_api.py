@@ -14,7 +14,7 @@ import pytest
 import jaxstream as js
 
 SUBPACKAGES = ("grad", "models", "quality", "pipeline", "stream", "comm", "optim", "placement",
-               "data", "experiment", "plugins")
+               "data", "experiment", "compose")
 
 
 def test_import_is_lazy_and_every_subpackage_is_an_attribute():

@@ -93,7 +93,7 @@ def load_plugins(extra: Iterable[str] = (), entry_points: bool = True) -> None:
     Example (a plugin module ``my_data.py`` adding a dataset)::
 
         import dataclasses
-        from jaxstream.plugins import DataConfig, Dataset, register_dataset
+        from jaxstream.experiment.plugins import DataConfig, Dataset, register_dataset
 
         @register_dataset("my_data")
         @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ TINY = ["steps=4", "eval_every=2", "diag_every=0", "checkpoint_every=0", "model.
 PLUGIN = textwrap.dedent('''
     import dataclasses
     import numpy as np
-    from jaxstream.plugins import DataConfig, Dataset, register_dataset
+    from jaxstream.experiment.plugins import DataConfig, Dataset, register_dataset
 
     LOADED = []
 
@@ -59,7 +59,7 @@ def test_plugin_module_adds_a_dataset(tmp_path, monkeypatch, capsys):
 def test_entry_point_plugin(tmp_path, monkeypatch):
     from jaxstream.experiment import registry
     from jaxstream.experiment.config import choices
-    from jaxstream.plugins import DataConfig
+    from jaxstream.experiment.plugins import DataConfig
 
     (tmp_path / "ep_blobs.py").write_text(PLUGIN.format(name="ep_blobs"))
     dist = tmp_path / "ep_blobs-0.1.dist-info"

@@ -18,7 +18,7 @@ Example (``my_data.py``, a dataset of random blobs)::
 
     import dataclasses
     import numpy as np
-    from jaxstream.plugins import DataConfig, Dataset, register_dataset
+    from jaxstream.experiment.plugins import DataConfig, Dataset, register_dataset
 
     @register_dataset("blobs")
     @dataclasses.dataclass(frozen=True)
