@@ -27,12 +27,15 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
-from optax._src import numerics
 
 from jaxstream.comm.ring import ring_all_reduce_tree
-from jaxstream.optim.max_adabelief import ScaleByMaxBeliefState, scale_by_max_belief
+from jaxstream.optim.max_adabelief import (
+    ScaleByMaxBeliefState,
+    belief_step,
+    first_moment_hat,
+    scale_by_max_belief,
+)
 
 __all__ = ["ALLREDUCE", "max_adabelief_exchange", "scale_by_max_belief_exchange"]
 
@@ -89,25 +92,9 @@ def scale_by_max_belief_exchange(
     def update_fn(updates, state: ScaleByMaxBeliefState, params=None):
         # This replica's recursion; its own update is discarded (and compiled away).
         _, state = local.update(updates, state, params)
-        count = state.count
-        if nesterov:
-            m_hat = jax.tree.map(
-                lambda m, g: b1 * m + (1 - b1) * g,
-                optax.tree.bias_correction(state.mu, b1, numerics.safe_increment(count)),
-                optax.tree.bias_correction(updates, b1, count),
-            )
-        else:
-            m_hat = optax.tree.bias_correction(state.mu, b1, count)
-        s_max = state.nu_max
-        m_hat, s_max = _mean((m_hat, s_max), axis_name, allreduce)
-        s_hat = s_max if corrected else optax.tree.bias_correction(s_max, b2, count)
-        out = jax.tree.map(
-            lambda m, v: None if m is None else m / (jnp.sqrt(v) + eps),
-            m_hat,
-            s_hat,
-            is_leaf=lambda x: x is None,
-        )
-        return out, state
+        m_hat = first_moment_hat(state.mu, updates, state.count, b1, nesterov)
+        m_hat, s_max = _mean((m_hat, state.nu_max), axis_name, allreduce)
+        return belief_step(m_hat, s_max, state.count, b2, eps, corrected), state
 
     return optax.GradientTransformation(local.init, update_fn)
 

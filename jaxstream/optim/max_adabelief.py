@@ -9,7 +9,7 @@ same order, so the result equals ``optax.adabelief`` bit for bit.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,24 +95,36 @@ def scale_by_max_belief(
             nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
         else:
             nu_max = nu
-        if nesterov:
-            mu_hat = jax.tree.map(
-                lambda m, g: b1 * m + (1 - b1) * g,
-                optax.tree.bias_correction(mu, b1, numerics.safe_increment(count_inc)),
-                optax.tree.bias_correction(updates, b1, count_inc),
-            )
-        else:
-            mu_hat = optax.tree.bias_correction(mu, b1, count_inc)
-        nu_hat = nu_max if corrected else optax.tree.bias_correction(nu_max, b2, count_inc)
-        updates = jax.tree.map(
-            lambda m, v: None if m is None else m / (jnp.sqrt(v) + eps),
-            mu_hat,
-            nu_hat,
-            is_leaf=lambda x: x is None,
-        )
+        mu_hat = first_moment_hat(mu, updates, count_inc, b1, nesterov)
+        updates = belief_step(mu_hat, nu_max, count_inc, b2, eps, corrected)
         return updates, ScaleByMaxBeliefState(count=count_inc, mu=mu, nu=nu, nu_max=nu_max)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def first_moment_hat(mu: Any, updates: Any, count: jax.Array, b1: float,
+                     nesterov: bool) -> Any:
+    """The bias-corrected first moment m̂ after ``count`` steps (Nesterov: as optax's)."""
+    if not nesterov:
+        return optax.tree.bias_correction(mu, b1, count)
+    return jax.tree.map(
+        lambda m, g: b1 * m + (1 - b1) * g,
+        optax.tree.bias_correction(mu, b1, numerics.safe_increment(count)),
+        optax.tree.bias_correction(updates, b1, count),
+    )
+
+
+def belief_step(m_hat: Any, nu_max: Any, count: jax.Array, b2: float, eps: float,
+                corrected: bool) -> Any:
+    """m̂ / (√ŝ + ε), with ŝ the bias-corrected running maximum (already corrected when the
+    maximum is taken of corrected values)."""
+    nu_hat = nu_max if corrected else optax.tree.bias_correction(nu_max, b2, count)
+    return jax.tree.map(
+        lambda m, v: None if m is None else m / (jnp.sqrt(v) + eps),
+        m_hat,
+        nu_hat,
+        is_leaf=lambda x: x is None,
+    )
 
 
 def max_adabelief(
