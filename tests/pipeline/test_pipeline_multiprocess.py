@@ -1,32 +1,14 @@
 """The pipeline over 2 processes x 2 CPU devices (jax.distributed on loopback)."""
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.processes import run_two
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_single_process(tmp_path):
-    port, out = _free_port(), tmp_path / "err.txt"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    out = tmp_path / "err.txt"
+    run_two(WORKER, str(out), timeout=240)
     err, loss_err = map(float, out.read_text().split())
     assert err <= 1e-5 and loss_err <= 1e-6
