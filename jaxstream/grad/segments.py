@@ -55,7 +55,11 @@ def _mean_loss(stack: Stack, batch: dict) -> Callable:
 
 # ----------------------------------------------------------------------- weight perturbation
 def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, key: jax.Array):
-    """``(h, dh)``: the embed's output and its K tangents (embed weights perturbed)."""
+    """``(h, dh)``: the embed's output and its K tangents (embed weights perturbed). An embed
+    without parameters gives zero tangents."""
+    if not jax.tree.leaves(p):
+        h = stack.embed(p, x)
+        return h, jnp.zeros((spec.num,) + h.shape, h.dtype)
     v = leaf_tangents(spec, segment_key(key, "embed"), p)
     return jvp_k(lambda pp: stack.embed(pp, x), (p,), (v,))
 

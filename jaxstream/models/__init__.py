@@ -2,6 +2,7 @@
 blocks, the fast path) and as sequences of layers written as an ``nnx.Sequential``."""
 
 from jaxstream.models.nnx_stack import from_nnx, nnx_stack_factory
+from jaxstream.models.padded_stack import PaddedView, as_padded_stack
 from jaxstream.models.seq_stack import StackView, as_stack
 from jaxstream.models.sequential import Sequential, from_sequential
 from jaxstream.models.stack import (
@@ -17,10 +18,12 @@ from jaxstream.models.zoo import char_transformer, cnn, mlp
 
 __all__ = [
     "Batch",
+    "PaddedView",
     "Params",
     "Sequential",
     "Stack",
     "StackView",
+    "as_padded_stack",
     "as_stack",
     "char_transformer",
     "cnn",

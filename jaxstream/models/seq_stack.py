@@ -6,8 +6,9 @@ repeated group of layers: :func:`as_stack` finds the longest run of a repeated g
 (same layer types, same parameter shapes) and makes the layers before it the stack's embed,
 each repetition one block (its parameters stacked over the repetitions), and the layers after
 it the head. The layers outside the run may change shapes freely. A sequence without a repeated
-group (the tutorial CNN) has nothing to stream or to place over stages: a clear error says so;
-its in-memory estimators run on the :class:`~jaxstream.models.sequential.Sequential` itself.
+group (the tutorial CNN) is refused here with a clear error; :func:`~jaxstream.models.
+padded_stack.as_padded_stack` pads its layers into a stack instead, and its in-memory estimators
+run on the :class:`~jaxstream.models.sequential.Sequential` itself.
 
 Example:
     >>> rngs = nnx.Rngs(0)
@@ -107,8 +108,9 @@ def find_blocks(model: Sequential) -> tuple[int, int, int]:
         raise ValueError(
             f"model: {model.name!r} has no repeated group of layers (the same layer types and "
             "parameter shapes at least twice in a row), so it has no identical blocks to place "
-            "over pipeline stages or stream from a layer store; its in-memory estimators run "
-            "on the model itself")
+            "over pipeline stages or stream from a layer store: use "
+            "jaxstream.models.as_padded_stack(model, x), which pads its layers to one shape; "
+            "its in-memory estimators run on the model itself")
     return best[1]
 
 

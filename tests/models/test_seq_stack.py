@@ -72,6 +72,8 @@ def test_models_without_blocks_are_refused_by_name():
         lambda x: x.reshape(x.shape[0], -1), nnx.Linear(64, 10, rngs=rngs)), name="cnn")
     with pytest.raises(ValueError, match="'cnn' has no repeated group of layers"):
         find_blocks(cnn)
+    with pytest.raises(ValueError, match="as_padded_stack"):
+        find_blocks(cnn)
     bn = from_sequential(nnx.Sequential(
         *[m for _ in range(2) for m in (nnx.Linear(4, 4, rngs=rngs), nnx.BatchNorm(4, rngs=rngs))]))
     with pytest.raises(ValueError, match="BatchNorm statistics or dropout"):
