@@ -91,3 +91,26 @@ def test_pipeline_stages_run_the_users_model(setup):
     _, grads, _ = pipeline(view.stack, gpipe_backprop(4, 4), jg.backprop())(
         view.params(params), micro, jax.random.key(0))
     assert max_rel_err(view.unstack(grads), jax.grad(model)(params, flat)) <= 1e-5
+
+
+def test_a_stack_without_embed_parameters_runs_on_the_pipeline():
+    """A repeated group from the first layer on leaves the embed without parameters; weight
+    perturbation and the pipeline's first stage used to fail on it (vmap over no tangents)."""
+    from jaxstream.pipeline import gpipe_backprop
+    from jaxstream.pipeline.executor import pipeline
+
+    rngs = nnx.Rngs(1)
+    model = from_sequential(nnx.Sequential(
+        *[m for _ in range(4) for m in (nnx.Linear(6, 6, rngs=rngs), nnx.tanh)]))
+    view = as_stack(model)
+    assert view.first == 0 and view.params(model.init(None))["embed"] == {}
+    rng = np.random.default_rng(1)
+    micro = {"x": rng.standard_normal((4, 2, 6), dtype=np.float32),
+             "y": rng.integers(0, 6, (4, 2), dtype=np.int32)}
+    flat = {k: v.reshape(8, *v.shape[2:]) for k, v in micro.items()}
+    params = model.init(None)
+    _, grads, _ = pipeline(view.stack, gpipe_backprop(4, 4), jg.backprop())(
+        view.params(params), micro, jax.random.key(0))
+    assert max_rel_err(view.unstack(grads), jax.grad(model)(params, flat)) <= 1e-5
+    loss, _ = jg.forward(num_tangents=2)(view.stack, view.params(params), flat, jax.random.key(1))
+    assert abs(float(loss) - float(model(params, flat))) <= 1e-6
