@@ -37,6 +37,15 @@ def check_key(key: Any, who: str) -> None:
                                                if dtype is not None else ""))
 
 
+def check_local_losses(stack: Any, local_losses: bool, who: str) -> None:
+    """Local losses apply the head to every block's output: refused for a stack without a shared
+    head (:func:`jaxstream.models.as_padded_stack`)."""
+    if local_losses and isinstance(stack, Stack) and not stack.shared_head:
+        raise ValueError(f"{who}: local_losses=True applies the head to every block's output, but "
+                         f"{stack.name!r} has no shared head (a padded stack: its blocks' outputs "
+                         "differ); allowed: local_losses=False")
+
+
 def _leaves(batch: Any) -> list[tuple[str, Any]]:
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     return [(f"batch{jax.tree_util.keystr(path)}", leaf) for path, leaf in flat]

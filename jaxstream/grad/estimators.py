@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
-from jaxstream.grad.checks import check_examples, check_key, check_labels
+from jaxstream.grad.checks import check_examples, check_key, check_labels, check_local_losses
 from jaxstream.grad.directional import directional, stack_activity
 from jaxstream.grad.tangents import TangentSpec, combine, gram
 from jaxstream.models.stack import Stack
@@ -92,6 +92,7 @@ class Forward:
         check_labels(loss_fn, batch, "forward")
         if isinstance(loss_fn, Stack):
             check_examples(batch, "forward")
+            check_local_losses(loss_fn, self.local_losses, "forward")
         if self.perturb == "activations":
             if not isinstance(loss_fn, Stack) and callable(getattr(loss_fn, "activity", None)):
                 # a layered model that runs its own activity pass (models.from_sequential)

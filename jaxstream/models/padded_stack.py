@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -140,7 +141,7 @@ def _groups(model: Sequential) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
     with_params = [l for l in range(model.num_layers) if model.layers[l].has_params]
     lead = tuple(range(with_params[0])) if with_params else ()
     bounds = with_params + [model.num_layers]
-    return lead, [tuple(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return lead, [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def as_padded_stack(model: Sequential, x: Any) -> PaddedView:
@@ -205,7 +206,8 @@ def as_padded_stack(model: Sequential, x: Any) -> PaddedView:
         return jax.lax.switch(idx, [branch(k) for k in range(len(blocks))], p["w"], h)
 
     stack = Stack(embed=embed, block=block, head=head, example_loss=model.example_loss,
-                  init=lambda key: None, num_layers=len(blocks), name=model.name)
+                  init=lambda key: None, num_layers=len(blocks), name=model.name,
+                  shared_head=False)
     view = PaddedView(stack, model, embed_l, head_l, blocks, pw, hw, dtypes.pop())
     return dataclasses.replace(view, stack=dataclasses.replace(
         stack, init=lambda key: view.params(model.init(key))))

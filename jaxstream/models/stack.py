@@ -34,6 +34,9 @@ class Stack:
       init: ``key -> params``.
       num_layers: L, the size of the leading axis of every ``params["blocks"]`` leaf.
       name: a label for tables and plots.
+      shared_head: False where the head reads only the last block's output (a padded stack,
+        whose blocks' outputs differ): local losses, which apply the head to every block's
+        output, are then refused.
 
     Example:
       >>> stack = mlp(in_dim=64, width=32, depth=2, num_classes=10)
@@ -48,6 +51,7 @@ class Stack:
     init: Callable[[jax.Array], Params]
     num_layers: int
     name: str = "stack"
+    shared_head: bool = True
 
     def __call__(self, params: Params, batch: Batch) -> jax.Array:
         """Mean loss of ``batch``."""

@@ -30,6 +30,7 @@ from jax import shard_map
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.grad import corrections as cr
+from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.tangents import TangentSpec, combine, gram_parts, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.pipeline.lowering import FIELDS, Lowered, lower
@@ -155,6 +156,7 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
                          f"available (one stage per device); on CPU set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={m} before JAX starts")
+    check_local_losses(stack, local_losses, "pipeline")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
                          f"equal stages")

@@ -31,6 +31,7 @@ from jax.experimental import multihost_utils
 
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.baselines import BackpropRemat, ExactSubset, select_exact
+from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.estimators import Backprop, Forward, coefficients
 from jaxstream.grad.hybrid import Hybrid
 from jaxstream.grad.tangents import TangentSpec, micro_key
@@ -116,6 +117,7 @@ class StreamedExecutor:
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
         self.kind = _kind(estimator, config.update)
+        check_local_losses(stack, getattr(estimator, "local_losses", False), "stream")
         self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
             stack, estimator, optimizer, store, config)
         self.spec: TangentSpec = getattr(estimator, "spec", TangentSpec())

@@ -25,7 +25,7 @@ R = 256  # estimates in the unbiasedness check
 def cnn():
     """The flax tutorial's CNN shape, as a user writes it (8×8 inputs, small channels)."""
     rngs = nnx.Rngs(0)
-    pool = lambda x: nnx.avg_pool(x, (2, 2), strides=(2, 2))  # noqa: E731
+    pool = lambda x: nnx.avg_pool(x, (2, 2), strides=(2, 2))
     return from_sequential(nnx.Sequential(
         lambda x: x.reshape(x.shape[0], 8, 8, 1),
         nnx.Conv(1, 4, (3, 3), rngs=rngs), nnx.relu, pool,
@@ -137,3 +137,20 @@ def test_refusals_name_the_reason():
         nnx.Linear(4, 3, rngs=rngs)), name="squash")
     with pytest.raises(ValueError, match="layer 1 turns a batch of 2 into shape"):
         as_padded_stack(squash, jnp.zeros((2, 4)))
+
+
+def test_local_losses_are_refused_on_a_padded_stack(tmp_path, setup):
+    """The head reads only the last block's output: every engine refuses local losses by name."""
+    from jaxstream.pipeline import gpipe_forward
+    from jaxstream.pipeline.executor import pipeline
+
+    model, view, _, flat = setup
+    est = jg.forward(num_tangents=2, perturb="activations", local_losses=True)
+    params = view.params(model.init(None))
+    with pytest.raises(ValueError, match="forward: local_losses=True .* 'cnn' has no shared head"):
+        est(view.stack, params, flat, jax.random.key(0))
+    store = LayerStore.create(tmp_path / "s", jax.device_get(params), optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match="stream: local_losses=True"):
+        StreamedExecutor(view.stack, est, optax.sgd(0.1), store)
+    with pytest.raises(ValueError, match="pipeline: local_losses=True"):
+        pipeline(view.stack, gpipe_forward(2, 4), est)
