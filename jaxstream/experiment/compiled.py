@@ -13,11 +13,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxstream.experiment.engines import LocalEngineConfig, build_engine, tree_cosine
 from jaxstream.experiment.optimizers import build_optimizer
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
+from jaxstream.models import to_stack
 
 _CACHE: dict[tuple, Any] = {}
 _MAX_ENTRIES = 64
@@ -36,10 +38,19 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def model_for(cfg: TrainConfig, info: dict[str, int]) -> Any:
-    """The model stack of ``cfg.model`` for data ``info`` (same object for equal configs)."""
-    return _cached(("model", repr(cfg.model), tuple(sorted(info.items()))),
-                   lambda: cfg.model.build(info))
+def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
+    """The model of ``cfg.model`` for data ``info`` (same object for equal configs). For an
+    engine that places or streams blocks (``places_blocks``) a sequential model becomes a stack
+    (:func:`jaxstream.models.to_stack`; ``x``, a few training inputs, fixes a padded stack's
+    shapes)."""
+    staged = getattr(cfg.engine, "places_blocks", False)
+
+    def make():
+        model = cfg.model.build(info)
+        return to_stack(model, x) if staged else model
+
+    shape = None if x is None else (tuple(np.shape(x)), str(np.asarray(x).dtype))
+    return _cached(("model", repr(cfg.model), tuple(sorted(info.items())), staged, shape), make)
 
 
 def evaluator_for(stack: Any) -> Callable:

@@ -19,7 +19,7 @@ Example (YAML):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import optax
@@ -47,6 +47,7 @@ class PipelineEngineConfig:
     stages: int = 4
     policy: Literal["truncated", "delayed", "complete", "crossstep"] = "complete"
     micro_batches: int = 8
+    places_blocks: ClassVar[bool] = True  # a sequential model runs as a stack (to_stack)
 
     def __post_init__(self):
         if self.stages < 1:

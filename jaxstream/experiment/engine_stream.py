@@ -61,6 +61,7 @@ class StreamEngineConfig:
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: int = 64
     streams_layers: ClassVar[bool] = True  # the memory check counts one layer, not the model
+    places_blocks: ClassVar[bool] = True  # a sequential model runs as a stack (to_stack)
 
     def __post_init__(self):
         if self.prefetch < 0:

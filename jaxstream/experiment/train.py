@@ -122,7 +122,7 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
     run_dir = Path(run_dir)
     status(f"loading data ({type(cfg.data).__name__})")
     data = cfg.data.load(cfg.seed)
-    stack = model_for(cfg, data.info)
+    stack = model_for(cfg, data.info, data.train["x"][:2])
     init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
     log = MetricsLog(run_dir / "metrics.jsonl")
     old = log.read() if resume else []

@@ -2,7 +2,7 @@
 blocks, the fast path) and as sequences of layers written as an ``nnx.Sequential``."""
 
 from jaxstream.models.nnx_stack import from_nnx, nnx_stack_factory
-from jaxstream.models.padded_stack import PaddedView, as_padded_stack
+from jaxstream.models.padded_stack import PaddedView, as_padded_stack, to_stack
 from jaxstream.models.seq_stack import StackView, as_stack
 from jaxstream.models.sequential import Sequential, from_sequential
 from jaxstream.models.stack import (
@@ -35,4 +35,5 @@ __all__ = [
     "mlp",
     "nnx_stack_factory",
     "slice_blocks",
+    "to_stack",
 ]

@@ -247,3 +247,25 @@ def _layer_shapes(model: Sequential, x: Any) -> list[tuple[int, ...]]:
                              "padded stack needs every layer to keep the batch axis first")
         out.append(tuple(h.shape[1:]))
     return out
+
+
+def to_stack(model: Any, x: Any = None) -> Any:
+    """The stack an engine that places or streams blocks runs: a :class:`Stack` as it is; a
+    sequential model through :func:`~jaxstream.models.seq_stack.as_stack` when it has a
+    repeated group of layers, else through :func:`as_padded_stack` (``x``: an input batch).
+
+    Raises:
+      ValueError: as those two (``x`` is needed for a model without a repeated group).
+    """
+    from jaxstream.models.seq_stack import as_stack, find_blocks
+
+    if not isinstance(model, Sequential):
+        return model
+    try:
+        find_blocks(model)
+    except ValueError:
+        if x is None:
+            raise ValueError(f"model: {model.name!r} has no repeated group of layers; padding it "
+                             "into a stack needs an input batch x") from None
+        return as_padded_stack(model, x).stack
+    return as_stack(model).stack
