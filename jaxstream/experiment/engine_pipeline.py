@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxstream.grad as jg
 from jaxstream.experiment.engines import register_engine, split_micro_batches
 from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
@@ -71,14 +72,15 @@ class PipelineState(NamedTuple):
 
 def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
     """The table for the arm's estimator; errors name the field."""
-    import jaxstream.grad as jg
-
     m = cfg.stages
     if isinstance(estimator, (jg.Backprop, jg.BackpropRemat)):
         n = cfg.micro_batches
         return complete(m, n, range(n))
     if isinstance(estimator, jg.Forward):
         return make_schedule("forward", m, cfg.micro_batches)
+    if isinstance(estimator, jg.ExactSubset):  # backprop over the k micro-batches a key selects
+        k = estimator.num_exact
+        return complete(m, k, range(k))
     if isinstance(estimator, jg.Hybrid):
         if estimator.exact_from is not None:
             raise ValueError("estimator.exact_from: the pipeline's policy makes the per-layer "
@@ -87,7 +89,7 @@ def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
                else tuple(range(estimator.num_exact)))
         return make_schedule(cfg.policy, m, micro_batches, sel)
     raise ValueError(f"estimator: {type(estimator).__name__} is not run by the pipeline engine "
-                     "(backprop, forward, hybrid)")
+                     "(backprop, forward, hybrid, exact_subset)")
 
 
 class PipelineEngine:
@@ -100,7 +102,8 @@ class PipelineEngine:
         self.cfg, self.stack, self.optimizer, self.schedule = cfg, stack, optimizer, schedule
         self.pipe = pipeline(stack, schedule, estimator)
         self.guess = self.pipe.correction == "guess"
-        self.num_microbatches = schedule.num_microbatches
+        self.num_microbatches = (micro_batches if isinstance(estimator, jg.ExactSubset)
+                                 else schedule.num_microbatches)
         self._example, self._config = example_batch, config
         if self.pipe.stale:
             self._example = self._example_batch()

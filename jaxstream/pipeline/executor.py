@@ -147,6 +147,10 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     if estimator is not None:
+        from jaxstream.grad import ExactSubset
+
+        if isinstance(estimator, ExactSubset):
+            return _subset(stack, schedule, estimator, devices)
         return pipeline(stack, schedule, devices=devices, **_from_estimator(estimator))
     if correction not in CORRECTIONS:
         raise ValueError(f"correction={correction!r}; allowed: {CORRECTIONS}")
@@ -188,6 +192,23 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
                     aggregation)
 
 
+def _subset(stack: Stack, schedule: Schedule, est: Any, devices) -> Any:
+    """``exact_subset(k)``: GPipe backprop over k micro-batches, selected by the key."""
+    from jaxstream.pipeline.subset import SubsetPipeline
+
+    k = est.num_exact
+    if schedule.num_microbatches != k:
+        raise ValueError(f"schedule: exact_subset({k}) runs backprop over its {k} selected "
+                         f"micro-batches; pass a backprop table of {k} micro-batches such as "
+                         f"gpipe_backprop(M, {k}), got {schedule.name!r} with "
+                         f"{schedule.num_microbatches}")
+    inner = pipeline(stack, schedule, devices=devices, correction="replace")
+    if not inner.lowered.backward or inner.stale:
+        raise ValueError(f"schedule: exact_subset needs a backprop table (gpipe_backprop), got "
+                         f"{schedule.name!r}")
+    return SubsetPipeline(inner, k)
+
+
 def _from_estimator(est: Any) -> dict:
     """The pipeline keywords of a ``jaxstream.grad`` estimator (its own error for others)."""
     from jaxstream.grad import Backprop, BackpropRemat, Forward, Hybrid
@@ -195,7 +216,8 @@ def _from_estimator(est: Any) -> dict:
     if isinstance(est, (Backprop, BackpropRemat)):  # a stage's B op recomputes from its input
         return {"correction": "replace"}
     if not isinstance(est, (Forward, Hybrid)):
-        raise TypeError(f"estimator must be jaxstream.grad backprop(), forward() or hybrid(), "
+        raise TypeError(f"estimator must be jaxstream.grad backprop(), forward(), hybrid() or "
+                        f"exact_subset(), "
                         f"got {type(est).__name__}")
     s = est.spec
     kw = {"num_tangents": s.num, "distribution": s.distribution, "orthogonal": s.orthogonal,

@@ -95,3 +95,17 @@ def test_guess_engine_carries_the_exact_mean_to_the_next_step():
         assert np.allclose(a, b, atol=1e-6)
     eng.step(new, batch, key)
     assert eng.step._cache_size() == 1
+
+
+def test_exact_subset_arm_equals_the_in_memory_estimator():
+    """The engine splits the batch into the arm's N micro-batches; the key picks k of them."""
+    stack = mlp(in_dim=6, width=5, depth=2, num_classes=3)
+    est = jg.exact_subset(2)
+    eng = PipelineEngine(PipelineEngineConfig(stages=2), stack=stack, estimator=est,
+                         optimizer=optax.sgd(0.1), micro_batches=4)
+    params, batch, key = stack.init(jax.random.key(0)), _batch(), jax.random.key(3)
+    loss, grads = eng.estimate(eng.init(params, jax.random.key(0)), batch, key)
+    ref_loss, ref = est(stack, params, split_micro_batches(batch, 4), key)
+    assert abs(float(loss - ref_loss)) < 1e-6
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref)):
+        assert np.allclose(a, b, atol=1e-6)
