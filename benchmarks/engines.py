@@ -65,6 +65,8 @@ def estimators(num_layers: int) -> dict:
         "fwd-w-proj": (jg.forward(2, "gaussian", aggregation="projection"), "flat"),
         "fwd-act": (jg.forward(2, perturb="activations"), "flat"),
         "fwd-act-local": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
+        "fwd-w-local": (jg.local_forward_weights(2, "gaussian"), "flat"),  # LG-FG-W
+        "exact-subset": (jg.exact_subset(len(SEL)), "micro"),
         "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=2), "micro"),
         "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=2), "micro"),
         "hyb-weighted": (jg.hybrid(exact_indices=SEL, correction="weighted", num_tangents=2), "micro"),
@@ -106,7 +108,9 @@ def run_pipeline(name, est, stack, params, micro, key):
     :func:`per_micro_forward`); hybrids on ``complete`` (``truncated`` for nested groups)."""
     if isinstance(est, jg.Backprop):
         return pipeline(stack, gpipe_backprop(M, N), est)(params, micro, key)[1], None
-    if isinstance(est, jg.Forward):
+    if isinstance(est, jg.ExactSubset):  # GPipe backprop over the micro-batches the key selects
+        return pipeline(stack, gpipe_backprop(M, est.num_exact), est)(params, micro, key)[1], None
+    if isinstance(est, (jg.Forward, jg.LocalForwardWeights)):
         grads = pipeline(stack, gpipe_forward(M, N), est)(params, micro, key)[1]
         return grads, per_micro_forward(est, stack, params, micro, key)[1]
     sched = truncated(M, N, SEL) if est.exact_from is not None else complete(M, N, SEL)

@@ -73,6 +73,7 @@ ESTIMATORS = {
     "fwd-w-proj": (jg.forward(K, "gaussian", aggregation="projection"), "flat"),
     "fwd-act": (jg.forward(K, perturb="activations"), "flat"),
     "fwd-act-local": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
+    "fwd-w-local": (jg.local_forward_weights(K, "gaussian"), "flat"),  # LG-FG-W
     "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=K), "micro"),
     "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=K),
                "micro"),
@@ -171,7 +172,7 @@ def expected(engine: str, name: str, problem, direction):
     params, micro, flat, key = problem
     est, layout = ESTIMATORS[name]
     data = flat if layout == "flat" else micro
-    if engine == "pipeline" and isinstance(est, jg.Forward):
+    if engine == "pipeline" and isinstance(est, (jg.Forward, jg.LocalForwardWeights)):
         return reference(name, "per-micro")(params, micro, key), "per-micro"
     if engine == "pipeline" and name == "hyb-guess":
         return reference(name, "guess")(params, micro, key, direction), "guess"
@@ -186,7 +187,7 @@ def pipeline_for(name: str):
     est, _ = ESTIMATORS[name]
     if isinstance(est, jg.Backprop):
         sched = gpipe_backprop(M, N)
-    elif isinstance(est, jg.Forward):
+    elif isinstance(est, (jg.Forward, jg.LocalForwardWeights)):
         sched = gpipe_forward(M, N)
     else:
         sched = NESTED if est.exact_from is not None else complete(M, N, SEL)

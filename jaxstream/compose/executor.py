@@ -111,7 +111,10 @@ class ComposedExecutor(StreamedExecutor):
         return [tuple(int(l) for l in layers[i:i + m]) for i in range(0, len(layers), m)]
 
     def _merge_micro_batches(self) -> bool:
-        return self.kind == "activity"  # the micro-batches are what the pipeline overlaps
+        # the micro-batches are what the pipeline overlaps; activity and LG-FG-W compute them as
+        # one (activity draws its tangents for the whole batch; LG-FG-W's local losses are means
+        # over it)
+        return self.kind in ("activity", "local_weights")
 
     def _cast_batch(self, batch: dict) -> dict:
         b = jax.tree.leaves(batch)[0].shape[1]
@@ -230,7 +233,7 @@ class ComposedExecutor(StreamedExecutor):
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
-                         emit_sum=True)
+                         emit_sum=True, weights=self.kind == "local_weights")
         (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
         return h, g
 
@@ -317,9 +320,14 @@ def _act_grad(stack, spec, num_examples, emit_sum=True):
     return fn, {"state_specs": (ACT,), "aux_specs": (P(), TAN), "emit_specs": P(STAGE)}
 
 
-def _local(stack, spec, num_micro, num_examples, emit_sum=True):
+def _local(stack, spec, num_micro, num_examples, emit_sum=True, weights=False):
     def fn(p, layer, head, state, aux):
         (h,), (kd, b) = state, aux
+        if weights:  # LG-FG-W: the shard's estimate of its mean local loss, averaged
+            loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
+            out, g = sg.local_weight_grad(lambda pp: stack.block(pp, h), p, spec,
+                                          jax.random.wrap_key_data(kd), layer, loss)
+            return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
         out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
         u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
         loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)

@@ -76,7 +76,7 @@ def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
     if isinstance(estimator, (jg.Backprop, jg.BackpropRemat)):
         n = cfg.micro_batches
         return complete(m, n, range(n))
-    if isinstance(estimator, jg.Forward):
+    if isinstance(estimator, (jg.Forward, jg.LocalForwardWeights)):
         return make_schedule("forward", m, cfg.micro_batches)
     if isinstance(estimator, jg.ExactSubset):  # backprop over the k micro-batches a key selects
         k = estimator.num_exact
@@ -89,7 +89,7 @@ def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
                else tuple(range(estimator.num_exact)))
         return make_schedule(cfg.policy, m, micro_batches, sel)
     raise ValueError(f"estimator: {type(estimator).__name__} is not run by the pipeline engine "
-                     "(backprop, forward, hybrid, exact_subset)")
+                     "(backprop, forward, hybrid, exact_subset, local_forward_weights)")
 
 
 class PipelineEngine:

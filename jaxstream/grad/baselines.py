@@ -25,8 +25,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxstream.grad import segments as sg
+from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.hybrid import num_micro_batches
-from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
+from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 
 SELECT = 0x7FFFFFFF  # the hybrid's key segment for its random choice of exact micro-batches
@@ -121,35 +123,29 @@ class LocalForwardWeights:
         if not isinstance(loss_fn, Stack):
             raise TypeError("local_forward_weights needs a model Stack as loss_fn (local losses "
                             f"per block); got {type(loss_fn).__name__}")
+        check_local_losses(loss_fn, True, "local_forward_weights")
         loss, grads = _local_weights(loss_fn, self.spec, params, batch, key)
         return _finish(loss, grads, {}, diagnostics)
 
 
 def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array):
+    """Each segment's weight-perturbed estimate of its local loss (the segment kernel
+    :func:`~jaxstream.grad.segments.local_weight_grad`, as every engine runs it)."""
     x = batch["x"]
-    example = lambda lg: jnp.mean(stack.example_loss(lg, batch))
-    local = lambda h: example(stack.head(params["head"], h))
-
-    def estimate(fn: Callable, p: Any, k: jax.Array, loss_of_out: Callable) -> Any:
-        v = leaf_tangents(spec, k, p)
-        d = jax.vmap(lambda vk: jax.jvp(lambda q: loss_of_out(fn(q)), (p,), (vk,))[1])(v)
-        return jax.tree.map(lambda t: jnp.tensordot(d, t, axes=1) / spec.num, v)
-
-    embed_fn = lambda p: stack.embed(p, x)
-    h0 = embed_fn(params["embed"])
-    g_embed = estimate(embed_fn, params["embed"], jax.random.fold_in(key, EMBED), local)
+    example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
+    local = lambda h: example(stack.head(params["head"], h))  # noqa: E731
+    h0, g_embed = sg.local_weight_grad(lambda p: stack.embed(p, x), params["embed"], spec, key,
+                                       "embed", local)
 
     def body(h, xs):
         p, layer = xs
-        fn = lambda q: stack.block(q, h)
-        return fn(p), estimate(fn, p, block_key(key, layer), local)
+        return sg.local_weight_grad(lambda q: stack.block(q, h), p, spec, key, layer, local)
 
     layers = jnp.arange(stack.num_layers)
     h_last, g_blocks = jax.lax.scan(body, h0, (params["blocks"], layers))
-    head_fn = lambda p: stack.head(p, h_last)
-    g_head = estimate(head_fn, params["head"], jax.random.fold_in(key, HEAD), example)
-    loss = example(head_fn(params["head"]))
-    return loss, {"embed": g_embed, "blocks": g_blocks, "head": g_head}
+    logits, g_head = sg.local_weight_grad(lambda p: stack.head(p, h_last), params["head"], spec,
+                                          key, "head", example)
+    return jnp.mean(example(logits)), {"embed": g_embed, "blocks": g_blocks, "head": g_head}
 
 
 def local_forward_weights(num_tangents: int = 1, distribution: str = "rademacher") -> LocalForwardWeights:

@@ -166,6 +166,19 @@ def local_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segm
     return out, pull(act_cotangent(spec, key, segment, out, d, d.shape[1]))[0]
 
 
+def local_weight_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
+                      local_loss: Callable) -> tuple[jax.Array, Any]:
+    """``(out, weight estimate)`` of a segment under its own loss, its *weights* perturbed
+    (LG-FG-W): (1/K) Σ_k d_k v_k with d_k = ∇_p mean(local_loss(fn(p)))·v_k and v_k the
+    segment's weight tangents (keyed as :func:`embed_jvp` / :func:`block_jvp` key them)."""
+    v = leaf_tangents(spec, segment_key(key, segment), p)
+    out, dout = jvp_k(fn, (p,), (v,))
+    _, d = jvp_k(lambda o: jnp.mean(local_loss(o)), (out,), (dout,))
+    d = d.astype(jnp.float32)
+    return out, jax.tree.map(lambda t: (jnp.tensordot(d, t.astype(jnp.float32), axes=1)
+                                        / spec.num).astype(t.dtype), v)
+
+
 # ----------------------------------------------------------------------- one given direction
 # The ``guess`` correction differentiates along a direction it already has (the exact mean h),
 # not along drawn tangents: the same passes with the tangent given.

@@ -176,10 +176,8 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         raise ValueError(f"perturb={perturb!r}; allowed: ('weights', 'activations')")
     if aggregation not in ("mean", "projection"):
         raise ValueError(f"aggregation={aggregation!r}; allowed: ('mean', 'projection')")
-    if local_losses and perturb != "activations":
-        raise ValueError("local_losses=True needs perturb='activations'")
-    if (perturb != "weights" or aggregation != "mean") and (lowered.backward or
-                                                            correction != "none"):
+    if (perturb != "weights" or aggregation != "mean" or local_losses) and (
+            lowered.backward or correction != "none"):
         raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} run on a forward-only "
                          f"table with correction='none' (got schedule {schedule.name!r}, "
                          f"correction={correction!r})")
@@ -211,13 +209,17 @@ def _subset(stack: Stack, schedule: Schedule, est: Any, devices) -> Any:
 
 def _from_estimator(est: Any) -> dict:
     """The pipeline keywords of a ``jaxstream.grad`` estimator (its own error for others)."""
-    from jaxstream.grad import Backprop, BackpropRemat, Forward, Hybrid
+    from jaxstream.grad import Backprop, BackpropRemat, Forward, Hybrid, LocalForwardWeights
 
     if isinstance(est, (Backprop, BackpropRemat)):  # a stage's B op recomputes from its input
         return {"correction": "replace"}
+    if isinstance(est, LocalForwardWeights):  # local losses with the weights perturbed
+        s = est.spec
+        return {"num_tangents": s.num, "distribution": s.distribution, "correction": "none",
+                "perturb": "weights", "local_losses": True}
     if not isinstance(est, (Forward, Hybrid)):
-        raise TypeError(f"estimator must be jaxstream.grad backprop(), forward(), hybrid() or "
-                        f"exact_subset(), "
+        raise TypeError(f"estimator must be jaxstream.grad backprop(), forward(), hybrid(), "
+                        f"exact_subset() or local_forward_weights(), "
                         f"got {type(est).__name__}")
     s = est.spec
     kw = {"num_tangents": s.num, "distribution": s.distribution, "orthogonal": s.orthogonal,
@@ -245,8 +247,9 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
                     out["h"], out["t"] = a, b
                 else:
                     out["loss"], out["d"] = a, b
-            elif kind == F and pipe.local_losses:
-                h, out["g"] = ops.local_forward(pos, params, inp, kj, bj)
+            elif kind == F and pipe.local_losses:  # perturb "weights": LG-FG-W
+                h, out["g"] = ops.local_forward(pos, params, inp, kj, bj,
+                                                weights=pipe.perturb == "weights")
                 out["h" if pos in ("first", "mid") else "loss"] = h
             elif kind == F and pipe.perturb == "activations":
                 a, b = ops.activity_forward(pos, params, inp, t_in, kj, bj)

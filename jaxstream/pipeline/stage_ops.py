@@ -87,28 +87,30 @@ class StageOps:
         return {"embed": jax.tree.map(lambda g: g * is_first, g_embed), "blocks": g_blocks,
                 "head": jax.tree.map(lambda g: g * is_last, g_head)}
 
-    def local_forward(self, position: str, p, inp, key, batch):
+    def local_forward(self, position: str, p, inp, key, batch, weights: bool = False):
         """F op with local losses: ``(h or mean loss, weight estimates of the stage)``; every
-        segment's tangent reaches only its own loss (the head applied to its output)."""
+        segment's tangent reaches only its own loss (the head applied to its output). Tangents
+        on the segments' outputs (activity), or with ``weights`` on their weights (LG-FG-W)."""
         st, spec = self.stack, self.spec
+        kernel = sg.local_weight_grad if weights else sg.local_act_grad
         example = lambda lg: st.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
         local = lambda h: example(st.head(p["head"], h))  # noqa: E731
         g = jax.tree.map(jnp.zeros_like, p)
         h = inp
         if position in ("first", "only"):
-            h, g["embed"] = sg.local_act_grad(lambda pe: st.embed(pe, inp), p["embed"], spec, key,
-                                              "embed", local)
+            h, g["embed"] = kernel(lambda pe: st.embed(pe, inp), p["embed"], spec, key, "embed",
+                                   local)
 
         def body(h, xs):
             pl, layer = xs
-            return sg.local_act_grad(lambda pp: st.block(pp, h), pl, spec, key, layer, local)
+            return kernel(lambda pp: st.block(pp, h), pl, spec, key, layer, local)
 
         n = jax.tree.leaves(p["blocks"])[0].shape[0]
         h, g["blocks"] = jax.lax.scan(body, h, (p["blocks"], self.first_layer + jnp.arange(n)))
         if position in ("first", "mid"):
             return h, g
-        logits, g["head"] = sg.local_act_grad(lambda ph: st.head(ph, h), p["head"], spec, key,
-                                              "head", example)
+        logits, g["head"] = kernel(lambda ph: st.head(ph, h), p["head"], spec, key, "head",
+                                   example)
         return jnp.mean(example(logits)), g
 
     # ------------------------------------------------------------------ along a given direction

@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxstream.grad import corrections as cr
-from jaxstream.grad.baselines import BackpropRemat, ExactSubset, select_exact
+from jaxstream.grad.baselines import BackpropRemat, ExactSubset, LocalForwardWeights, select_exact
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.estimators import Backprop, Forward, coefficients
 from jaxstream.grad.hybrid import Hybrid
@@ -83,9 +83,12 @@ def _kind(estimator: Any, update: str) -> str:
         kind = "forward" if estimator.perturb == "weights" else "activity"
     elif isinstance(estimator, Hybrid):
         kind = "hybrid"
+    elif isinstance(estimator, LocalForwardWeights):
+        kind = "local_weights"  # the local-loss sweep of activity, weights perturbed
     else:
         raise TypeError("stream: estimator must be jaxstream.grad backprop(), "
-                        "backprop_remat(), exact_subset(), forward() or hybrid(), got "
+                        "backprop_remat(), exact_subset(), forward(), hybrid() or "
+                        "local_forward_weights(), got "
                         f"{type(estimator).__name__}")
     if update == "lazy" and kind != "forward":
         raise ValueError("stream: update='lazy' needs the forward estimator with "
@@ -117,7 +120,8 @@ class StreamedExecutor:
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
         self.kind = _kind(estimator, config.update)
-        check_local_losses(stack, getattr(estimator, "local_losses", False), "stream")
+        check_local_losses(stack, getattr(estimator, "local_losses", False)
+                           or self.kind == "local_weights", "stream")
         self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
             stack, estimator, optimizer, store, config)
         self.spec: TangentSpec = getattr(estimator, "spec", TangentSpec())
@@ -272,7 +276,7 @@ class StreamedExecutor:
         self._applied = set()
         if self.kind == "forward":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
-        elif self.kind == "activity":
+        elif self.kind in ("activity", "local_weights"):
             loss, new = self._run_activity(batch, key, list(layers), sink, t0), {}
         else:
             loss, new = self._run_reverse(batch, key, list(layers), sink, t0)
@@ -337,13 +341,14 @@ class StreamedExecutor:
         keys = key[None]
         units = ["embed", *self._groups(layers), "head"]
         z = jnp.int32(0)
-        if self.estimator.local_losses:
+        if self.kind == "local_weights" or self.estimator.local_losses:
+            weights = self.kind == "local_weights"
             head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
             h = x["x"]
             for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
                 if isinstance(u, str):
                     out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, h,
-                                               head_dev, x)
+                                               head_dev, x, weights)
                 else:
                     out, g = self._block_local_grad(dev, u, keys, h, head_dev, x)
                 if u == "head":
@@ -534,7 +539,7 @@ class StreamedExecutor:
 
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h,
-                                 head_dev, x)
+                                 head_dev, x, self.kind == "local_weights")
 
     def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
         vjp = K.block_vjp_each if each else K.block_vjp

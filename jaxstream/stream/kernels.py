@@ -193,11 +193,14 @@ def unit_act_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: jax
     return out, _sum0(g)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 9))
 def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: jax.Array,
-                    keys: jax.Array, inp: jax.Array, head: Any, batch: dict):
+                    keys: jax.Array, inp: jax.Array, head: Any, batch: dict,
+                    weights: bool = False):
     """``(out, weight estimate)`` of a unit under its local loss (the head applied to its
-    output, the head held fixed; the head's own loss for the head)."""
+    output, the head held fixed; the head's own loss for the head): activity perturbation, or
+    with ``weights`` its weights perturbed (LG-FG-W)."""
+    kernel = sg.local_weight_grad if weights else sg.local_act_grad
     fn = {"embed": stack.embed, "block": stack.block, "head": stack.head}[unit]
     seg = layer if unit == "block" else unit
     n = inp.shape[0]
@@ -205,7 +208,7 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
     def one(i, kn, bn):
         example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)  # noqa: E731
         loss = example if unit == "head" else (lambda h: example(stack.head(head, h)))
-        out, g = sg.local_act_grad(lambda pp: fn(pp, i), p, spec, kn, seg, loss)
+        out, g = kernel(lambda pp: fn(pp, i), p, spec, kn, seg, loss)
         return out, jax.tree.map(lambda a: a / n, g)
 
     out, g = jax.vmap(one)(inp, keys, batch)

@@ -32,6 +32,7 @@ CASES = {
                      (2, 2)),
     "activity_local": (jg.forward(num_tangents=2, distribution="gaussian", perturb="activations",
                                   local_losses=True), "flat", (2, 2)),
+    "local_weights": (jg.local_forward_weights(2, "gaussian"), "flat", (2, 2)),  # LG-FG-W
 }
 
 

@@ -25,9 +25,10 @@ CASES = [
     (QUICKSTART, ["optimizer.options={nesterov: 1}", "optimizer.name=sgd"],
      r"optimizer.options.nesterov: expected true or false"),
     (QUICKSTART, ["model.width=1000000000"], r"model: needs about .* GiB .* this machine has"),
-    (STREAM, ["arms.1.estimator={type: local_forward_weights}"],
+    (STREAM, ["arms.1.estimator={type: hybrid_activity}"],
      r"arms.1.estimator: stream: estimator must be jaxstream.grad backprop\(\), "
-     r"backprop_remat\(\), exact_subset\(\), forward\(\) or hybrid\(\)"),
+     r"backprop_remat\(\), exact_subset\(\), forward\(\), hybrid\(\) or "
+     r"local_forward_weights\(\)"),
     (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
 ]
