@@ -335,7 +335,7 @@ def markdown(rows: list[dict], sc: dict, command: str) -> str:
     mib = lambda x: round(x / MiB, 2)
     s = (f"\nscale (mesh {sc['mesh'][0]} × {sc['mesh'][1]}, width {sc['width']}): resident "
          f"budget {sc['budget_bytes'] / MiB:.2f} MiB per device "
-         f"({sum(sc['budget_terms_layers'].values())} layers per process: "
+         f"({sum(sc['budget_terms_layers'].values()):.1f} layers per process: "
          + ", ".join(f"{k} {v}" for k, v in sc["budget_terms_layers"].items())
          + f"), {sc['budget_summed_over_devices_bytes'] / MiB:.2f} MiB summed over the "
          "devices.\n")
