@@ -34,10 +34,13 @@ layers of fp32 parameters, what the engine holds for the layers in flight in one
   optimizer state per state leaf: none for SGD), 3 + 2 × opt_leaves;
 - staged writes in flight (the store's ``max_write_bytes``, set to 2 layers).
 
-Not in the budget, because it is not parameters: the hybrid's stash of the S selected
-micro-batches' block inputs, S × B × width × 4 bytes per layer, which a reverse sweep needs and
-which grows with depth (the allowed peak adds it). Nothing else may grow with depth: the peak
-above the constant at the two depths shows it.
+Not in the budget, because they are not parameters, and growing with depth: the hybrid's
+stash of the S selected micro-batches' block inputs, S × B × width × 4 bytes per layer, which a
+reverse sweep needs (the allowed peak adds it); and the step's per-layer bookkeeping on the host
+(timeline events, group memberships, the parts of the scalars c_nk, the stash's array views),
+small Python objects kept until the step ends, whose high-water mark the allocators then keep
+(the RSS at rest after the first full step). Both are per layer a small fraction of a layer's
+parameters; the peak above the constant at the two depths shows what they add.
 """
 
 from __future__ import annotations
