@@ -11,9 +11,36 @@ its ticks are scaled by L/M) and added against the forward-only pass; ``fill_rat
 forward-only pass's idle cells that reverse work fills); ``coverage_per_stage`` (fraction of
 micro-batches with an exact gradient at each stage) and ``staleness_per_stage`` (steps); for
 streamed rows also the measured ticks against :func:`jaxstream.compose.chunk_cost` and the
-layers read per step. scale: a model ≥ 30× the resident budget per device streamed through
-a 2 × 4 mesh in a fresh process; its peak RSS above the process's constant (imports, runtime,
-compiled kernels, measured after a first step) against the budget summed over the devices.
+layers read per step.
+
+scale: a model ≥ 30× the resident budget per device streamed through a 2 × 4 mesh (hybrid
+control variate, S = 2 exact micro-batches, prefetch p = 1 chunk, SGD), at two depths of the
+same width, each in fresh processes. Reported: the peak RSS above the process's constant
+(imports, runtime, compiled kernels: the RSS at rest after a first step that runs two chunks of
+the same layers) against the budget summed over the devices plus the depth's activation stash,
+and the RSS at rest after every measured step (a leak would grow it). The budget counts, in
+layers of fp32 parameters, what the engine holds for the layers in flight in one process
+(:func:`resident_terms`), divided by the data × stage devices:
+
+- device copies: each device's layer of p + 2 chunks (computing, prefetched, and the previous
+  chunk until its arrays are released), D × M × (p + 2);
+- host read buffers of those chunks (the direct reads' pool), M × (p + 2);
+- the passes' buffers on each device: the temporaries and outputs of the largest compiled
+  pass (XLA's memory analysis, recorded in the first step; the vjp pass, whose outputs are
+  the S per-micro-batch exact gradients of the device's layer), D × M × that;
+- exact gradients on the host, one layer at a time: its S gradients read from its device,
+  their fp32 copies for the host's group mean, and the mean h_u, 2 × S + 1;
+- the host optimizer update of one layer (params, gradient, new params; and twice the
+  optimizer state per state leaf: none for SGD), 3 + 2 × opt_leaves;
+- staged writes in flight (the store's ``max_write_bytes``, set to 2 layers).
+
+Not in the budget, because they are not parameters, and growing with depth: the hybrid's
+stash of the S selected micro-batches' block inputs, S × B × width × 4 bytes per layer, which a
+reverse sweep needs (the allowed peak adds it); and the step's per-layer bookkeeping on the host
+(timeline events, group memberships, the parts of the scalars c_nk, the stash's array views),
+small Python objects kept until the step ends, whose high-water mark the allocators then keep
+(the RSS at rest after the first full step). Both are per layer a small fraction of a layer's
+parameters; the peak above the constant at the two depths shows what they add.
 """
 
 from __future__ import annotations
@@ -160,6 +187,46 @@ def _mem_row(r: dict, m: int, per: int, estimator: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- scale
+WRITE_LAYERS = 2  # the scale worker's store.max_write_bytes, in layers
+
+
+def resident_terms(prefetch: int, data: int, stages: int, selected: int, pass_layers: float,
+                   opt_leaves: int = 0) -> dict[str, float]:
+    """What the composed engine holds for the layers in flight, per process, in layers (one
+    layer = its fp32 parameter bytes); see the module docstring. ``pass_layers``: the largest
+    pass's temporaries and outputs per device (XLA's memory analysis), in layers. Divided by
+    the ``data × stage`` devices it is the resident budget per device."""
+    chunks = prefetch + 2  # computing, prefetched, the previous one until its arrays go
+    return {"device_copies": data * stages * chunks,
+            "host_read_buffers": stages * chunks,
+            "pass_buffers": round(data * stages * pass_layers, 2),
+            "exact_gradients_on_host": 2 * selected + 1,
+            "host_optimizer_update": 3 + 2 * opt_leaves,
+            "staged_writes": WRITE_LAYERS}
+
+
+def _record_pass_buffers(record: dict):
+    """Makes the first call of each composed pass record XLA's memory analysis of its
+    compiled program (temporaries + outputs per device, bytes) in ``record``; returns the
+    function that undoes it."""
+    import jaxstream.compose.executor as ce
+
+    orig = ce._pass
+
+    def measured(mesh, stack, spec, name, kw):
+        run = orig(mesh, stack, spec, name, kw)
+
+        def call(*args):
+            if name not in record:
+                ma = run.lower(*args).compile().memory_analysis()
+                record[name] = int(ma.temp_size_in_bytes + ma.output_size_in_bytes)
+            return run(*args)
+        return call
+
+    ce._pass = measured
+    return lambda: setattr(ce, "_pass", orig)
+
+
 def scale_worker(args) -> None:
     """In a fresh process: a store written layer by layer, one step (compilation: part of the
     constant), then the RSS high-water mark over the following steps."""
@@ -173,56 +240,81 @@ def scale_worker(args) -> None:
              "y": rng.integers(0, 10, (N, d), dtype=np.int32)}
     # the constant: runtime, imports and every compiled kernel: step 0 runs the first two
     # chunks of the model (a progressive depth policy), every later step all of it
+    layer_bytes = args.width * args.width * 4 + args.width * 4
     store, stack = sb.build_store(Path(args.dir) / "big", args.width, args.layers,
-                                  optimizer=opt, max_write_bytes=args.budget // 4)
+                                  optimizer=opt, max_write_bytes=WRITE_LAYERS * layer_bytes)
     cfg = dataclasses.replace(FP32, depth=DepthPolicy("progressive", start=2 * s,
                                                       grow=args.layers, every=1))
     ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=mesh)
+    passes: dict = {}
+    undo = _record_pass_buffers(passes)
     ex.step(batch, jax.random.key(0))
+    undo()
     baseline = sb.current_rss()
     reset = sb.reset_peak_rss()
-    times = []
+    times, rest = [], []
     for i in range(args.steps):
         m = ex.step(batch, jax.random.key(i + 1))
         assert m["layers_read"] == 3 * args.layers, m  # the whole model streamed
         times.append(m["step_time_s"])
+        rest.append(sb.current_rss() - baseline)
     peak = sb.peak_rss_since_reset() if reset else None
     print(json.dumps({"model_bytes": store.layer_bytes * args.layers,
                       "layer_bytes": store.layer_bytes, "baseline_rss_bytes": baseline,
-                      "peak_rss_bytes": peak, "peak_reset": reset, "step_s": times}))
+                      "peak_rss_bytes": peak, "peak_reset": reset, "step_s": times,
+                      "pass_buffers_bytes_per_device": passes,
+                      "rss_after_each_step_above_baseline_bytes": rest}))
 
 
-def scale(width: int, layers: int, steps: int, mesh=(2, 4), repeats: int = 3) -> dict:
-    """The scale measurement in ``repeats`` fresh processes (the RSS high-water mark varies
-    between runs: every run is reported, the largest is compared with the budget)."""
-    layer_bytes = width * width * 4 + width * 4
-    # each device: its stage's layer of the computing chunk and of the prefetched one, and the
-    # exact gradients of the SEL selected micro-batches for its current layer (a hybrid keeps
-    # them until the group mean); twice, for the host's staging copies (read, device_get)
-    budget = 2 * (FP32.prefetch + 1 + SEL) * layer_bytes
+def _scale_runs(width: int, layers: int, steps: int, mesh, repeats: int) -> list[dict]:
     runs = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, __file__, "--scale-worker", "--dir", tmp, "--width",
-                   str(width), "--layers", str(layers), "--steps", str(steps), "--budget",
-                   str(budget), "--mesh", str(mesh[0]), str(mesh[1])]
+                   str(width), "--layers", str(layers), "--steps", str(steps),
+                   "--mesh", str(mesh[0]), str(mesh[1])]
             env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_ARENA_MAX="2")
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
             if out.returncode:
                 raise RuntimeError(f"scale worker failed:\n{out.stderr[-4000:]}")
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    r = runs[0]
-    above = ([x["peak_rss_bytes"] - x["baseline_rss_bytes"] for x in runs]
-             if all(x["peak_reset"] for x in runs) else None)
-    devices = mesh[0] * mesh[1]
-    return {"model_bytes": r["model_bytes"], "budget_bytes": budget,
-            "model_over_budget": r["model_bytes"] / budget,
-            "peak_rss_above_baseline_bytes": None if above is None else max(above),
-            "peak_rss_above_baseline_each_run_bytes": above,
-            "budget_summed_over_devices_bytes": budget * devices,
-            "within_budget": above is not None and max(above) <= budget * devices,
-            "baseline_rss_bytes": r["baseline_rss_bytes"], "mesh": list(mesh),
-            "step_s": [x["step_s"] for x in runs]}
+    return runs
+
+
+def scale(width: int, depths=(192, 384), steps: int = 1, mesh=(2, 4), repeats: int = 3) -> dict:
+    """The scale measurement at each depth in ``repeats`` fresh processes (the RSS high-water
+    mark varies between runs: every run is reported, the largest is compared with the
+    budget summed over the devices plus the depth's activation stash)."""
+    d, m = mesh
+    layer_bytes = width * width * 4 + width * 4
+    runs = {layers: _scale_runs(width, layers, steps, mesh, repeats) for layers in depths}
+    pass_bytes = max(max(x["pass_buffers_bytes_per_device"].values())
+                     for rs in runs.values() for x in rs)
+    terms = resident_terms(FP32.prefetch, d, m, SEL, pass_bytes / layer_bytes)
+    budget = int(sum(terms.values()) * layer_bytes / (d * m))
+    out = []
+    for layers, rs in runs.items():
+        above = ([x["peak_rss_bytes"] - x["baseline_rss_bytes"] for x in rs]
+                 if all(x["peak_reset"] for x in rs) else None)
+        stash = layers * SEL * d * width * 4  # (S, B, width) fp32 block inputs per layer
+        allowed = budget * d * m + stash
+        out.append({"layers": layers, "model_bytes": rs[0]["model_bytes"],
+                    "model_over_budget": rs[0]["model_bytes"] / budget,
+                    "activation_stash_bytes": stash, "allowed_bytes": allowed,
+                    "peak_rss_above_baseline_each_run_bytes": above,
+                    "peak_rss_above_baseline_bytes": None if above is None else max(above),
+                    "rss_after_each_step_above_baseline_bytes":
+                        [x["rss_after_each_step_above_baseline_bytes"] for x in rs],
+                    "within_budget": above is not None and max(above) <= allowed,
+                    "baseline_rss_bytes": [x["baseline_rss_bytes"] for x in rs],
+                    "pass_buffers_bytes_per_device": rs[0]["pass_buffers_bytes_per_device"],
+                    "step_s": [x["step_s"] for x in rs]})
+    big = out[-1]
+    return {"mesh": list(mesh), "width": width, "layer_bytes": layer_bytes,
+            "budget_terms_layers": terms, "budget_bytes": budget,
+            "budget_summed_over_devices_bytes": budget * d * m, "depths": out,
+            "model_over_budget": big["model_over_budget"],
+            "within_budget": all(x["within_budget"] for x in out)}
 
 
 # ---------------------------------------------------------------------------- output
@@ -243,14 +335,21 @@ def _fmt(v) -> str:
 def markdown(rows: list[dict], sc: dict, command: str) -> str:
     head = "| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS) + "\n"
     body = "".join("| " + " | ".join(_fmt(r.get(c)) for c in COLS) + " |\n" for r in rows)
-    s = (f"\nscale (mesh {sc['mesh'][0]} × {sc['mesh'][1]}): model {sc['model_bytes'] / MiB:.1f} "
-         f"MiB = {sc['model_over_budget']:.1f} × the resident budget of "
-         f"{sc['budget_bytes'] / MiB:.2f} MiB per device; peak RSS above the constant "
-         f"{_fmt((sc['peak_rss_above_baseline_bytes'] or 0) / MiB)} MiB (largest of "
-         f"{_fmt([round(b / MiB, 2) for b in sc['peak_rss_above_baseline_each_run_bytes'] or []])}"
-         f" in fresh processes) against "
-         f"{sc['budget_summed_over_devices_bytes'] / MiB:.1f} MiB summed over the devices "
-         f"(constant {sc['baseline_rss_bytes'] / MiB:.0f} MiB).\n")
+    mib = lambda x: round(x / MiB, 2)
+    s = (f"\nscale (mesh {sc['mesh'][0]} × {sc['mesh'][1]}, width {sc['width']}): resident "
+         f"budget {sc['budget_bytes'] / MiB:.2f} MiB per device "
+         f"({sum(sc['budget_terms_layers'].values()):.1f} layers per process: "
+         + ", ".join(f"{k} {v}" for k, v in sc["budget_terms_layers"].items())
+         + f"), {sc['budget_summed_over_devices_bytes'] / MiB:.2f} MiB summed over the "
+         "devices.\n")
+    for x in sc["depths"]:
+        s += (f"- {x['layers']} layers: model {x['model_bytes'] / MiB:.1f} MiB = "
+              f"{x['model_over_budget']:.1f} × the budget per device; peak RSS above the "
+              f"constant {_fmt([mib(v) for v in x['peak_rss_above_baseline_each_run_bytes'] or []])}"
+              f" MiB in fresh processes against {x['allowed_bytes'] / MiB:.2f} MiB (the budget "
+              f"summed over the devices + the activation stash "
+              f"{x['activation_stash_bytes'] / MiB:.2f} MiB; constant "
+              f"{_fmt([round(v / MiB) for v in x['baseline_rss_bytes']])} MiB)\n")
     return (f"Written by `{command}` on {platform.node() or 'this machine'} "
             f"({os.cpu_count()} CPU cores, simulated devices), jax {jax.__version__}.\n\n"
             + head + body + s)
@@ -273,7 +372,6 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=256, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
-    ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--mesh", type=int, nargs=2, default=(2, 4), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.scale_worker:
@@ -290,7 +388,7 @@ def main(argv=None) -> int:
     print("in-memory pipeline (stage axis):", flush=True)
     rows += in_memory_rows(4, layers, args.quick)
     print("scale:", flush=True)
-    sc = scale(128 if args.quick else 256, 256, 1 if args.quick else 2)
+    sc = scale(128, (192, 384), 1, repeats=2) if args.quick else scale(256, (192, 384), 2)
     for r in rows:
         print("  ".join(f"{c}={_fmt(r.get(c))}" for c in COLS))
     print(json.dumps(sc, indent=1))

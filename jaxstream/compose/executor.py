@@ -126,9 +126,13 @@ class ComposedExecutor(StreamedExecutor):
     def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
         if not isinstance(u, tuple):
             return fn(u, g, host)
-        g = host_value(g)
+        leaves = jax.tree.leaves(g)
+        if all(isinstance(a, jax.Array) and a.is_fully_addressable for a in leaves):
+            part = _stage_part  # one layer at a time from its device: no gathered chunk
+        else:
+            g, part = host_value(g), lambda a, i: a[i]  # across processes: gathered once
         for i, l in enumerate(u):
-            fn(l, jax.tree.map(lambda a, i=i: a[i], g), None if host is None else host[i])
+            fn(l, jax.tree.map(lambda a, i=i: part(a, i), g), None if host is None else host[i])
 
     # ------------------------------------------------------------------ loading chunks
     def _put(self, trees: list, sharding: NamedSharding) -> Any:
@@ -271,6 +275,17 @@ def _pass(mesh: Mesh, stack: Stack, spec: Any, name: str, kw: tuple) -> Callable
     fn, specs = _PASSES[name](stack, spec, **kw)
     opts = {k: v for k, v in kw.items() if k in ("num_slots", "emit_sum", "reverse")}
     return build_pipe(mesh, fn, **specs, **opts)
+
+
+def _stage_part(a: jax.Array, i: int) -> np.ndarray:
+    """Entry ``i`` of the leading (stage) axis of ``a`` as a host value, read from the one
+    device shard that holds it."""
+    for sh in a.addressable_shards:
+        rows = sh.index[0] if sh.index else slice(None)
+        lo, hi = rows.start or 0, a.shape[0] if rows.stop is None else rows.stop
+        if sh.replica_id == 0 and lo <= i < hi:
+            return np.asarray(sh.data)[i - lo]
+    raise ValueError(f"no shard of an array of shape {a.shape} holds entry {i}")
 
 
 def _kd(keys: jax.Array) -> np.ndarray:

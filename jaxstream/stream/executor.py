@@ -409,11 +409,15 @@ class StreamedExecutor:
                 if not cv:
                     return sink(u, K.unit_replace(self.spec, K.seg_keys(keys, u), jnp.asarray(d),
                                                   g, m, idx_j, p_h), p)
-                h_u, spread[u] = K.unit_group(g, m, p_h)
-                if not guess:
-                    c_parts[u] = np.asarray(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
+                h_u, spread_u = K.unit_group(g, m, p_h)
+                spread[u] = float(spread_u)  # per-unit values kept for the step: plain
+                if not guess:  # host numbers, not arrays that pin their buffers
+                    c_parts[u] = np.array(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
                 sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
             scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
+            for f in [f for f in scratch if f.done()]:  # keep only the writes in flight;
+                f.result()  # a failed one raises now
+                scratch.remove(f)
 
         head_dev = self._to_device(hosts["head"])
         if hybrid:

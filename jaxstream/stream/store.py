@@ -339,17 +339,26 @@ class LayerStore:
         """Writes a params-shaped pytree (e.g. an exact gradient) to the unit's scratch space.
 
         Scratch is not part of the committed state: it holds values that live within one step
-        (a crash simply redoes the step). Returns the write futures.
+        (a crash simply redoes the step). Scratch writes count with the staged writes against
+        ``max_write_bytes``: past it, this waits for the oldest (host memory stays bounded
+        however slow the disk). Returns the write futures.
         """
         part, l = self._part(unit)
         idx = () if l is None else (l,)
         self._begin_write()
         what = f"scratch of {part if l is None else f'layer {l}'} to the store at {self._where}"
-        try:
-            return [WriteFuture(self._scratch_array(part, i)[idx].write(np.asarray(x, np.float32)), what)
-                    for i, x in enumerate(jax.tree_util.tree_leaves(tree))]
-        except Exception as err:
-            raise self._write_error(what, err) from err
+        futs = []
+        for i, x in enumerate(jax.tree_util.tree_leaves(tree)):
+            x = np.asarray(x, np.float32)
+            try:
+                fut = WriteFuture(self._scratch_array(part, i)[idx].write(x), what)
+            except Exception as err:
+                raise self._write_error(what, err) from err
+            with self._lock:  # counted with the staged writes: bounded by max_write_bytes
+                self._writes.append((f"scratch/{part}/{l}", fut, x.nbytes))
+            futs.append(fut)
+        self._throttle()
+        return futs
 
     def read_scratch(self, unit: Unit) -> TreeFuture:
         """Reads what :meth:`write_scratch` wrote for ``unit`` this step."""

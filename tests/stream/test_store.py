@@ -173,3 +173,44 @@ def test_data_store(tmp_path):
         ds.read(np.array([20]))
     with pytest.raises(StoreNotFoundError, match="no data store"):
         DataStore.open(tmp_path / "none")
+
+
+def test_scratch_writes_in_flight_are_bounded(tmp_path):
+    """write_scratch waits for the oldest writes once more than max_write_bytes are in
+    flight: a slow disk must not pile a step's exact gradients up in host memory."""
+    import threading
+
+    import tensorstore as ts
+
+    store = LayerStore.create(tmp_path / "s", _params(layers=6))
+    layer = {"b": np.ones(4, np.float32), "w": np.ones((4, 4), np.float32)}
+    store.max_write_bytes = 80  # one layer: 16 + 64 bytes
+    promises: list = []
+
+    class SlowDisk:  # a scratch array whose writes finish when the test says so
+        def __getitem__(self, idx):
+            return self
+
+        def write(self, x):
+            promise, future = ts.Promise.new()
+            promises.append(promise)
+            return future
+
+    store._scratch_array = lambda part, i: SlowDisk()
+    done = threading.Event()
+
+    def writer():
+        for l in range(6):
+            store.write_scratch(l, layer)
+        done.set()
+
+    threading.Thread(target=writer, daemon=True).start()
+    assert not done.wait(0.5), "six layers staged while the first writes were in flight"
+    assert len(promises) == 4  # layer 0 within the bound; layer 1 waits for layer 0
+    finished = 0
+    while not done.wait(0.02) or finished < len(promises):  # the disk catches up
+        for p in promises[finished:]:
+            p.set_result(None)
+            finished += 1
+    assert finished == 12  # two leaves per layer, every one written
+    store.abort()
