@@ -24,7 +24,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jaxstream.grad.threefry import fold_in, random_words, tied
+from jaxstream.grad.threefry import fold_in, random_words, tied, vmap_exact
 from jaxstream.models.stack import is_stack_params
 
 Distribution = Literal["rademacher", "gaussian"]
@@ -64,9 +64,9 @@ class TangentSpec:
         draws = self.num // 2 if self.antithetic else self.num
         size = math.prod(shape)
         if self.distribution == "rademacher":
-            v = rademacher_bits(key, draws, size)
+            v = vmap_exact(lambda k: rademacher_bits(k, draws, size), key)
         else:
-            v = jax.random.normal(key, (draws, size), dtype=jnp.float32)
+            v = vmap_exact(lambda k: jax.random.normal(k, (draws, size), jnp.float32), key)
         if self.orthogonal and draws > 1 and size >= draws:
             q, r = jnp.linalg.qr(v.T)
             # Fix QR's sign convention so Q is Haar-distributed (zero-mean columns): without it

@@ -15,7 +15,8 @@ hoists out of a scan over layers and keeps through it. Here:
   hoisted or copied ahead of time. Other platforms draw large outputs with ``jax.random``.
 
 Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitionable=False`` use
-``jax.random`` directly.
+``jax.random`` directly; :func:`vmap_exact` makes draws with ``rbg`` keys the same under
+``jax.vmap`` over keys as in a loop (threefry draws already are).
 
 Example:
   >>> k = jax.random.key(0)
@@ -29,8 +30,10 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
+import jax.custom_batching
 import jax.numpy as jnp
 
 # Outputs of at most this many words are hashed elementwise (fused into their consumer, which
@@ -139,3 +142,36 @@ def tied(tree, x: jax.Array):
         return a
 
     return jax.tree.map(tie, tree)
+
+
+def vmap_exact(draw: Callable[[jax.Array], jax.Array], key: jax.Array) -> jax.Array:
+    """``draw(key)``, with the same values whether or not it is vmapped over keys.
+
+    Threefry draws already are. ``rbg`` / ``unsafe_rbg`` draws under ``jax.vmap`` over keys
+    depend on the batch position (row i ≥ 1 differs from the unbatched draw of key i), so an
+    engine that vmaps over micro-batch keys and one that loops would get different tangents, and
+    a pass that draws under vmap and a combine that draws in a loop would disagree. For those
+    keys the vmapped draw runs row by row (``lax.map``).
+
+    Example:
+      >>> ks = jax.random.split(jax.random.key(0, impl="rbg"), 2)
+      >>> draw = lambda k: jax.random.bits(k, (3,))
+      >>> rows = jax.vmap(lambda k: vmap_exact(draw, k))(ks)
+      >>> bool((rows[1] == draw(ks[1])).all())
+      True
+    """
+    if _is_threefry(key) or not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return draw(key)
+    impl = str(jax.random.key_impl(key))
+
+    @jax.custom_batching.custom_vmap
+    def one(kd):
+        return draw(jax.random.wrap_key_data(kd, impl=impl))
+
+    @one.def_vmap
+    def _rows(axis_size, in_batched, kd):
+        if not in_batched[0]:
+            return one(kd), False
+        return jax.lax.map(one, kd), True
+
+    return one(jax.random.key_data(key))

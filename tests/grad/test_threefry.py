@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxstream.grad.tangents import TangentSpec
 from jaxstream.grad.threefry import ELEMENTWISE_WORDS, fold_in, random_words, tied
 
 KEY = jax.random.fold_in(jax.random.key(3), 5)
@@ -39,3 +40,14 @@ def test_tied_keeps_values():
     out = jax.jit(tied)(tree, jnp.float32(-2.5))
     np.testing.assert_array_equal(out["y"], tree["y"])
     np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(KEY))
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+def test_rbg_tangents_are_the_same_under_vmap(distribution):
+    """rbg bits under vmap over keys depend on the row; tangents must not (an engine that
+    vmaps over micro-batch keys and one that loops must draw the same directions)."""
+    spec = TangentSpec(2, distribution)
+    keys = jax.random.split(jax.random.key(7, impl="rbg"), 3)
+    rows = jax.jit(jax.vmap(lambda k: spec.sample(k, (4, 5))))(keys)
+    for i in range(3):
+        np.testing.assert_array_equal(rows[i], spec.sample(keys[i], (4, 5)))
