@@ -8,11 +8,11 @@ hoists out of a scan over layers and keeps through it. Here:
 
 * :func:`fold_in` hashes its two words with the same 20 rounds written out (a few scalar ops, no
   loop): the key schedule of :mod:`.tangents` costs no buffer;
-* :func:`random_words` hashes small outputs the same way (fused into their consumer) and, on
-  CPU, large ones in a loop of 5 × 4 rounds like ``jax.random``'s (one pass over the words per
-  iteration, so they are hashed once, not once per use), whose every input (counters,
-  rotations, start index) is derived from the key: computed where the words are drawn, not
-  hoisted or copied ahead of time. Other platforms draw large outputs with ``jax.random``.
+* :func:`random_words` hashes, on CPU, in a loop of 5 × 4 rounds like ``jax.random``'s (one
+  pass over the words per iteration: the words are materialised once; hashed elementwise inside
+  their consumer they would be rehashed for every use, which costs step time) whose every input
+  (counters, rotations, start index) is derived from the key: computed where the words are
+  drawn, not hoisted or copied ahead of time. Other platforms use ``jax.random.bits``.
 
 Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitionable=False`` use
 ``jax.random`` directly; :func:`vmap_exact` makes draws with ``rbg`` keys the same under
@@ -36,9 +36,6 @@ import jax
 import jax.custom_batching
 import jax.numpy as jnp
 
-# Outputs of at most this many words are hashed elementwise (fused into their consumer, which
-# may rehash a word per use); larger ones by a loop (the words materialised once).
-ELEMENTWISE_WORDS = 1024
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
@@ -83,9 +80,6 @@ def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     # computed where the words are drawn, not hoisted out of a loop over layers.
     lo = jax.lax.iota(jnp.uint32, size).reshape(shape) + zero
     hi = jnp.broadcast_to(zero, shape)
-    if size <= ELEMENTWISE_WORDS:
-        b1, b2 = hash2x32(k[0], k[1], hi, lo)
-        return b1 ^ b2
     return jax.lax.platform_dependent(
         cpu=lambda: _rolled_words(k[0], k[1], hi, lo, zero),
         default=lambda: jax.random.bits(key, shape, jnp.uint32))

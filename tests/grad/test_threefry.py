@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxstream.grad.tangents import TangentSpec
-from jaxstream.grad.threefry import ELEMENTWISE_WORDS, fold_in, random_words, tied
+from jaxstream.grad.threefry import fold_in, random_words, tied
 
 KEY = jax.random.fold_in(jax.random.key(3), 5)
 
@@ -22,7 +22,7 @@ def test_fold_in_equals_jax(data):
     np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(ref))
 
 
-@pytest.mark.parametrize("shape", [(3, 5), (1, ELEMENTWISE_WORDS + 1), (2, 3000)])
+@pytest.mark.parametrize("shape", [(3, 5), (1, 16), (2, 3000)])
 def test_random_words_equal_jax_bits(shape):
     want = jax.random.bits(KEY, shape, jnp.uint32)
     np.testing.assert_array_equal(jax.jit(random_words, static_argnums=1)(KEY, shape), want)
