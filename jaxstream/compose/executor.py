@@ -215,7 +215,7 @@ class ComposedExecutor(StreamedExecutor):
 
     def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
         slots, s = self._slots(h.shape[0], stash_idx)
-        run = self._pipe("jvp", num_slots=s)
+        run = self._pipe("jvp", num_slots=s, impl=_impl(keys))
         (h, dh), em = run(dev, (h, dh), _kd(keys), self._layers(u), (), slots)
         if stash_idx is not None:
             self._unstash(u, em, stash)
@@ -224,20 +224,22 @@ class ComposedExecutor(StreamedExecutor):
 
     def _block_act(self, dev, u, keys, h, dh):
         slots, _ = self._slots(h.shape[0], None)
-        (h, dh), _ = self._pipe("act")(dev, (h, dh), _kd(keys), self._layers(u),
-                                       (), slots)
+        (h, dh), _ = self._pipe("act", impl=_impl(keys))(dev, (h, dh), _kd(keys),
+                                                         self._layers(u), (), slots)
         return h, dh
 
     def _block_act_grad(self, dev, u, keys, h, d):
         slots, _ = self._slots(h.shape[0], None)
-        run = self._pipe("act_grad", num_examples=int(d.shape[0] * d.shape[2]), emit_sum=True)
+        run = self._pipe("act_grad", num_examples=int(d.shape[0] * d.shape[2]), emit_sum=True,
+                         impl=_impl(keys))
         (h,), g = run(dev, (h,), (_kd(keys), d), self._layers(u), (), slots)
         return h, g
 
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
-                         emit_sum=True, weights=self.kind == "local_weights")
+                         emit_sum=True, weights=self.kind == "local_weights",
+                         impl=_impl(keys))
         (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
         return h, g
 
@@ -293,12 +295,21 @@ def _kd(keys: jax.Array) -> np.ndarray:
     return np.asarray(host_value(jax.random.key_data(keys)))
 
 
+def _impl(keys: jax.Array) -> str:
+    """The PRNG implementation of typed keys (their data crosses the pass raw)."""
+    return str(jax.random.key_impl(keys))
+
+
+DEFAULT_IMPL = "threefry2x32"
+
+
 # ---------------------------------------------------------------------- per-micro-batch passes
 # Each returns (fn(p, stage_aux, consts, state, aux) -> (state, emit), specs for build_pipe).
-def _jvp(stack, spec, num_slots=0):
+def _jvp(stack, spec, num_slots=0, impl=DEFAULT_IMPL):
     def fn(p, layer, _, state, kd):
         h, dh = state
-        return sg.block_jvp(stack, spec, p, layer, h, dh, jax.random.wrap_key_data(kd)), h
+        key = jax.random.wrap_key_data(kd, impl=impl)
+        return sg.block_jvp(stack, spec, p, layer, h, dh, key), h
     return fn, {"state_specs": (ACT, TAN), "aux_specs": P(), "emit_specs": STASH}
 
 
@@ -317,34 +328,35 @@ def _cotangent(u, d, num_examples):
     return cot / (u.shape[0] * num_examples)
 
 
-def _act(stack, spec):
+def _act(stack, spec, impl=DEFAULT_IMPL):
     def fn(p, layer, _, state, kd):
         h, dh = state
         h2, dh2 = sg.jvp_k(lambda hh: stack.block(p, hh), (h,), (dh.astype(h.dtype),))
-        return (h2, dh2 + _u(spec, jax.random.wrap_key_data(kd), layer, h2)), ()
+        return (h2, dh2 + _u(spec, jax.random.wrap_key_data(kd, impl=impl), layer, h2)), ()
     return fn, {"state_specs": (ACT, TAN), "aux_specs": P(), "emit_specs": ()}
 
 
-def _act_grad(stack, spec, num_examples, emit_sum=True):
+def _act_grad(stack, spec, num_examples, emit_sum=True, impl=DEFAULT_IMPL):
     def fn(p, layer, _, state, aux):
         (h,), (kd, d) = state, aux
         out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
-        u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
+        u = _u(spec, jax.random.wrap_key_data(kd, impl=impl), layer, out)
         (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
         return (out,), jax.lax.psum(g, DATA)
     return fn, {"state_specs": (ACT,), "aux_specs": (P(), TAN), "emit_specs": P(STAGE)}
 
 
-def _local(stack, spec, num_micro, num_examples, emit_sum=True, weights=False):
+def _local(stack, spec, num_micro, num_examples, emit_sum=True, weights=False,
+           impl=DEFAULT_IMPL):
     def fn(p, layer, head, state, aux):
         (h,), (kd, b) = state, aux
         if weights:  # LG-FG-W: the shard's estimate of its mean local loss, averaged
             loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
             out, g = sg.local_weight_grad(lambda pp: stack.block(pp, h), p, spec,
-                                          jax.random.wrap_key_data(kd), layer, loss)
+                                          jax.random.wrap_key_data(kd, impl=impl), layer, loss)
             return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
         out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
-        u = _u(spec, jax.random.wrap_key_data(kd), layer, out)
+        u = _u(spec, jax.random.wrap_key_data(kd, impl=impl), layer, out)
         loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
         _, d = sg.jvp_k(loss, (out,), (u,))
         (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))

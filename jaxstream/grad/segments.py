@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
+from jaxstream.grad.threefry import fold_in, tied
 from jaxstream.models.stack import Stack
 
 ACTIVITY = 3  # key segment of activation tangents
@@ -45,7 +46,7 @@ def jvp_k(fn: Callable, primals: tuple, tangents: tuple) -> tuple[Any, Any]:
 def segment_key(key: jax.Array, segment: Any) -> jax.Array:
     """Tangent key of a segment ("embed", "head" or a global layer index) of a micro-batch key."""
     if isinstance(segment, str):
-        return jax.random.fold_in(key, EMBED if segment == "embed" else HEAD)
+        return fold_in(key, EMBED if segment == "embed" else HEAD)
     return block_key(key, segment)
 
 
@@ -67,7 +68,10 @@ def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, key: jax.Ar
 def block_jvp(stack: Stack, spec: TangentSpec, p: Any, layer: Any, h: jax.Array,
               dh: jax.Array, key: jax.Array):
     """``(h, dh)`` through block ``layer`` (global index), its weights perturbed."""
-    v = leaf_tangents(spec, block_key(key, layer), p)
+    # The tangent is drawn once the block's primal output exists (XLA merges this primal with
+    # the jvp's own): drawn earlier, its words would be held through the jvp's peak.
+    out = stack.block(p, h)
+    v = leaf_tangents(spec, block_key(tied(key, out), layer), p)
     return jvp_k(stack.block, (p, h), (v, dh.astype(h.dtype)))
 
 
@@ -96,13 +100,16 @@ def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Arra
     """``(loss, d)``: the micro-batch's mean loss and its K directional derivatives."""
     v = leaf_tangents(spec, segment_key(key, "head"), p)
     logits, dlogits = jvp_k(stack.head, (p, h), (v, dh.astype(h.dtype)))
+    # The labels wait for h: XLA would otherwise build the loss's gather indices before the
+    # scan over blocks and keep them through it.
+    batch = tied(batch, h)
     return jvp_k(_mean_loss(stack, batch), (logits,), (dlogits,))
 
 
 # --------------------------------------------------------------------- activity perturbation
 def activity_key(key: jax.Array) -> jax.Array:
     """Root of a micro-batch's activation tangents."""
-    return jax.random.fold_in(key, ACTIVITY)
+    return fold_in(key, ACTIVITY)
 
 
 def _u(spec: TangentSpec, key: jax.Array, segment: Any, out: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxstream.grad.threefry import fold_in, random_words, tied, vmap_exact
 from jaxstream.models.stack import is_stack_params
 
 Distribution = Literal["rademacher", "gaussian"]
@@ -63,9 +64,9 @@ class TangentSpec:
         draws = self.num // 2 if self.antithetic else self.num
         size = math.prod(shape)
         if self.distribution == "rademacher":
-            v = rademacher_bits(key, draws, size)
+            v = vmap_exact(lambda k: rademacher_bits(k, draws, size), key)
         else:
-            v = jax.random.normal(key, (draws, size), dtype=jnp.float32)
+            v = vmap_exact(lambda k: jax.random.normal(k, (draws, size), jnp.float32), key)
         if self.orthogonal and draws > 1 and size >= draws:
             q, r = jnp.linalg.qr(v.T)
             # Fix QR's sign convention so Q is Haar-distributed (zero-mean columns): without it
@@ -85,7 +86,7 @@ def rademacher_bits(key: jax.Array, draws: int, size: int) -> jax.Array:
     the consumer: the only params-sized buffer left is the float tangent itself.
     """
     words = -(-size // 32)
-    bits = jax.random.bits(key, (draws, words), dtype=jnp.uint32)
+    bits = random_words(key, (draws, words))
     shifts = jnp.arange(32, dtype=jnp.uint32)
     signs = ((bits[:, :, None] >> shifts) & jnp.uint32(1)).reshape(draws, words * 32)[:, :size]
     return 1.0 - 2.0 * signs.astype(jnp.float32)
@@ -93,18 +94,18 @@ def rademacher_bits(key: jax.Array, draws: int, size: int) -> jax.Array:
 
 def micro_key(key: jax.Array, n: int | jax.Array) -> jax.Array:
     """Key of micro-batch ``n`` within a step keyed ``key``."""
-    return jax.random.fold_in(key, n)
+    return fold_in(key, n)
 
 
 def block_key(key: jax.Array, layer: int | jax.Array) -> jax.Array:
     """Key of block ``layer`` (global index) of a stack."""
-    return jax.random.fold_in(jax.random.fold_in(key, BLOCKS), layer)
+    return fold_in(fold_in(key, BLOCKS), layer)
 
 
 def leaf_tangents(spec: TangentSpec, key: jax.Array, tree: Any) -> Any:
     """Tangents of every leaf of ``tree`` (one segment): leaves ``(num, *leaf.shape)``."""
     leaves, treedef = jax.tree.flatten(tree)
-    out = [spec.sample(jax.random.fold_in(key, i), tuple(x.shape), x.dtype)
+    out = [spec.sample(fold_in(key, i), tuple(x.shape), x.dtype)
            for i, x in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
 
@@ -128,10 +129,10 @@ def tangents(spec: TangentSpec, key: jax.Array, params: Any) -> Any:
         return leaf_tangents(spec, key, params)
     blocks = _blocks_map(lambda p, l: block_tangents(spec, key, p, l), params["blocks"])
     return {
-        "embed": leaf_tangents(spec, jax.random.fold_in(key, EMBED), params["embed"]),
+        "embed": leaf_tangents(spec, fold_in(key, EMBED), params["embed"]),
         # lax.map stacks the layer axis first; tangents are num-leading everywhere.
         "blocks": jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), blocks),
-        "head": leaf_tangents(spec, jax.random.fold_in(key, HEAD), params["head"]),
+        "head": leaf_tangents(spec, fold_in(key, HEAD), params["head"]),
     }
 
 
@@ -142,7 +143,7 @@ def _segment_apply(fn, keys: jax.Array, like: Any, first_layer: int = 0, rows: A
     leading layer axis; None: no rows); blocks are mapped layer by layer."""
     if not is_stack_params(like):
         return {"tree": fn(keys, like, None if rows is None else rows["tree"])}
-    seg = lambda k, s: jax.vmap(lambda kk: jax.random.fold_in(kk, s))(k)  # noqa: E731
+    seg = lambda k, s: jax.vmap(lambda kk: fold_in(kk, s))(k)  # noqa: E731
     num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
     layers = first_layer + jnp.arange(num_layers)
     block_rows = None if rows is None else rows["blocks"]
@@ -174,6 +175,10 @@ def combine(
     Returns:
       A pytree shaped like ``like``, in its dtypes (the sum is accumulated in float32).
     """
+
+    # The keys wait for the coefficients: XLA would otherwise draw the tangents of segments
+    # outside a scan (the embed) before the forward pass and keep them through it.
+    keys = tied(keys, coeffs)
 
     def seg(seg_keys, tree, seg_rows):
         c_all = coeffs if seg_rows is None else coeffs * seg_rows[:, None]

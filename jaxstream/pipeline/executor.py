@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -307,7 +308,9 @@ def _run(pipe: Pipeline, params, batch, key, carry, guess=None):
         args = jax.device_put(args, shardings)
     else:  # several processes: host values (the same on every process) become global arrays
         args = jax.tree.map(_to_global, args, shardings)
-    loss, grads, d, ns, h = pipe._compiled["fn"](*args)
+    # the key travels as raw data; its implementation is a static argument of the step
+    impl = str(jax.random.key_impl(key))
+    loss, grads, d, ns, h = pipe._compiled["fn"](*args, impl=impl)
     aux = {"directional": d, "exact_indices": low.selected, "stale": low.stale}
     if pipe.correction == "guess":
         aux["direction"] = h
@@ -368,8 +371,8 @@ def _build(pipe: Pipeline):
     if guess:
         kt = 1  # one derivative per micro-batch, along the given direction
 
-    def body(params, batch, key_data, tables, ain_w, groups, carry, direction, has_dir):
-        key = jax.random.wrap_key_data(key_data)
+    def body(params, batch, key_data, tables, ain_w, groups, carry, direction, has_dir, *, impl):
+        key = jax.random.wrap_key_data(key_data, impl=impl)
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
         hsd = jax.eval_shape(pipe.stack.embed, params["embed"], x0)
         dshape = (kt, x0.shape[0]) if activity else (kt,)  # per-example scalars for activities
@@ -428,10 +431,13 @@ def _build(pipe: Pipeline):
         h = _gather(h, s, m) if guess else jnp.zeros(())
         return jnp.mean(losses), _gather(grads, s, m), d, ns, h
 
-    fn = shard_map(body, mesh=pipe.mesh, in_specs=_in_specs(),
-                   out_specs=(P(), _param_specs(), P(), P(AXIS),
-                              _param_specs() if guess else P()), check_vma=False)
-    return jax.jit(fn)
+    def step(*args, impl: str):
+        fn = shard_map(functools.partial(body, impl=impl), mesh=pipe.mesh, in_specs=_in_specs(),
+                       out_specs=(P(), _param_specs(), P(), P(AXIS),
+                                  _param_specs() if guess else P()), check_vma=False)
+        return fn(*args)
+
+    return jax.jit(step, static_argnames="impl")
 
 
 def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple, num_inputs: int):

@@ -1,0 +1,171 @@
+"""``jax.random.fold_in`` and ``jax.random.bits``, bit for bit, in a form that keeps XLA's
+temporary memory at that of the consumer.
+
+On CPU, ``jax.random`` hashes with Threefry-2x32 in a rolled loop: every call is a ``while`` whose
+state starts as copies of constants (rotations, a counter) that XLA schedules at the start of the
+program and keeps until the loop runs, and whose counters (an iota as large as the output) XLA
+hoists out of a scan over layers and keeps through it. Here:
+
+* :func:`fold_in` hashes its two words with the same 20 rounds written out (a few scalar ops, no
+  loop): the key schedule of :mod:`.tangents` costs no buffer;
+* :func:`random_words` hashes, on CPU, in a loop of 5 × 4 rounds like ``jax.random``'s (one
+  pass over the words per iteration: the words are materialised once; hashed elementwise inside
+  their consumer they would be rehashed for every use, which costs step time) whose every input
+  (counters, rotations, start index) is derived from the key: computed where the words are
+  drawn, not hoisted or copied ahead of time. Other platforms use ``jax.random.bits``.
+
+Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitionable=False`` use
+``jax.random`` directly; :func:`vmap_exact` makes draws with ``rbg`` keys the same under
+``jax.vmap`` over keys as in a loop (threefry draws already are).
+
+Example:
+  >>> k = jax.random.key(0)
+  >>> data = jax.random.key_data
+  >>> bool((data(fold_in(k, 3)) == data(jax.random.fold_in(k, 3))).all())
+  True
+  >>> bool((random_words(k, (2, 5)) == jax.random.bits(k, (2, 5), jnp.uint32)).all())
+  True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.custom_batching
+import jax.numpy as jnp
+
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _is_threefry(key: jax.Array) -> bool:
+    return (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+            and str(jax.random.key_impl(key)) == "threefry2x32"
+            and bool(jax.config.jax_threefry_partitionable))
+
+
+def hash2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array):
+    """Threefry-2x32 (20 rounds) of counter pairs ``(x1, x2)`` under key ``(k1, k2)``, as
+    ``jax.random`` computes it, in elementwise ``uint32`` ops."""
+    u = lambda c: jnp.uint32(c)  # noqa: E731
+    ks = (k1, k2, k1 ^ k2 ^ u(0x1BD11BDA))
+    x1, x2 = x1 + ks[0], x2 + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x1 = x1 + x2
+            x2 = ((x2 << u(r)) | (x2 >> u(32 - r))) ^ x1
+        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + u(i + 1)
+    return x1, x2
+
+
+def fold_in(key: jax.Array, data) -> jax.Array:
+    """``jax.random.fold_in(key, data)``, bit for bit (``data`` a scalar integer)."""
+    if not _is_threefry(key):
+        return jax.random.fold_in(key, data)
+    k = jax.random.key_data(key)
+    data = jnp.asarray(data, dtype=jnp.uint32)
+    y1, y2 = hash2x32(k[..., 0], k[..., 1], jnp.zeros_like(data), data)
+    return jax.random.wrap_key_data(jnp.stack([y1, y2], axis=-1), impl="threefry2x32")
+
+
+def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.bits(key, shape, jnp.uint32)``, bit for bit (one key, a static shape)."""
+    size = math.prod(shape)
+    if not _is_threefry(key) or size >= 2**32:
+        return jax.random.bits(key, shape, dtype=jnp.uint32)
+    k = jax.random.key_data(key)
+    zero = opaque_zero(k)
+    # counters 0 … size-1 (their high words are 0), derived from the key so that they are
+    # computed where the words are drawn, not hoisted out of a loop over layers.
+    lo = jax.lax.iota(jnp.uint32, size).reshape(shape) + zero
+    hi = jnp.broadcast_to(zero, shape)
+    return jax.lax.platform_dependent(
+        cpu=lambda: _rolled_words(k[0], k[1], hi, lo, zero),
+        default=lambda: jax.random.bits(key, shape, jnp.uint32))
+
+
+def _rolled_words(k1, k2, x1, x2, zero):
+    """:func:`hash2x32` as a loop of 5 × 4 rounds (each pass over the words once, as
+    ``jax.random`` does on CPU), whose every input is derived from the key: no constant is
+    copied into the loop's state ahead of time."""
+    ks = jnp.stack([k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA)])
+    rot = jnp.asarray(_ROTATIONS, jnp.uint32) + zero
+
+    def body(i, x):
+        x1, x2 = x
+        for j in range(4):
+            r = rot[i % 2, j]
+            x1 = x1 + x2
+            x2 = ((x2 << r) | (x2 >> (jnp.uint32(32) - r))) ^ x1
+        step = (i + 1).astype(jnp.uint32)
+        return x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + step
+
+    start = zero.astype(jnp.int32)
+    b1, b2 = jax.lax.fori_loop(start, start + 5, body, (x1 + ks[0], x2 + ks[1]))
+    return b1 ^ b2
+
+
+def opaque_zero(x: jax.Array) -> jax.Array:
+    """A ``uint32`` 0 computed from ``x``'s first element (two shifts XLA does not fold)."""
+    first = jnp.ravel(x)[0]
+    if jnp.issubdtype(first.dtype, jax.dtypes.prng_key):
+        first = jax.random.key_data(first).ravel()[0]
+    bits = jax.lax.bitcast_convert_type(first.astype(jnp.float32), jnp.uint32) \
+        if jnp.issubdtype(first.dtype, jnp.floating) else first.astype(jnp.uint32)
+    return (bits >> jnp.uint32(16)) >> jnp.uint32(16)
+
+
+def tied(tree, x: jax.Array):
+    """``tree`` unchanged in value, its integer leaves and keys made to depend on ``x``: XLA
+    then computes what they feed after ``x`` instead of ahead of time (where it would hold the
+    result through everything in between).
+
+    Example:
+      >>> tied(jnp.arange(3), jnp.float32(1.5)).tolist()   # the same values, computed after x
+      [0, 1, 2]
+    """
+    zero = opaque_zero(x)
+
+    def tie(a):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(a)
+            return jax.random.wrap_key_data(data + zero, impl=jax.random.key_impl(a))
+        if jnp.issubdtype(a.dtype, jnp.integer):
+            return a + zero.astype(a.dtype)
+        return a
+
+    return jax.tree.map(tie, tree)
+
+
+def vmap_exact(draw: Callable[[jax.Array], jax.Array], key: jax.Array) -> jax.Array:
+    """``draw(key)``, with the same values whether or not it is vmapped over keys.
+
+    Threefry draws already are. ``rbg`` / ``unsafe_rbg`` draws under ``jax.vmap`` over keys
+    depend on the batch position (row i ≥ 1 differs from the unbatched draw of key i), so an
+    engine that vmaps over micro-batch keys and one that loops would get different tangents, and
+    a pass that draws under vmap and a combine that draws in a loop would disagree. For those
+    keys the vmapped draw runs row by row (``lax.map``).
+
+    Example:
+      >>> ks = jax.random.split(jax.random.key(0, impl="rbg"), 2)
+      >>> draw = lambda k: jax.random.bits(k, (3,))
+      >>> rows = jax.vmap(lambda k: vmap_exact(draw, k))(ks)
+      >>> bool((rows[1] == draw(ks[1])).all())
+      True
+    """
+    if _is_threefry(key) or not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return draw(key)
+    impl = str(jax.random.key_impl(key))
+
+    @jax.custom_batching.custom_vmap
+    def one(kd):
+        return draw(jax.random.wrap_key_data(kd, impl=impl))
+
+    @one.def_vmap
+    def _rows(axis_size, in_batched, kd):
+        if not in_batched[0]:
+            return one(kd), False
+        return jax.lax.map(one, kd), True
+
+    return one(jax.random.key_data(key))

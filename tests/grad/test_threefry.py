@@ -1,0 +1,53 @@
+"""The key schedule's Threefry helpers equal jax.random bit for bit (the engines rely on it)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxstream.grad.tangents import TangentSpec
+from jaxstream.grad.threefry import fold_in, random_words, tied
+
+KEY = jax.random.fold_in(jax.random.key(3), 5)
+
+
+@pytest.mark.parametrize("data", [0, 7, 2**31 + 5, -3])
+def test_fold_in_equals_jax(data):
+    data = jnp.int32(data) if data < 0 else data
+    want = jax.random.key_data(jax.random.fold_in(KEY, data))
+    np.testing.assert_array_equal(jax.random.key_data(fold_in(KEY, data)), want)
+    keys = jax.random.split(KEY, 3)
+    got = jax.jit(jax.vmap(lambda k: fold_in(k, 4)))(keys)
+    ref = jax.vmap(lambda k: jax.random.fold_in(k, 4))(keys)
+    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(ref))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (1, 16), (2, 3000)])
+def test_random_words_equal_jax_bits(shape):
+    want = jax.random.bits(KEY, shape, jnp.uint32)
+    np.testing.assert_array_equal(jax.jit(random_words, static_argnums=1)(KEY, shape), want)
+
+
+def test_other_impls_fall_back_to_jax_random():
+    key = jax.random.key(7, impl="rbg")
+    np.testing.assert_array_equal(random_words(key, (2, 40)), jax.random.bits(key, (2, 40)))
+    np.testing.assert_array_equal(jax.random.key_data(fold_in(key, 2)),
+                                  jax.random.key_data(jax.random.fold_in(key, 2)))
+
+
+def test_tied_keeps_values():
+    tree = {"y": jnp.arange(4), "x": jnp.ones(3), "k": KEY}
+    out = jax.jit(tied)(tree, jnp.float32(-2.5))
+    np.testing.assert_array_equal(out["y"], tree["y"])
+    np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(KEY))
+
+
+@pytest.mark.parametrize("distribution", ["rademacher", "gaussian"])
+def test_rbg_tangents_are_the_same_under_vmap(distribution):
+    """rbg bits under vmap over keys depend on the row; tangents must not (an engine that
+    vmaps over micro-batch keys and one that loops must draw the same directions)."""
+    spec = TangentSpec(2, distribution)
+    keys = jax.random.split(jax.random.key(7, impl="rbg"), 3)
+    rows = jax.jit(jax.vmap(lambda k: spec.sample(k, (4, 5))))(keys)
+    for i in range(3):
+        np.testing.assert_array_equal(rows[i], spec.sample(keys[i], (4, 5)))
