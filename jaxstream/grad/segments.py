@@ -29,9 +29,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.random import fold_in
 
 from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
-from jaxstream.grad.threefry import fold_in, tied
+from jaxstream.grad.threefry import tied
 from jaxstream.models.stack import Stack
 
 ACTIVITY = 3  # key segment of activation tangents

@@ -22,9 +22,10 @@ import math
 from typing import Any, Literal
 
 import jax
+from jax.random import fold_in
 import jax.numpy as jnp
 
-from jaxstream.grad.threefry import fold_in, random_words, tied, vmap_exact
+from jaxstream.grad.threefry import random_words, tied, vmap_exact
 from jaxstream.models.stack import is_stack_params
 
 Distribution = Literal["rademacher", "gaussian"]

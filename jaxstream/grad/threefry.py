@@ -1,18 +1,19 @@
-"""``jax.random.fold_in`` and ``jax.random.bits``, bit for bit, in a form that keeps XLA's
-temporary memory at that of the consumer.
+"""``jax.random.bits``, bit for bit, in a form that keeps XLA's temporary memory at that of
+the consumer.
 
 On CPU, ``jax.random`` hashes with Threefry-2x32 in a rolled loop: every call is a ``while`` whose
 state starts as copies of constants (rotations, a counter) that XLA schedules at the start of the
 program and keeps until the loop runs, and whose counters (an iota as large as the output) XLA
 hoists out of a scan over layers and keeps through it. Here:
 
-* :func:`fold_in` hashes its two words with the same 20 rounds written out (a few scalar ops, no
-  loop): the key schedule of :mod:`.tangents` costs no buffer;
 * :func:`random_words` hashes, on CPU, in a loop of 5 × 4 rounds like ``jax.random``'s (one
   pass over the words per iteration: the words are materialised once; hashed elementwise inside
   their consumer they would be rehashed for every use, which costs step time) whose every input
   (counters, rotations, start index) is derived from the key: computed where the words are
-  drawn, not hoisted or copied ahead of time. Other platforms use ``jax.random.bits``.
+  drawn, not hoisted or copied ahead of time. Other platforms, and draws below ``MIN_WORDS``
+  (a few KiB, where the loop's compile time costs more than its buffers), use
+  ``jax.random.bits``. The key schedule's ``fold_in`` stays ``jax.random.fold_in``: written out
+  as scalar rounds it saved about 4 KiB of loop constants and doubled compile times.
 
 Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitionable=False`` use
 ``jax.random`` directly; :func:`vmap_exact` makes draws with ``rbg`` keys the same under
@@ -20,9 +21,6 @@ Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitiona
 
 Example:
   >>> k = jax.random.key(0)
-  >>> data = jax.random.key_data
-  >>> bool((data(fold_in(k, 3)) == data(jax.random.fold_in(k, 3))).all())
-  True
   >>> bool((random_words(k, (2, 5)) == jax.random.bits(k, (2, 5), jnp.uint32)).all())
   True
 """
@@ -37,6 +35,9 @@ import jax.custom_batching
 import jax.numpy as jnp
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+# Below this many words a draw uses ``jax.random.bits``: its buffers are a few KiB, and the
+# rolled loop costs compile time (every draw is a loop of its own).
+MIN_WORDS = 4096
 
 
 def _is_threefry(key: jax.Array) -> bool:
@@ -45,34 +46,10 @@ def _is_threefry(key: jax.Array) -> bool:
             and bool(jax.config.jax_threefry_partitionable))
 
 
-def hash2x32(k1: jax.Array, k2: jax.Array, x1: jax.Array, x2: jax.Array):
-    """Threefry-2x32 (20 rounds) of counter pairs ``(x1, x2)`` under key ``(k1, k2)``, as
-    ``jax.random`` computes it, in elementwise ``uint32`` ops."""
-    u = lambda c: jnp.uint32(c)  # noqa: E731
-    ks = (k1, k2, k1 ^ k2 ^ u(0x1BD11BDA))
-    x1, x2 = x1 + ks[0], x2 + ks[1]
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x1 = x1 + x2
-            x2 = ((x2 << u(r)) | (x2 >> u(32 - r))) ^ x1
-        x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + u(i + 1)
-    return x1, x2
-
-
-def fold_in(key: jax.Array, data) -> jax.Array:
-    """``jax.random.fold_in(key, data)``, bit for bit (``data`` a scalar integer)."""
-    if not _is_threefry(key):
-        return jax.random.fold_in(key, data)
-    k = jax.random.key_data(key)
-    data = jnp.asarray(data, dtype=jnp.uint32)
-    y1, y2 = hash2x32(k[..., 0], k[..., 1], jnp.zeros_like(data), data)
-    return jax.random.wrap_key_data(jnp.stack([y1, y2], axis=-1), impl="threefry2x32")
-
-
 def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``jax.random.bits(key, shape, jnp.uint32)``, bit for bit (one key, a static shape)."""
     size = math.prod(shape)
-    if not _is_threefry(key) or size >= 2**32:
+    if not _is_threefry(key) or size >= 2**32 or size < MIN_WORDS:
         return jax.random.bits(key, shape, dtype=jnp.uint32)
     k = jax.random.key_data(key)
     zero = opaque_zero(k)
@@ -86,7 +63,7 @@ def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _rolled_words(k1, k2, x1, x2, zero):
-    """:func:`hash2x32` as a loop of 5 × 4 rounds (each pass over the words once, as
+    """Threefry-2x32 (20 rounds) as a loop of 5 × 4 rounds (each pass over the words once, as
     ``jax.random`` does on CPU), whose every input is derived from the key: no constant is
     copied into the loop's state ahead of time."""
     ks = jnp.stack([k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA)])

@@ -6,33 +6,20 @@ import numpy as np
 import pytest
 
 from jaxstream.grad.tangents import TangentSpec
-from jaxstream.grad.threefry import fold_in, random_words, tied
+from jaxstream.grad.threefry import MIN_WORDS, random_words, tied
 
 KEY = jax.random.fold_in(jax.random.key(3), 5)
 
 
-@pytest.mark.parametrize("data", [0, 7, 2**31 + 5, -3])
-def test_fold_in_equals_jax(data):
-    data = jnp.int32(data) if data < 0 else data
-    want = jax.random.key_data(jax.random.fold_in(KEY, data))
-    np.testing.assert_array_equal(jax.random.key_data(fold_in(KEY, data)), want)
-    keys = jax.random.split(KEY, 3)
-    got = jax.jit(jax.vmap(lambda k: fold_in(k, 4)))(keys)
-    ref = jax.vmap(lambda k: jax.random.fold_in(k, 4))(keys)
-    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(ref))
-
-
-@pytest.mark.parametrize("shape", [(3, 5), (1, 16), (2, 3000)])
-def test_random_words_equal_jax_bits(shape):
+@pytest.mark.parametrize("shape", [(3, 5), (1, 16), (2, 3000), (1, MIN_WORDS)])
+def test_random_words_equal_jax_bits(shape):  # below MIN_WORDS: jax.random.bits itself
     want = jax.random.bits(KEY, shape, jnp.uint32)
     np.testing.assert_array_equal(jax.jit(random_words, static_argnums=1)(KEY, shape), want)
 
 
 def test_other_impls_fall_back_to_jax_random():
     key = jax.random.key(7, impl="rbg")
-    np.testing.assert_array_equal(random_words(key, (2, 40)), jax.random.bits(key, (2, 40)))
-    np.testing.assert_array_equal(jax.random.key_data(fold_in(key, 2)),
-                                  jax.random.key_data(jax.random.fold_in(key, 2)))
+    np.testing.assert_array_equal(random_words(key, (2, 4000)), jax.random.bits(key, (2, 4000)))
 
 
 def test_tied_keeps_values():
