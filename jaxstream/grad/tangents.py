@@ -22,8 +22,8 @@ import math
 from typing import Any, Literal
 
 import jax
-from jax.random import fold_in
 import jax.numpy as jnp
+from jax.random import fold_in
 
 from jaxstream.grad.threefry import random_words, tied, vmap_exact
 from jaxstream.models.stack import is_stack_params
