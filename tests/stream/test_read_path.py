@@ -15,6 +15,7 @@ import pytest
 import tensorstore as ts
 
 from jaxstream.stream import LayerStore
+from jaxstream.stream import direct_read
 from jaxstream.stream.direct_read import BufferPool, FileChunks
 from jaxstream.stream.errors import StoreCorruptError
 from jaxstream.stream.layout import make_context, open_array, open_kvstore
@@ -49,8 +50,12 @@ def test_local_store_reads_every_leaf_directly(store_path):
     assert all(isinstance(d, FileChunks) for d in store._direct.values()), store._direct
 
 
+@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
 @pytest.mark.parametrize("unit", [0, 1, 2, "embed", "head"])
-def test_direct_read_equals_tensorstore_read(store_path, unit):
+def test_direct_read_equals_tensorstore_read(store_path, unit, direct_io, monkeypatch):
+    """Chunk files read with O_DIRECT (where the file system allows it) and with buffered
+    reads (tmpfs, or a refused O_DIRECT) both equal TensorStore's read."""
+    monkeypatch.setattr(direct_read, "_DIRECT_OK", [direct_io])
     direct = LayerStore.open(store_path, optimizer=optax.adam(1e-3))
     ref = _tensorstore_path(LayerStore.open(store_path, optimizer=optax.adam(1e-3)))
     for read in ("read", "read_opt"):  # fp32 leaves and adam's int32 count (a scalar leaf)
