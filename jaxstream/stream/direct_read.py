@@ -7,9 +7,8 @@ arrays cost a page fault (and the kernel zeroing the page) per page touched. Rea
 chunk file straight into a reused 4096-byte aligned buffer and checking the crc32c with the
 ``crc32c`` package (SSE4.2 instruction, GIL released) costs about what a plain sequential
 read of the file costs. Where the file system allows it the file is opened with ``O_DIRECT``:
-the bytes go from the disk into the buffer without a page-cache copy (in
-``benchmarks/streaming.py --quick`` the read sweep's CPU went from 48 to 30 ms for 64 MiB and
-store read / raw read from 1.24 to 1.47; measured once each, on this project's 2-core machine).
+the bytes go from the disk into the buffer without a page-cache copy, which saves the read
+sweep's CPU beside the compute (``benchmarks/streaming.py`` prints the read sweep's CPU time).
 Elsewhere (tmpfs) it reads through the page cache.
 """
 
