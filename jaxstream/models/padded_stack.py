@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Any
@@ -49,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstream.models.seq_stack import as_stack, check_pure, find_blocks, run_layers
 from jaxstream.models.sequential import Sequential
 from jaxstream.models.stack import Stack
 
@@ -157,10 +159,7 @@ def as_padded_stack(model: Sequential, x: Any) -> PaddedView:
         stack's blocks are pure functions of parameters and inputs); a layer that changes the
         batch axis; mixed parameter dtypes; more than 256 blocks.
     """
-    if model.has_state or any(layer.has_dropout for layer in model.layers):
-        raise ValueError(f"model: {model.name!r} has BatchNorm statistics or dropout; as a stack "
-                         "(pipeline stages, streamed layers) its blocks must be pure functions of "
-                         "parameters and inputs: remove them or train it in memory")
+    check_pure(model)
     lead, groups = _groups(model)
     if len(groups) < 3:
         raise ValueError(f"model: {model.name!r} has {len(groups)} layers with parameters; a "
@@ -182,7 +181,7 @@ def as_padded_stack(model: Sequential, x: Any) -> PaddedView:
         in_shape=shapes[g[0]], out_shape=shapes[g[-1] + 1]) for g in groups[1:-1])
     pw = max(b.size for b in blocks)
     hw = max(math.prod(s) for b in blocks for s in (b.in_shape, b.out_shape))
-    run = _runner(model)
+    run = functools.partial(run_layers, model)
 
     def embed(p, x):
         return _pad(run(embed_l, p, x), hw, 0)
@@ -211,14 +210,6 @@ def as_padded_stack(model: Sequential, x: Any) -> PaddedView:
     view = PaddedView(stack, model, embed_l, head_l, blocks, pw, hw, dtypes.pop())
     return dataclasses.replace(view, stack=dataclasses.replace(
         stack, init=lambda key: view.params(model.init(key))))
-
-
-def _runner(model: Sequential):
-    def run(layers, params, h):
-        for j, l in enumerate(layers):
-            h = model.layer_fn(l)(params.get(str(j), {}), h)
-        return h
-    return run
 
 
 def _pad(y: jax.Array, width: int, index: int) -> jax.Array:
@@ -257,8 +248,6 @@ def to_stack(model: Any, x: Any = None) -> Any:
     Raises:
       ValueError: as those two (``x`` is needed for a model without a repeated group).
     """
-    from jaxstream.models.seq_stack import as_stack, find_blocks
-
     if not isinstance(model, Sequential):
         return model
     try:

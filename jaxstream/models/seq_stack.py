@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -114,6 +115,23 @@ def find_blocks(model: Sequential) -> tuple[int, int, int]:
     return best[1]
 
 
+def check_pure(model: Sequential) -> None:
+    """Raises ValueError if the model keeps batch statistics or uses dropout: a stack's blocks
+    are pure functions of parameters and inputs."""
+    if model.has_state or any(layer.has_dropout for layer in model.layers):
+        raise ValueError(f"model: {model.name!r} has BatchNorm statistics or dropout; as a stack "
+                         "(pipeline stages, streamed layers) its blocks must be pure functions of "
+                         "parameters and inputs: remove them or train it in memory")
+
+
+def run_layers(model: Sequential, layers: tuple[int, ...], params: dict, h: jax.Array):
+    """The model's ``layers`` applied to ``h``; ``params`` a segment ``{"j": params of its j-th
+    layer}`` (layers without parameters absent)."""
+    for j, l in enumerate(layers):
+        h = model.layer_fn(l)(params.get(str(j), {}), h)
+    return h
+
+
 def as_stack(model: Sequential) -> StackView:
     """The model as a :class:`Stack` (see the module docstring).
 
@@ -121,17 +139,9 @@ def as_stack(model: Sequential) -> StackView:
       ValueError: no repeated group of layers; or the model keeps batch statistics or uses
         dropout (a stack's blocks are pure functions of parameters and inputs).
     """
-    if model.has_state or any(layer.has_dropout for layer in model.layers):
-        raise ValueError(f"model: {model.name!r} has BatchNorm statistics or dropout; as a stack "
-                         "(pipeline stages, streamed layers) its blocks must be pure functions of "
-                         "parameters and inputs: remove them or train it in memory")
+    check_pure(model)
     f, g, r = find_blocks(model)
-    fn = model.layer_fn
-
-    def run(layers, params, h):
-        for j, l in enumerate(layers):
-            h = fn(l)(params.get(str(j), {}), h)
-        return h
+    run = functools.partial(run_layers, model)
 
     embed_l, head_l = tuple(range(f)), tuple(range(f + r * g, model.num_layers))
     block_l = tuple(range(f, f + g))  # every repetition runs the first group's layers
