@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +68,9 @@ from jaxstream.stream import kernels as K
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 from jaxstream.stream.planner import LayerCost, plan
 from jaxstream.stream.prefetch import Prefetcher
+
+sys.path.insert(0, str(Path(__file__).parent))
+import thread_time
 
 MiB = 1 << 20
 CRC_BYTES = 4  # the zarr3 crc32c codec's checksum at the end of every chunk file
@@ -161,7 +165,8 @@ def xla_threads() -> int:
     return n
 
 
-def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: int = 2) -> dict:
+def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: int = 2,
+                  pin_compute: bool = False) -> dict:
     """Compute-only, read-only and streamed forward sweeps (cold reads, fp32 compute).
 
     The batch is sized so that compute ~ read (compute per layer, measured on the first layers
@@ -169,7 +174,14 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
     (order rotated, so load drifts on a shared machine hit all three alike); the efficiency
     is max(median compute-only, median read-only) / median streamed. Process CPU time of each
     sweep is recorded: on a CPU backend reads and compute share the cores, so a streamed
-    sweep cannot beat (compute CPU + read CPU) / cores available.
+    sweep cannot beat (compute CPU + read CPU) / cores available. Per sweep, the thread
+    that runs XLA's computation is split into run / run-queue wait / idle time, beside the
+    dispatching thread's and the other threads' (reads) time (:mod:`thread_time`).
+
+    ``pin_compute``: after the batch is sized, XLA's compute thread gets the first core
+    alone and every other thread the other cores (for all three sweeps alike). On a CPU
+    backend this stands in for a compute device of its own, the case streaming is for:
+    reads, Python and the disk's interrupts then never take the compute's core.
     """
     est = jg.forward(num_tangents=1)
     cfg = StreamConfig(prefetch=prefetch, compute_dtype="float32")
@@ -186,9 +198,11 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
         h2, _ = K.block_jvp(stack, est.spec, layers_dev[0], jnp.int32(0), keys, h, dh)  # warm
         h2.block_until_ready()
         t0, c0 = time.perf_counter(), time.process_time()
-        for l in range(n):
-            h, dh = K.block_jvp(stack, est.spec, layers_dev[l], jnp.int32(l), keys, h, dh)
-            h.block_until_ready()
+        for l in range(n):  # as the executor: each block waits for the one before it
+            h_in = h
+            h, dh = K.block_jvp(stack, est.spec, layers_dev[l], np.int32(l), keys, h, dh)
+            h_in.block_until_ready()
+        h.block_until_ready()
         return time.perf_counter() - t0, time.process_time() - c0
 
     def read_only():
@@ -225,12 +239,24 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
         ex.forward(batch, key)
         return time.perf_counter() - t0, time.process_time() - c0, list(ex.events)
 
+    main = threading.main_thread().native_id
+    compute_only(b, 1)  # compiles for this batch
+    hot = thread_time.busiest(lambda: compute_only(b, n_fit), {main})
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = bool(pin_compute and hot is not None and len(cpus) > 1
+                  and thread_time.pin(hot, cpus[0], set(cpus[1:])))
+
+    def accounted(fn):
+        a = thread_time.snapshot()
+        v = fn()
+        return (*v, thread_time.split(a, thread_time.snapshot(), v[0], hot, main))
+
     fns = {"compute": lambda: compute_only(b), "read": read_only, "streamed": streamed}
     runs: dict = {k: [] for k in fns}
     order = list(fns)
     for r in range(rounds):
         for k in order[r % 3:] + order[: r % 3]:
-            runs[k].append(fns[k]())
+            runs[k].append(accounted(fns[k]))
     med = lambda k, i=0: float(np.median([v[i] for v in runs[k]]))
     t_comp, t_read, t_stream = med("compute"), med("read"), med("streamed")
     per_round = [max(c[0], r[0]) / s[0]
@@ -240,6 +266,8 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
     fill = [sum(e.stall for e in s[2][:2]) for s in runs["streamed"]]  # embed + first layer
     # the timeline of the median streamed sweep: are loads issued p layers ahead, in time?
     ev = sorted(runs["streamed"], key=lambda v: v[0])[len(runs["streamed"]) // 2][2]
+    threads = {k: {f: float(np.median([v[-1][f] for v in runs[k]])) for f in runs[k][0][-1]}
+               for k in runs}
     blocks = [e for e in ev if isinstance(e.unit, int)]
     # loads of later layers started while layer l computed (p expected: l+1 .. l+p)
     pairs = list(itertools.pairwise(blocks))[: max(0, len(blocks) - max(prefetch, 1))]
@@ -263,6 +291,7 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
               "cpu_count": os.cpu_count(), "width": W, "layers": L,
               "layer_bytes": store.layer_bytes, "batch": b, "prefetch": prefetch,
               "compute_dtype": "float32", "estimator": "forward, K=1 (one jvp sweep)",
+              "compute_thread_pinned": pinned,
               "rounds": rounds, "estimator_of_times": "median over rounds",
               "loadavg_1min": [load0, os.getloadavg()[0]]}
     return {
@@ -277,6 +306,8 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
         # cpu compute + cpu read, so on a shared machine it cannot be shorter than that / cores
         "cores_used": {k: float(np.median([v[1] / v[0] for v in runs[k]])) for k in runs},
         "timeline": timeline,
+        # medians per sweep: the compute thread's run / run-queue wait / idle, main, others
+        "threads_s": threads,
         "planner_min_batch": pred.min_batch, "planner_step_s": pred.step_time,
     }
 
@@ -285,13 +316,15 @@ def overlap_worker(args) -> None:
     """Runs :func:`bench_overlap` on an existing store in a fresh process (its XLA threads)."""
     stack = mlp_stack(64, args.width, args.layers)
     store = LayerStore.open(Path(args.dir))
-    print(json.dumps(bench_overlap(Path(args.dir), store, stack, args.steps)))
+    print(json.dumps(bench_overlap(Path(args.dir), store, stack, args.steps, pin_compute=args.pin)))
 
 
-def bench_overlap_subprocess(path: Path, width: int, layers: int, rounds: int) -> dict:
-    """:func:`bench_overlap` in a fresh process whose XLA CPU client has one intra-op thread."""
+def bench_overlap_subprocess(path: Path, width: int, layers: int, rounds: int,
+                             pin: bool = False) -> dict:
+    """:func:`bench_overlap` in a fresh process whose XLA CPU client has one intra-op thread
+    (``pin``: on a core of its own)."""
     cmd = [sys.executable, __file__, "--overlap-worker", "--dir", str(path), "--width", str(width),
-           "--layers", str(layers), "--steps", str(rounds)]
+           "--layers", str(layers), "--steps", str(rounds)] + (["--pin"] if pin else [])
     env = dict(os.environ, **{ONE_XLA_THREAD_ENV: "1"})
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode:
@@ -477,7 +510,12 @@ def overlap_rows(name: str, o: dict) -> list[tuple[str, str, str]]:
         (f"(b) {name}: streamed", f"{o['streamed_s'] * 1e3:.1f} ms",
          (f"efficiency {o['overlap_efficiency']:.3f}, stall {o['stall_s'] * 1e3:.1f} ms "
           f"(fill {o['fill_stall_s'] * 1e3:.1f}), cpu {c['streamed'] * 1e3:.0f} ms")),
-    ]
+    ] + [(f"(b) {name}: {k} threads", f"{t['compute_run_s'] * 1e3:.1f} ms",
+          (f"compute thread run (wait {t['compute_wait_s'] * 1e3:.1f}, idle "
+           f"{t['compute_idle_s'] * 1e3:.1f}); main {t['main_run_s'] * 1e3:.1f} (wait "
+           f"{t['main_wait_s'] * 1e3:.1f}); others {t['other_run_s'] * 1e3:.1f} (wait "
+           f"{t['other_wait_s'] * 1e3:.1f})"))
+         for k, t in o.get("threads_s", {}).items()]
 
 
 def read_rows(r: dict) -> list[tuple[str, str, str]]:
@@ -493,7 +531,8 @@ def report_partial(res: dict, json_path: str | None) -> None:
     """Prints and writes the parts run with ``--only``."""
     rows = read_rows(res["read"]) if "read" in res else []
     if "overlap" in res:
-        rows += overlap_rows("XLA 1 thread", res["overlap"])
+        rows += overlap_rows("XLA 1 thread, pinned", res["overlap"])
+        rows += overlap_rows("XLA 1 thread", res["overlap_unpinned"])
     print(f"loadavg {os.getloadavg()}")
     for a, b, c in rows:
         print(f"{a:<36} {b:>18}   {c}")
@@ -514,6 +553,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="overlap rounds (median times)")
     ap.add_argument("--scale-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--overlap-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=2, help=argparse.SUPPRESS)
@@ -545,8 +585,12 @@ def main() -> None:
         # headline: XLA limited to one thread (its own process: set when the client is created),
         # so the reads keep the other core; beside it the default (all cores) in this process
         if "overlap" in only:
+            # headline: XLA's compute thread on a core of its own (a compute device of its
+            # own, as on a GPU); beside it the same process setup without pinning
             res["overlap"] = timed("overlap", bench_overlap_subprocess, work / "read", read_w,
-                                   read_l, rounds)
+                                   read_l, rounds, pin=True)
+            res["overlap_unpinned"] = timed("overlap_unpinned", bench_overlap_subprocess,
+                                            work / "read", read_w, read_l, rounds)
         if args.only:
             return report_partial(res, args.json)
         if not q:
@@ -579,6 +623,7 @@ def main() -> None:
     sc = res["scale"]
     out = {"read_ratio": res["read"]["read_ratio"],
            "overlap_efficiency": res["overlap"]["overlap_efficiency"],
+           "overlap_efficiency_unpinned": res["overlap_unpinned"]["overlap_efficiency"],
            "max_rel_err": res["max_rel_err"], "model_bytes": sc["model_bytes"],
            "budget_bytes": budget, "peak_rss_bytes": sc["peak_rss_bytes"],
            "baseline_rss_bytes": sc["baseline_rss_bytes"],
@@ -589,7 +634,8 @@ def main() -> None:
            "details": res}
     r, lay = res["read"], res["layout"]
     rows = read_rows(r)
-    for name, o in (("XLA 1 thread", res["overlap"]), ("XLA default", res.get("overlap_xla_default"))):
+    for name, o in (("XLA 1 thread, pinned", res["overlap"]), ("XLA 1 thread", res["overlap_unpinned"]),
+                    ("XLA default", res.get("overlap_xla_default"))):
         if o is not None:
             rows += overlap_rows(name, o)
     o = res["overlap"]

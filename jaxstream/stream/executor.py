@@ -531,8 +531,12 @@ class StreamedExecutor:
     def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
         if stash_idx is not None:
             stash[u] = host_value(h[stash_idx])
-        h, dh = K.block_jvp(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
-        h.block_until_ready()
+        h_in = h
+        h, dh = K.block_jvp(self.stack, self.spec, dev, np.int32(u), keys, h, dh)
+        # wait for the previous block, not this one: this block is queued behind it, so the
+        # device never idles while Python fetches the next layer and dispatches it, and no
+        # more layers are held than with a wait per block
+        h_in.block_until_ready()
         return h, dh
 
     def _block_act(self, dev, u, keys, h, dh):
