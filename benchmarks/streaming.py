@@ -527,7 +527,49 @@ def read_rows(r: dict) -> list[tuple[str, str, str]]:
     ]
 
 
-def report_partial(res: dict, json_path: str | None) -> None:
+def overlap_markdown(res: dict) -> str:
+    """The doc's table of this run: per overlap measurement the three sweeps, the efficiency
+    and where the streamed sweep's time went on its threads (medians over the rounds, ms)."""
+    ms = lambda v: f"{v * 1e3:.0f}"
+    head = ("| measurement | batch | compute only | read only | streamed | efficiency "
+            "(per-round median) | stall (fill) | compute thread in streamed: run / wait / idle "
+            "(alone: run / idle) | main run (wait) | others run (wait) |")
+    rows = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    for key, name in (("overlap", "one XLA thread, pinned to its own core"),
+                      ("overlap_unpinned", "one XLA thread, not pinned"),
+                      ("overlap_xla_default", "XLA default threads")):
+        o = res.get(key)
+        if o is None:
+            continue
+        t, c = o["threads_s"]["streamed"], o["threads_s"]["compute"]
+        rows.append(
+            f"| {name} | {o['batch']} | {ms(o['compute_only_s'])} | {ms(o['read_only_s'])} | "
+            f"{ms(o['streamed_s'])} | **{o['overlap_efficiency']:.3f}** "
+            f"({o['overlap_efficiency_per_round_median']:.3f}) | {ms(o['stall_s'])} "
+            f"({ms(o['fill_stall_s'])}) | {ms(t['compute_run_s'])} / {ms(t['compute_wait_s'])} / "
+            f"{ms(t['compute_idle_s'])} ({ms(c['compute_run_s'])} / {ms(c['compute_idle_s'])}) | "
+            f"{ms(t['main_run_s'])} ({ms(t['main_wait_s'])}) | {ms(t['other_run_s'])} "
+            f"({ms(t['other_wait_s'])}) |")
+    o = res["overlap"]["config"]
+    note = (f"\n{o['layers']} layers × {o['width']}² ({o['layer_bytes'] * o['layers'] / MiB:.0f} MiB), "
+            f"prefetch {o['prefetch']}, {o['rounds']} rounds, load average "
+            f"{o['loadavg_1min'][0]:.1f} → {o['loadavg_1min'][1]:.1f}.")
+    if "read" in res:
+        r = res["read"]
+        note += (f" Store read / raw read (cold): **{r['read_ratio']:.3f}** "
+                 f"(store {r['store_GBps']:.2f} GB/s, raw {r['raw_GBps']:.2f} GB/s).")
+    return "\n".join(rows) + "\n" + note + "\n"
+
+
+def write_doc(doc: str, res: dict) -> None:
+    """Rewrites the ``streaming.py overlap`` block of ``doc`` with this run's table."""
+    from docblocks import write_blocks
+
+    command = "python benchmarks/streaming.py " + " ".join(sys.argv[1:])
+    write_blocks(doc, "streaming.py", {"overlap": overlap_markdown(res)}, command)
+
+
+def report_partial(res: dict, json_path: str | None, doc: str | None = None) -> None:
     """Prints and writes the parts run with ``--only``."""
     rows = read_rows(res["read"]) if "read" in res else []
     if "overlap" in res:
@@ -540,12 +582,16 @@ def report_partial(res: dict, json_path: str | None) -> None:
            for k in ("read", "overlap") if k in res}
     if json_path:
         Path(json_path).write_text(json.dumps({**out, "details": res}, indent=2))
+    if doc and "overlap" in res:
+        write_doc(doc, res)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (< 2 minutes)")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
+    ap.add_argument("--doc", default=None,
+                    help="rewrite this Markdown file's `streaming.py overlap` block (docs/streaming.md)")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed)")
     ap.add_argument("--crash-kills", type=int, default=0, help="SIGKILL crash runs (0: skip)")
     ap.add_argument("--only", choices=("read", "overlap", "read,overlap"), default=None,
@@ -592,7 +638,7 @@ def main() -> None:
             res["overlap_unpinned"] = timed("overlap_unpinned", bench_overlap_subprocess,
                                             work / "read", read_w, read_l, rounds)
         if args.only:
-            return report_partial(res, args.json)
+            return report_partial(res, args.json, args.doc)
         if not q:
             res["overlap_xla_default"] = timed("overlap_xla_default", bench_overlap, work / "read",
                                                store, stack, rounds)
@@ -660,6 +706,8 @@ def main() -> None:
         print(f"{a:<36} {b:>18}   {c}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+    if args.doc:
+        write_doc(args.doc, res)
 
 
 if __name__ == "__main__":
