@@ -249,7 +249,7 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
     def accounted(fn):
         a = thread_time.snapshot()
         v = fn()
-        return (*v, thread_time.split(a, thread_time.snapshot(), v[0], hot, main))
+        return (*v, thread_time.split(a, thread_time.snapshot(), v[0], hot, main, v[1]))
 
     fns = {"compute": lambda: compute_only(b), "read": read_only, "streamed": streamed}
     runs: dict = {k: [] for k in fns}

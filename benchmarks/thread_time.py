@@ -52,18 +52,27 @@ def busiest(fn: Callable[[], object], exclude: set[int]) -> int | None:
 
 
 def split(a: Snapshot, b: Snapshot, wall_s: float, compute: int | None,
-          main: int | None = None) -> dict[str, float]:
+          main: int | None = None, process_cpu_s: float | None = None) -> dict[str, float]:
     """Seconds of a sweep that took ``wall_s``: the compute thread's run / wait / idle, the
-    dispatching (main) thread's run / wait and every other thread's (the reads) summed."""
+    dispatching (main) thread's run / wait and every other thread's (the reads) summed.
+
+    A thread that starts and ends between the two snapshots (a prefetcher's pool, which
+    lives for one sweep) is in neither: pass the process's CPU time over the sweep
+    (``time.process_time()`` difference) and ``other_run_s`` is that minus the compute and
+    main threads' run time, which counts them; ``other_wait_s`` covers live threads only.
+    """
     main = threading.main_thread().native_id if main is None else main
     d = {t: ((b[t][0] - a.get(t, (0, 0))[0]) / 1e9, (b[t][1] - a.get(t, (0, 0))[1]) / 1e9) for t in b}
     run = lambda t: d.get(t, (0.0, 0.0))[0]
     wait = lambda t: d.get(t, (0.0, 0.0))[1]
     others = [t for t in d if t not in (compute, main)]
+    other_run = sum(run(t) for t in others)
+    if process_cpu_s is not None:
+        other_run = max(other_run, process_cpu_s - run(compute) - run(main))
     return {"compute_run_s": run(compute), "compute_wait_s": wait(compute),
             "compute_idle_s": max(0.0, wall_s - run(compute) - wait(compute)),
             "main_run_s": run(main), "main_wait_s": wait(main),
-            "other_run_s": sum(run(t) for t in others), "other_wait_s": sum(wait(t) for t in others)}
+            "other_run_s": other_run, "other_wait_s": sum(wait(t) for t in others)}
 
 
 def pin(compute: int, core: int, rest: set[int]) -> bool:

@@ -216,10 +216,13 @@ class ComposedExecutor(StreamedExecutor):
     def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
         slots, s = self._slots(h.shape[0], stash_idx)
         run = self._pipe("jvp", num_slots=s, impl=_impl(keys))
+        h_in = h
         (h, dh), em = run(dev, (h, dh), _kd(keys), self._layers(u), (), slots)
         if stash_idx is not None:
             self._unstash(u, em, stash)
-        h.block_until_ready()
+        # as the streamed executor: wait for the previous chunk, so this one is queued
+        # behind it while Python takes the next layers (no more layers are held)
+        h_in.block_until_ready()
         return h, dh
 
     def _block_act(self, dev, u, keys, h, dh):

@@ -62,3 +62,16 @@ def test_snapshot_counts_a_spinning_thread():
     b = tt.snapshot()
     me = threading.get_native_id()
     assert (b[me][0] - a[me][0]) / 1e9 >= 0.05 * 0.9
+
+
+def test_split_counts_a_thread_that_ended_within_the_sweep():
+    me = threading.get_native_id()
+    a, c0 = tt.snapshot(), time.process_time()
+    t = threading.Thread(target=_spin, args=(0.1,))  # lives only between the snapshots
+    t.start()
+    t.join()
+    b, cpu = tt.snapshot(), time.process_time() - c0
+    alive_only = tt.split(a, b, wall_s=0.2, compute=None, main=me)
+    counted = tt.split(a, b, wall_s=0.2, compute=None, main=me, process_cpu_s=cpu)
+    assert alive_only["other_run_s"] < 0.05  # the ended thread is in neither snapshot
+    assert counted["other_run_s"] >= 0.1 * 0.9
