@@ -38,11 +38,16 @@ def machine() -> str:
     )
 
 
-def write_blocks(doc: str | Path, script: str, tables: dict[str, str], command: str) -> list[str]:
+def write_blocks(doc: str | Path, script: str, tables: dict[str, str], command: str,
+                 keep: tuple[str, ...] = ()) -> list[str]:
     """Replace the marked blocks of ``script`` in ``doc``; returns the names written.
 
+    ``keep``: blocks this run may leave as they are (a partial run that did not measure
+    them keeps the last full run's table and its footer).
+
     Raises:
-      ValueError: a block of ``script`` names a table the run did not produce.
+      ValueError: a block of ``script`` names a table the run did not produce (and not in
+        ``keep``).
     """
     path = Path(doc)
     text = path.read_text()
@@ -54,6 +59,8 @@ def write_blocks(doc: str | Path, script: str, tables: dict[str, str], command: 
         if m.group("script") != script:
             return m.group(0)
         name = m.group("name")
+        if name not in tables and name in keep:
+            return m.group(0)
         if name not in tables:
             raise ValueError(
                 f"{path}: block {name!r} of {script} is not a table of this run; "

@@ -561,12 +561,29 @@ def overlap_markdown(res: dict) -> str:
     return "\n".join(rows) + "\n" + note + "\n"
 
 
+def layout_markdown(lay: dict) -> str:
+    """The doc's table of the layout comparison: arrays opened, open time and cold read rate
+    of each layout, without prefetch and with p = 2, and their ratio."""
+    rows = ["| layout | arrays | open | MB/s, p = 0 | MB/s, p = 2 |", "|---|---|---|---|---|"]
+    for k, name in (("per_leaf", "one array per leaf (the store's)"),
+                    ("per_layer", "one array per layer per leaf")):
+        rows.append(f"| {name} | {lay['files'][k]} | {lay['open_s'][k] * 1e3:.1f} ms | "
+                    f"{lay['p0'][k + '_MBps']:.0f} | {lay['p2'][k + '_MBps']:.0f} |")
+    return ("\n".join(rows) + f"\n\nRatio per leaf / per layer: **{lay['p0']['ratio']:.3f}** "
+            f"without prefetch, {lay['p2']['ratio']:.3f} with p = 2 ({lay['layers']} layers, "
+            f"{lay['bytes'] / MiB:.0f} MiB, medians of the passes).\n")
+
+
 def write_doc(doc: str, res: dict) -> None:
-    """Rewrites the ``streaming.py overlap`` block of ``doc`` with this run's table."""
+    """Rewrites the ``streaming.py`` blocks of ``doc`` this run measured (a partial run keeps
+    the others as the last full run wrote them)."""
     from docblocks import write_blocks
 
     command = "python benchmarks/streaming.py " + " ".join(sys.argv[1:])
-    write_blocks(doc, "streaming.py", {"overlap": overlap_markdown(res)}, command)
+    tables = {"overlap": overlap_markdown(res)}
+    if "layout" in res:
+        tables["layout"] = layout_markdown(res["layout"])
+    write_blocks(doc, "streaming.py", tables, command, keep=("layout",))
 
 
 def report_partial(res: dict, json_path: str | None, doc: str | None = None) -> None:

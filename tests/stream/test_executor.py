@@ -195,6 +195,8 @@ def test_bad_config_errors(tmp_path, data):
                          StreamConfig(update="lazy"))
     with pytest.raises(ValueError, match="store has 3 layers"):
         StreamedExecutor(mlp(6, 8, 2, 3), jg.backprop(), SGD, store)
+    with pytest.raises(TypeError, match="estimator must be .*got HybridActivity"):
+        StreamedExecutor(STACK, jg.hybrid_activity(), SGD, store)
 
 
 def test_streamed_forward_equals_in_memory_forward(tmp_path, data):
