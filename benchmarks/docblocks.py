@@ -59,9 +59,9 @@ def write_blocks(doc: str | Path, script: str, tables: dict[str, str], command: 
         if m.group("script") != script:
             return m.group(0)
         name = m.group("name")
-        if name not in tables and name in keep:
-            return m.group(0)
         if name not in tables:
+            if name in keep:
+                return m.group(0)
             raise ValueError(
                 f"{path}: block {name!r} of {script} is not a table of this run; "
                 f"tables: {sorted(tables)}"

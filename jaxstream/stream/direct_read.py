@@ -132,22 +132,20 @@ class FileChunks:
 def _open(file: str, what: str) -> tuple[int, bool]:
     """``(fd, direct)``: the chunk file opened with ``O_DIRECT`` where the file system allows
     it (the bytes go from the disk into the buffer: no page-cache copy, less CPU and memory
-    traffic beside the compute), else a plain read-only descriptor."""
+    traffic beside the compute), else a plain read-only descriptor. Asked per file (one
+    refused syscall on a file system without it, e.g. tmpfs), so stores on different file
+    systems each get what theirs allows."""
     flags = os.O_RDONLY
     try:
-        if _DIRECT_OK[0] and hasattr(os, "O_DIRECT"):
+        if hasattr(os, "O_DIRECT"):
             try:
                 return os.open(file, flags | os.O_DIRECT), True
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
-                _DIRECT_OK[0] = False  # this file system refuses O_DIRECT (tmpfs)
         return os.open(file, flags), False
     except FileNotFoundError as err:
         raise StoreCorruptError(f"{what}: the chunk is missing ({file})") from err
-
-
-_DIRECT_OK = [True]
 
 
 def _read_into(fd: int, buf: np.ndarray, direct: bool) -> int:
