@@ -37,7 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.ring import ring_all_reduce_tree
-from jaxstream.grad import Forward, Hybrid, directional
+from jaxstream.grad import directional
 from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.tangents import TangentSpec, combine, gram
 
@@ -92,7 +92,8 @@ class ShardRows(TangentSpec):
 
 
 def _is_activity(estimator: Any) -> bool:
-    return isinstance(estimator, Forward) and estimator.perturb == "activations"
+    return getattr(estimator, "plan", None) is not None and estimator.plan.forward in (
+        "activity", "local")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +122,8 @@ class DataParallel:
                 raise ValueError(f"{name}: {value!r} is not allowed; choose one of {allowed}")
         if self.exchange == "scalars":
             est = self.estimator
-            if not (isinstance(est, Forward) and est.perturb == "weights"):
+            plan = getattr(est, "plan", None)
+            if plan is None or not (plan.forward == "weights" and plan.exact == "none"):
                 raise ValueError(
                     "exchange: 'scalars' needs a weight-perturbation forward estimator "
                     "(jaxstream.grad.forward(perturb='weights')); got "
@@ -176,7 +178,8 @@ class DataParallel:
         if self.exchange == "moments":  # the estimate: the mean of the replicas' own
             loss, grads = self._replica(loss_fn, params, batch, key)
             return self._mean(loss), self._mean(grads)
-        if isinstance(self.estimator, Hybrid) and self.tangents == "shared":
+        rule = self.estimator.plan.rule if hasattr(self.estimator, "plan") else None
+        if rule is not None and rule.exact and self.tangents == "shared":
             # reduce the per-micro-batch scalars and exact gradients, then correct once: equal
             # to the whole-batch hybrid for every correction (weighted and guess included)
             return self.estimator(loss_fn, params, batch, key, reduce=self._mean)[:2]
@@ -184,10 +187,10 @@ class DataParallel:
         return self._mean(loss), self._mean(grads)
 
     def _scalar_body(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array):
-        est: Forward = self.estimator
-        spec, k = est.spec, self._key(key)
+        plan = self.estimator.plan
+        spec, k = plan.spec, self._key(key)
         loss, d = directional(loss_fn, spec, params, batch, k)
-        coeffs = coefficients(spec, est.aggregation, d, lambda: gram(spec, k, params))
+        coeffs = coefficients(spec, plan.combine, d, lambda: gram(spec, k, params))
         loss = self._mean(loss)
         if self.tangents == "shared":
             coeffs = self._mean(coeffs)  # K numbers; one set of tangents

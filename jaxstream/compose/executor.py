@@ -114,7 +114,7 @@ class ComposedExecutor(StreamedExecutor):
         # the micro-batches are what the pipeline overlaps; activity and LG-FG-W compute them as
         # one (activity draws its tangents for the whole batch; LG-FG-W's local losses are means
         # over it)
-        return self.kind in ("activity", "local_weights")
+        return self.plan.local
 
     def _cast_batch(self, batch: dict) -> dict:
         b = jax.tree.leaves(batch)[0].shape[1]
@@ -241,7 +241,7 @@ class ComposedExecutor(StreamedExecutor):
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
-                         emit_sum=True, weights=self.kind == "local_weights",
+                         emit_sum=True, weights=self.plan.forward == "local_weights",
                          impl=_impl(keys))
         (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
         return h, g

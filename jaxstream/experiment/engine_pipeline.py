@@ -26,7 +26,6 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxstream.grad as jg
 from jaxstream.experiment.engines import register_engine, split_micro_batches
 from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
@@ -71,25 +70,20 @@ class PipelineState(NamedTuple):
 
 
 def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
-    """The table for the arm's estimator; errors name the field."""
-    m = cfg.stages
-    if isinstance(estimator, (jg.Backprop, jg.BackpropRemat)):
+    """The table for the arm's estimator, read off its plan; errors name the field."""
+    m, plan = cfg.stages, estimator.plan
+    if plan.exact == "all":  # backprop: every micro-batch's complete chain
         n = cfg.micro_batches
         return complete(m, n, range(n))
-    if isinstance(estimator, (jg.Forward, jg.LocalForwardWeights)):
+    if plan.exact == "none":
         return make_schedule("forward", m, cfg.micro_batches)
-    if isinstance(estimator, jg.ExactSubset):  # backprop over the k micro-batches a key selects
-        k = estimator.num_exact
-        return complete(m, k, range(k))
-    if isinstance(estimator, jg.Hybrid):
-        if estimator.exact_from is not None:
-            raise ValueError("estimator.exact_from: the pipeline's policy makes the per-layer "
-                             "groups; give num_exact or exact_indices")
-        sel = (tuple(estimator.exact_indices) if estimator.exact_indices is not None
-               else tuple(range(estimator.num_exact)))
-        return make_schedule(cfg.policy, m, micro_batches, sel)
-    raise ValueError(f"estimator: {type(estimator).__name__} is not run by the pipeline engine "
-                     "(backprop, forward, hybrid, exact_subset, local_forward_weights)")
+    if plan.forward == "none":  # backprop over the k micro-batches a key selects
+        return complete(m, plan.num_exact, range(plan.num_exact))
+    if plan.nested:
+        raise ValueError("estimator.exact_from: the pipeline's policy makes the per-layer "
+                         "groups; give num_exact or exact_indices")
+    sel = plan.fixed if plan.fixed is not None else tuple(range(plan.num_exact))
+    return make_schedule(cfg.policy, m, micro_batches, sel)
 
 
 class PipelineEngine:
@@ -101,8 +95,9 @@ class PipelineEngine:
         schedule = _schedule(cfg, estimator, micro_batches)
         self.cfg, self.stack, self.optimizer, self.schedule = cfg, stack, optimizer, schedule
         self.pipe = pipeline(stack, schedule, estimator)
-        self.guess = self.pipe.correction == "guess"
-        self.num_microbatches = (micro_batches if isinstance(estimator, jg.ExactSubset)
+        self.guess = self.pipe.along
+        plan = estimator.plan
+        self.num_microbatches = (micro_batches if plan.forward == "none" and plan.exact == "selected"
                                  else schedule.num_microbatches)
         self._example, self._config = example_batch, config
         if self.pipe.stale:

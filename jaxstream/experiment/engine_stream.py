@@ -89,10 +89,10 @@ class StreamEngineConfig:
     def check_arm(self, arm: Any, field: str) -> None:
         """The streamed executor runs the arm's estimator with this ``update`` (checked when
         the config is loaded, before any arm trains)."""
-        from jaxstream.stream.executor import _kind
+        from jaxstream.stream.executor import plan_of
 
         try:
-            _kind(arm.estimator.build(), self.update)
+            plan_of(arm.estimator.build(), self.update)
         except (ValueError, TypeError) as err:
             raise ValueError(f"{field}.estimator: {err}") from None
 

@@ -28,6 +28,10 @@ class EstimatorConfig:
     def build(self) -> Estimator:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """A short label for tables (default: the estimator plan's)."""
+        return self.build().plan.describe()
+
 
 @register_choice(EstimatorConfig, "backprop")
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,9 @@ class BackpropConfig(EstimatorConfig):
         import jaxstream.grad as jg
 
         return jg.backprop_remat() if self.remat else jg.backprop()
+
+    def describe(self) -> str:
+        return "backprop(remat)" if self.remat else "backprop"
 
 
 @register_choice(EstimatorConfig, "forward")
@@ -65,6 +72,9 @@ class ForwardConfig(EstimatorConfig):
         kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return jg.forward(**kwargs)
 
+    def describe(self) -> str:
+        return f"forward({self.perturb}, K={self.num_tangents})"
+
 
 @register_choice(EstimatorConfig, "hybrid")
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +90,7 @@ class HybridConfig(EstimatorConfig):
     micro_batches: int = 8
     num_exact: int = 2
     exact_indices: tuple[int, ...] | None = None
-    correction: Literal["control_variate", "replace", "guess", "weighted"] = "control_variate"
+    correction: str = "control_variate"  # a rule of jaxstream.grad.combine (checked below)
     num_tangents: int = 1
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
     orthogonal: bool = False
@@ -91,9 +101,10 @@ class HybridConfig(EstimatorConfig):
             raise ValueError(f"micro_batches: must be >= 1, got {self.micro_batches}")
         if self.num_tangents < 1:
             raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+        check_correction(self.correction)
         if self.exact_indices is None:
-            if not 0 <= self.num_exact <= self.micro_batches:
-                raise ValueError(f"num_exact: must be in [0, micro_batches={self.micro_batches}]"
+            if not 1 <= self.num_exact <= self.micro_batches:
+                raise ValueError(f"num_exact: must be in [1, micro_batches={self.micro_batches}]"
                                  f", got {self.num_exact}")
         elif any(not 0 <= i < self.micro_batches for i in self.exact_indices):
             raise ValueError(f"exact_indices: each index must be in [0, {self.micro_batches}), "
@@ -107,6 +118,21 @@ class HybridConfig(EstimatorConfig):
         return jg.hybrid(**exact, correction=self.correction, num_tangents=self.num_tangents,
                          distribution=self.distribution, orthogonal=self.orthogonal,
                          antithetic=self.antithetic)
+
+    def describe(self) -> str:
+        n_exact = len(self.exact_indices) if self.exact_indices is not None else self.num_exact
+        return f"hybrid({self.correction}, {n_exact}/{self.micro_batches})"
+
+
+def check_correction(correction: str) -> None:
+    """Raises ValueError naming the field unless ``correction`` is a registered combine rule
+    that mixes exact gradients in (the library's registry: a new rule is selectable at once)."""
+    from jaxstream.grad import combine
+
+    allowed = combine.corrections()
+    if correction not in allowed:
+        raise ValueError(f"correction: {correction!r} is not allowed; choose one of "
+                         f"{', '.join(repr(c) for c in allowed)}")
 
 
 def _check_subset(micro_batches: int, num_exact: int, least: int = 1) -> None:
@@ -134,6 +160,9 @@ class ExactSubsetConfig(EstimatorConfig):
 
         return jg.exact_subset(self.num_exact)
 
+    def describe(self) -> str:
+        return f"exact_subset({self.num_exact}/{self.micro_batches})"
+
 
 @register_choice(EstimatorConfig, "local_forward_weights")
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +180,9 @@ class LocalForwardWeightsConfig(EstimatorConfig):
         import jaxstream.grad as jg
 
         return jg.local_forward_weights(self.num_tangents, self.distribution)
+
+    def describe(self) -> str:
+        return f"forward(local weights, K={self.num_tangents})"
 
 
 @register_choice(EstimatorConfig, "hybrid_activity")
@@ -173,29 +205,16 @@ class HybridActivityConfig(EstimatorConfig):
 
         return jg.hybrid_activity(self.num_exact, self.num_tangents, self.shrinkage)
 
+    def describe(self) -> str:
+        return f"hybrid_activity({self.shrinkage}, {self.num_exact}/{self.micro_batches})"
+
 
 def describe(cfg: EstimatorConfig) -> str:
-    """A short label such as ``forward(weights, K=1)`` for tables."""
-    if isinstance(cfg, ForwardConfig):
-        return f"forward({cfg.perturb}, K={cfg.num_tangents})"
-    if isinstance(cfg, HybridConfig):
-        n_exact = len(cfg.exact_indices) if cfg.exact_indices is not None else cfg.num_exact
-        return f"hybrid({cfg.correction}, {n_exact}/{cfg.micro_batches})"
-    if isinstance(cfg, ExactSubsetConfig):
-        return f"exact_subset({cfg.num_exact}/{cfg.micro_batches})"
-    if isinstance(cfg, LocalForwardWeightsConfig):
-        return f"forward(local weights, K={cfg.num_tangents})"
-    if isinstance(cfg, HybridActivityConfig):
-        return f"hybrid_activity({cfg.shrinkage}, {cfg.num_exact}/{cfg.micro_batches})"
-    return "backprop(remat)" if getattr(cfg, "remat", False) else "backprop"
+    """A short label such as ``forward(weights, K=1)`` for tables (the variant's own)."""
+    return cfg.describe()
 
 
 def family(cfg: EstimatorConfig) -> str:
-    """``backprop``, ``forward`` or ``hybrid``: the group an arm is compared within."""
-    if isinstance(cfg, (ForwardConfig, LocalForwardWeightsConfig)):
-        return "forward"
-    if isinstance(cfg, (HybridConfig, HybridActivityConfig)):
-        return "hybrid"
-    if isinstance(cfg, ExactSubsetConfig):
-        return "exact_subset"
-    return "backprop"
+    """``backprop``, ``forward``, ``hybrid`` or ``exact_subset``: the group an arm is compared
+    within, read off the estimator's plan."""
+    return cfg.build().plan.family

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jaxstream.grad import segments as sg
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.hybrid import num_micro_batches
+from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 
@@ -58,6 +59,8 @@ def remat_loss(stack: Stack, params: dict, batch: dict) -> jax.Array:
 class BackpropRemat:
     """Exact gradient with each block rematerialised (see :func:`backprop_remat`)."""
 
+    plan = Plan("none", "all")  # an engine recomputes each block from its input anyway
+
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
         if isinstance(loss_fn, Stack):
@@ -86,6 +89,16 @@ class ExactSubset:
     def __post_init__(self):
         if not isinstance(self.num_exact, int) or self.num_exact < 1:
             raise ValueError(f"num_exact must be an int >= 1, got {self.num_exact!r}")
+
+    @property
+    def plan(self) -> Plan:
+        """Exact gradients of the selected micro-batches, nothing forward: their mean."""
+        return Plan("none", "selected", None, micro_batches=True, select=self.selection,
+                    num_exact=self.num_exact)
+
+    def selection(self, n: int, key: jax.Array, num_layers: int | None = None):
+        """(indices, depth) as :meth:`jaxstream.grad.Hybrid.selection` draws them."""
+        return select_exact(key, n, self.num_exact), jnp.zeros((self.num_exact,), jnp.int32)
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
                  *, diagnostics: bool = False):
@@ -117,6 +130,11 @@ class LocalForwardWeights:
     """LG-FG-W: per-module weight-perturbed forward gradients of local losses."""
 
     spec: TangentSpec = TangentSpec()
+
+    @property
+    def plan(self) -> Plan:
+        """Weight tangents per block on the block's own local loss."""
+        return Plan("local_weights", "none", None, self.spec)
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
                  *, diagnostics: bool = False):

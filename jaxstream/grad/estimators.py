@@ -14,9 +14,11 @@ from typing import Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
+from jaxstream.grad import combine as cb
 from jaxstream.grad.checks import check_examples, check_key, check_labels, check_local_losses
 from jaxstream.grad.directional import directional, stack_activity
-from jaxstream.grad.tangents import TangentSpec, combine, gram
+from jaxstream.grad.plan import Plan
+from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 
 Aggregation = Literal["mean", "projection"]
@@ -31,6 +33,8 @@ def _finish(loss, grads, diag, diagnostics: bool):
 class Backprop:
     """Exact gradient by reverse mode (``jax.value_and_grad``): the reference."""
 
+    plan = Plan("none", "all")
+
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
         """``key`` is accepted (and unused) so every estimator has one signature."""
@@ -43,23 +47,22 @@ class Backprop:
 
 def coefficients(spec: TangentSpec, aggregation: str, d: jax.Array,
                  gram_fn: Callable[[], jax.Array]) -> jax.Array:
-    """The K coefficients c of an estimate Σ_k c_k v_k from the directional derivatives ``d``.
-
-    ``mean``: d / K (unbiased). ``projection``: (VᵀV)⁻¹ d, the projection of the gradient onto
-    the span of the K tangents (|cos| ≈ √(K/n), biased: E ĝ ≈ (K/n) g). ``gram_fn()`` gives VᵀV
-    (only called for projection; an engine sums it over the segments it holds).
-    """
-    if aggregation == "mean":
-        return d / spec.num
-    return jnp.linalg.solve(gram_fn(), d)
+    """The K coefficients c of an estimate Σ_k c_k v_k from the directional derivatives ``d``
+    of one micro-batch, by the aggregation's combine rule (:mod:`jaxstream.grad.combine`):
+    ``mean``: d / K (unbiased); ``projection``: (VᵀV)⁻¹ d (|cos| ≈ √(K/n), biased: E ĝ ≈
+    (K/n) g). ``gram_fn()`` gives VᵀV summed over every segment (called only where the rule
+    needs it)."""
+    rule = cb.get(aggregation)
+    stats = cb.Stats(spec, None, d[None], None)
+    totals = {"gram": gram_fn()[None]} if rule.cross else {}
+    return rule.coefficients(stats, totals)[0]
 
 
 def aggregate(spec: TangentSpec, aggregation: str, key: jax.Array, params: Any,
               d: jax.Array) -> Any:
-    """Form the estimate from the directional derivatives ``d`` (K,) of one micro-batch
-    (see :func:`coefficients`)."""
-    coeffs = coefficients(spec, aggregation, d, lambda: gram(spec, key, params))
-    return combine(spec, key[None], coeffs[None], params)
+    """Form the estimate from the directional derivatives ``d`` (K,) of one micro-batch by the
+    aggregation's combine rule."""
+    return cb.combine(aggregation, cb.Stats(spec, key[None], d[None], params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,14 @@ class Forward:
         if self.spec.antithetic and self.aggregation == "projection":
             raise ValueError("antithetic=True with aggregation='projection': the ±v pairs make "
                              "the tangents' Gram matrix singular; use aggregation='mean'")
+
+    @property
+    def plan(self) -> Plan:
+        """Weight tangents combined by the aggregation, or an activity / local-loss pass that
+        forms each block's estimate itself."""
+        if self.perturb == "weights":
+            return Plan("weights", "none", self.aggregation, self.spec)
+        return Plan("local" if self.local_losses else "activity", "none", None, self.spec)
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):

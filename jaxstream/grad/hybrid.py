@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_key, check_labels, check_micro_batches
 from jaxstream.grad.directional import directional
 from jaxstream.grad.estimators import _finish
+from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 
@@ -36,9 +38,9 @@ class Hybrid:
     exact_from: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.correction not in cr.CORRECTIONS:
+        if self.correction not in cb.corrections():
             raise ValueError(
-                f"correction must be one of {cr.CORRECTIONS}, got {self.correction!r}"
+                f"correction must be one of {cb.corrections()}, got {self.correction!r}"
             )
         given = [x is not None for x in (self.num_exact, self.exact_indices, self.exact_from)]
         if sum(given) != 1:
@@ -48,6 +50,15 @@ class Hybrid:
         if self.exact_indices is not None:
             if len(self.exact_indices) == 0 or len(set(self.exact_indices)) != len(self.exact_indices):
                 raise ValueError(f"exact_indices must be distinct and non-empty, got {self.exact_indices}")
+
+    @property
+    def plan(self) -> Plan:
+        """Weight tangents for every micro-batch, exact gradients for the selection, combined
+        by the correction's rule."""
+        return Plan("weights", "selected", self.correction, self.spec, micro_batches=True,
+                    select=self.selection, num_exact=self.num_exact or (
+                        len(self.exact_indices) if self.exact_indices is not None else None),
+                    fixed=self.exact_indices, nested=self.exact_from is not None)
 
     def selection(self, n: int, key: jax.Array, num_layers: int | None) -> tuple[jax.Array, jax.Array]:
         """(indices, depth) of the micro-batches with an exact gradient, the same in every
@@ -91,7 +102,7 @@ class Hybrid:
         n = num_micro_batches(batch)
         check_labels(loss_fn, batch, "hybrid")
         idx, depth = self.selection(n, key, loss_fn.num_layers if isinstance(loss_fn, Stack) else None)
-        spec = self.spec
+        spec, rule = self.spec, cb.get(self.correction)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
         losses, d = jax.vmap(lambda b, k: directional(loss_fn, spec, params, b, k))(batch, keys)
         sel_batch = jax.tree.map(lambda x: x[idx], batch)
@@ -99,37 +110,19 @@ class Hybrid:
         losses, d, exact = reduce((losses, d, exact))
         masks = cr.group_masks(params, depth)
         rows = cr.outside_rows(masks, idx, n)
-        h, counts = cr.group_mean(exact, masks, params)
+        h, counts, spread = cb.group_stats(exact, masks, params)
         diag: dict = {"directional": d, "exact_indices": idx}
-
-        if self.correction == "replace":
-            grads = cr.replace(spec, keys, d, exact, masks, params, rows=rows)
-        elif self.correction == "guess":
-            direction = h if guess is None else guess
-            grads, diag["guess_directional"] = _guess(loss_fn, params, batch, direction, reduce)
-        else:
-            c = cr.residual_scalars(spec, keys, h)
-            beta, stein = None, None
-            q = cr.residual_q(d, c, rows["head"] if "head" in rows else rows["tree"])
-            if self.correction == "weighted":
-                spread = cr.group_spread(exact, h, masks, params)
-                beta = cr.shrinkage(counts, spread, cr.segment_sizes(params), q, n, spec.num)
-                diag["beta"] = beta
-            elif self.correction == "stein":
-                stein = (cr.residual_variance(counts, cr.segment_sizes(params), q, n, spec.num),
-                         counts)
-            grads = cr.control_variate(spec, keys, d, h, c, params, beta=beta, rows=rows,
-                                       stein=stein)
+        stats = cb.Stats(spec, keys, d, params, h=h, counts=counts, spread=spread, rows=rows,
+                         outside=rows["head"] if "head" in rows else rows["tree"])
+        if rule.along:  # differentiate along the direction instead of the tangents
+            u = cb.unit_direction(h if guess is None else guess)
+            dg = reduce(jax.vmap(lambda b: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1])(
+                batch))
+            stats = stats._replace(d=dg[:, None], direction=u)
+            diag["guess_directional"] = dg
+        grads, chosen = cb.combine(rule, stats, diagnostics=True)
+        diag.update(chosen)
         return _finish(jnp.mean(losses), grads, diag, diagnostics)
-
-
-def _guess(loss_fn, params, batch, direction, reduce=lambda t: t) -> tuple[Any, jax.Array]:
-    """Project the gradient onto a guessed direction: ĝ = (mean_n ∇L_n·u) u, u = h / ‖h‖.
-    Biased (only the component along u survives) but with no tangent noise."""
-    norm = jnp.sqrt(sum(jnp.vdot(x, x) for x in jax.tree.leaves(direction)))
-    u = jax.tree.map(lambda x: x / jnp.maximum(norm, 1e-30), direction)
-    dg = reduce(jax.vmap(lambda b: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1])(batch))
-    return jax.tree.map(lambda x: jnp.mean(dg) * x, u), dg
 
 
 def hybrid(

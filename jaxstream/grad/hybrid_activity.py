@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jaxstream.grad.baselines import select_exact
 from jaxstream.grad.estimators import forward
 from jaxstream.grad.hybrid import num_micro_batches
+from jaxstream.grad.plan import Plan
+from jaxstream.grad.tangents import TangentSpec
 from jaxstream.grad.tangents import micro_key
 from jaxstream.models.stack import Stack
 
@@ -89,6 +91,17 @@ class HybridActivity:
                              f"needs two), got {self.num_exact!r}")
         if self.shrinkage not in SHRINKAGES:
             raise ValueError(f"shrinkage must be one of {SHRINKAGES}, got {self.shrinkage!r}")
+
+    @property
+    def plan(self) -> Plan:
+        """Activity tangents for every micro-batch, exact gradients for the selection, mixed by
+        this estimator's per-layer inverse-variance weights (in memory only)."""
+        return Plan("activity", "selected", None, TangentSpec(self.num_tangents),
+                    micro_batches=True, select=self.selection, num_exact=self.num_exact)
+
+    def selection(self, n: int, key: jax.Array, num_layers: int | None = None):
+        """(indices, depth): the hybrid's random selection for the same key."""
+        return select_exact(key, n, self.num_exact), jnp.zeros((self.num_exact,), jnp.int32)
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
                  *, diagnostics: bool = False):

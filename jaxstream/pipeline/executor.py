@@ -30,16 +30,17 @@ import numpy as np
 from jax import shard_map
 from jax.sharding import PartitionSpec as P
 
+from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_local_losses
-from jaxstream.grad.tangents import TangentSpec, combine, gram_parts, micro_key
+from jaxstream.grad.plan import Plan
+from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.pipeline.lowering import FIELDS, Lowered, lower
 from jaxstream.pipeline.stage_ops import StageOps
 from jaxstream.pipeline.table import BW, FBW, IDLE, B, F, Schedule, W
 
 AXIS = "stage"
-CORRECTIONS = ("none", "control_variate", "replace", "weighted", "stein", "guess")
 _C = {f: i for i, f in enumerate(FIELDS)}
 
 
@@ -70,14 +71,19 @@ class Pipeline:
 
     stack: Stack
     schedule: Schedule
-    spec: TangentSpec
-    correction: str
+    plan: Plan
     mesh: jax.sharding.Mesh
     lowered: Lowered
-    perturb: str = "weights"
-    local_losses: bool = False
-    aggregation: str = "mean"
     _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def spec(self) -> TangentSpec:
+        return self.plan.spec
+
+    @property
+    def along(self) -> bool:
+        """Whether the forward pass runs along a given direction (a ``guess`` rule)."""
+        return self.plan.rule is not None and self.plan.rule.along
 
     @property
     def stale(self) -> bool:
@@ -117,13 +123,14 @@ class Pipeline:
         if self.stale and carry is None:
             raise ValueError(f"schedule {self.schedule.name!r} corrects the previous step: pass "
                              "carry=pipe.init_carry(params, batch) (then the returned aux['carry'])")
-        if guess is not None and self.correction != "guess":
-            raise ValueError(f"guess= is for correction='guess', not {self.correction!r}")
+        if guess is not None and not self.along:
+            raise ValueError(f"guess= is for a rule that differentiates along a direction "
+                             f"(correction='guess'), not {self.plan.combine!r}")
         return _run(self, params, batch, key, carry, guess)
 
 
 def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tangents: int = 1,
-             distribution: str = "rademacher", correction: str = "control_variate",
+             distribution: str = "rademacher", correction: str | None = None,
              orthogonal: bool = False, antithetic: bool = False, perturb: str = "weights",
              local_losses: bool = False, aggregation: str = "mean", devices=None) -> Pipeline:
     """Builds the pipeline gradient of ``stack`` for ``schedule``; checks everything first.
@@ -132,7 +139,10 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
       stack: the model; its ``num_layers`` must divide evenly into the schedule's stages.
       schedule: any table that validates (see ``jaxstream.pipeline.validate``).
       num_tangents, distribution, orthogonal, antithetic: the tangents (as ``jaxstream.grad``).
-      correction: "none" (plain forward estimate), "control_variate", "replace" or "weighted".
+      correction: "none" (plain forward estimate) or a combine rule of
+        ``jaxstream.grad.combine`` ("control_variate", "replace", "weighted", "stein", "guess",
+        or one registered there); default: "control_variate" on a table with reverse chains,
+        "none" on a forward-only table. A table that cannot carry it is refused by name.
       estimator: a ``jaxstream.grad`` estimator instead of the keywords: ``forward(...)`` (any
         tangents, weight or activity perturbation, local losses, mean or projection; run with
         tangents per micro-batch, ``fold_in(key, n)``), ``hybrid(correction=...)`` (its
@@ -147,88 +157,119 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
-    if estimator is not None:
-        from jaxstream.grad import ExactSubset
-
-        if isinstance(estimator, ExactSubset):
-            return _subset(stack, schedule, estimator, devices)
-        return pipeline(stack, schedule, devices=devices, **_from_estimator(estimator))
-    if correction not in CORRECTIONS:
-        raise ValueError(f"correction={correction!r}; allowed: {CORRECTIONS}")
+    if estimator is None:
+        if correction is None:  # the table decides: corrected where it has chains
+            low = lower(schedule)
+            correction = "control_variate" if (low.selected or low.prev_selected) else "none"
+        plan = _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic,
+                             perturb, local_losses, aggregation)
+    else:
+        plan = getattr(estimator, "plan", None)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"estimator must be a jaxstream.grad estimator (one with a .plan), "
+                            f"got {type(estimator).__name__}")
     m = schedule.num_stages
     devices = list(jax.devices() if devices is None else devices)
     if m > len(devices):
         raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
                          f"available (one stage per device); on CPU set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={m} before JAX starts")
-    check_local_losses(stack, local_losses, "pipeline")
+    check_local_losses(stack, plan.forward in ("local", "local_weights"), "pipeline")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
                          f"equal stages")
     lowered = lower(schedule)  # raises ScheduleError before anything is compiled
-    if correction == "guess" and (lowered.stale or not lowered.selected):
-        raise ValueError(f"correction='guess' needs exact gradients of this step (the next "
-                         f"step's direction); schedule {schedule.name!r} has none")
-    if lowered.stale and correction not in ("control_variate", "weighted", "stein", "none"):
-        raise ValueError(f"schedule {schedule.name!r} has stale exact gradients (previous step): "
-                         f"correction={correction!r} is not allowed; use 'control_variate' "
-                         f"(still unbiased with a stale h) or 'weighted'")
+    if plan.forward == "none" and plan.exact == "selected":
+        return _subset(stack, schedule, plan, lowered, devices)
+    check_carries(plan, schedule, lowered)
+    mesh = jax.sharding.Mesh(np.array(devices[:m]), (AXIS,))
+    return Pipeline(stack, schedule, plan, mesh, lowered)
+
+
+def _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic, perturb,
+                  local_losses, aggregation) -> Plan:
+    """The plan of the keyword arguments (``correction="none"``: a forward estimate)."""
+    allowed = ("none", *cb.corrections())
+    if correction not in allowed:
+        raise ValueError(f"correction={correction!r}; allowed: {allowed}")
     if perturb not in ("weights", "activations"):
         raise ValueError(f"perturb={perturb!r}; allowed: ('weights', 'activations')")
     if aggregation not in ("mean", "projection"):
         raise ValueError(f"aggregation={aggregation!r}; allowed: ('mean', 'projection')")
-    if (perturb != "weights" or aggregation != "mean" or local_losses) and (
-            lowered.backward or correction != "none"):
-        raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} run on a forward-only "
-                         f"table with correction='none' (got schedule {schedule.name!r}, "
-                         f"correction={correction!r})")
-    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
     if aggregation == "projection" and antithetic:
         raise ValueError("antithetic=True with aggregation='projection': the Gram matrix is "
                          "singular; use aggregation='mean'")
-    mesh = jax.sharding.Mesh(np.array(devices[:m]), (AXIS,))
-    return Pipeline(stack, schedule, spec, correction, mesh, lowered, perturb, local_losses,
-                    aggregation)
+    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
+    if correction != "none":
+        if perturb != "weights" or aggregation != "mean" or local_losses:
+            raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} / local_losses="
+                             f"{local_losses} run with correction='none' (got {correction!r})")
+        return Plan("weights", "selected", correction, spec, micro_batches=True)
+    if local_losses:
+        return Plan("local_weights" if perturb == "weights" else "local", "none", None, spec)
+    if perturb == "activations":
+        return Plan("activity", "none", None, spec)
+    return Plan("weights", "none", aggregation, spec)
 
 
-def _subset(stack: Stack, schedule: Schedule, est: Any, devices) -> Any:
+def check_carries(plan: Plan, schedule: Schedule, lowered: Lowered) -> None:
+    """Raises ValueError, naming the estimator's plan and the table, unless the table can carry
+    the plan: backprop needs every micro-batch's complete chain; a hybrid needs chains (of
+    this step for ``guess``, stale ones only for rules unbiased with a stale mean); a forward
+    estimate other than the weights' mean needs a forward-only table."""
+    name, n = schedule.name, schedule.num_microbatches
+    chains = lowered.prev_selected if lowered.stale else lowered.selected
+    what = f"estimator {plan.describe()} on schedule {name!r}"
+    if plan.exact == "all":
+        full = (not lowered.stale and tuple(sorted(lowered.selected)) == tuple(range(n))
+                and bool(np.all(lowered.groups)))
+        if not full:
+            raise ValueError(f"{what}: backprop needs every one of the N={n} micro-batches' "
+                             f"complete reverse chains; the table carries {tuple(chains)}"
+                             f"{' (stale)' if lowered.stale else ''}; use gpipe_backprop(M, N)")
+        return
+    if plan.forward not in ("weights",) or plan.rule is None or not plan.rule.exact:
+        if plan.mixes:
+            raise ValueError(f"{what}: the pipeline runs hybrids with weight tangents only")
+        if (plan.forward != "weights" or plan.combine != "mean") and lowered.backward:
+            raise ValueError(f"{what}: this forward estimate must run on a forward-only table "
+                             f"(gpipe_forward); the table has reverse chains")
+        return
+    rule = plan.rule
+    if not chains:
+        raise ValueError(f"{what}: correction={rule.name!r} needs exact gradients; the table "
+                         f"has no reverse chain (use complete, truncated or delayed)")
+    if rule.along and lowered.stale:
+        raise ValueError(f"{what}: correction={rule.name!r} needs exact gradients of this step "
+                         f"(the next step's direction); the table's are of the previous step")
+    if lowered.stale and not rule.stale_ok:
+        allowed = tuple(r.name for r in cb.RULES.values() if r.stale_ok)
+        raise ValueError(f"{what}: the table has stale exact gradients (previous step): "
+                         f"correction={rule.name!r} is not allowed; use one of {allowed} "
+                         f"(unbiased with a stale h)")
+    if plan.fixed is not None and set(plan.fixed) != set(chains):
+        raise ValueError(f"{what}: the estimator fixes exact_indices={plan.fixed}, the table's "
+                         f"chains are {tuple(chains)}; build the table with those micro-batches")
+    if plan.num_exact is not None and plan.fixed is None and plan.num_exact != len(chains):
+        raise ValueError(f"{what}: num_exact={plan.num_exact}, the table carries "
+                         f"{len(chains)} chains {tuple(chains)}")
+
+
+def _subset(stack: Stack, schedule: Schedule, plan: Plan, lowered: Lowered, devices) -> Any:
     """``exact_subset(k)``: GPipe backprop over k micro-batches, selected by the key."""
     from jaxstream.pipeline.subset import SubsetPipeline
 
-    k = est.num_exact
+    k = plan.num_exact
     if schedule.num_microbatches != k:
         raise ValueError(f"schedule: exact_subset({k}) runs backprop over its {k} selected "
                          f"micro-batches; pass a backprop table of {k} micro-batches such as "
                          f"gpipe_backprop(M, {k}), got {schedule.name!r} with "
                          f"{schedule.num_microbatches}")
-    inner = pipeline(stack, schedule, devices=devices, correction="replace")
-    if not inner.lowered.backward or inner.stale:
+    if not lowered.backward or lowered.stale:
         raise ValueError(f"schedule: exact_subset needs a backprop table (gpipe_backprop), got "
                          f"{schedule.name!r}")
-    return SubsetPipeline(inner, k)
-
-
-def _from_estimator(est: Any) -> dict:
-    """The pipeline keywords of a ``jaxstream.grad`` estimator (its own error for others)."""
-    from jaxstream.grad import Backprop, BackpropRemat, Forward, Hybrid, LocalForwardWeights
-
-    if isinstance(est, (Backprop, BackpropRemat)):  # a stage's B op recomputes from its input
-        return {"correction": "replace"}
-    if isinstance(est, LocalForwardWeights):  # local losses with the weights perturbed
-        s = est.spec
-        return {"num_tangents": s.num, "distribution": s.distribution, "correction": "none",
-                "perturb": "weights", "local_losses": True}
-    if not isinstance(est, (Forward, Hybrid)):
-        raise TypeError(f"estimator must be jaxstream.grad backprop(), forward(), hybrid(), "
-                        f"exact_subset() or local_forward_weights(), "
-                        f"got {type(est).__name__}")
-    s = est.spec
-    kw = {"num_tangents": s.num, "distribution": s.distribution, "orthogonal": s.orthogonal,
-          "antithetic": s.antithetic}
-    if isinstance(est, Forward):
-        return {**kw, "correction": "none", "perturb": est.perturb,
-                "local_losses": est.local_losses, "aggregation": est.aggregation}
-    return {**kw, "correction": est.correction}
+    inner = pipeline(stack, schedule, devices=devices, correction="replace")
+    return SubsetPipeline(inner, k, plan.select)
 
 
 def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direction=None):
@@ -248,11 +289,11 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
                     out["h"], out["t"] = a, b
                 else:
                     out["loss"], out["d"] = a, b
-            elif kind == F and pipe.local_losses:  # perturb "weights": LG-FG-W
+            elif kind == F and pipe.plan.forward in ("local", "local_weights"):
                 h, out["g"] = ops.local_forward(pos, params, inp, kj, bj,
-                                                weights=pipe.perturb == "weights")
+                                                weights=pipe.plan.forward == "local_weights")
                 out["h" if pos in ("first", "mid") else "loss"] = h
-            elif kind == F and pipe.perturb == "activations":
+            elif kind == F and pipe.plan.forward == "activity":
                 a, b = ops.activity_forward(pos, params, inp, t_in, kj, bj)
                 if pos in ("first", "mid"):
                     out["h"], out["t"] = a, b
@@ -312,7 +353,7 @@ def _run(pipe: Pipeline, params, batch, key, carry, guess=None):
     impl = str(jax.random.key_impl(key))
     loss, grads, d, ns, h = pipe._compiled["fn"](*args, impl=impl)
     aux = {"directional": d, "exact_indices": low.selected, "stale": low.stale}
-    if pipe.correction == "guess":
+    if pipe.along:
         aux["direction"] = h
     if low.stale:
         prev_idx = np.array(low.prev_selected, np.int32)
@@ -365,9 +406,10 @@ def _build(pipe: Pipeline):
     m, n, kt = sched.num_stages, sched.num_microbatches, spec.num
     per = pipe.stack.num_layers // m
 
-    activity = pipe.perturb == "activations" and not pipe.local_losses
-    accumulate = low.backward or pipe.local_losses
-    guess = pipe.correction == "guess"
+    activity = pipe.plan.forward == "activity"
+    local = pipe.plan.forward in ("local", "local_weights")
+    accumulate = low.backward or local
+    guess = pipe.along
     if guess:
         kt = 1  # one derivative per micro-batch, along the given direction
 
@@ -378,7 +420,8 @@ def _build(pipe: Pipeline):
         dshape = (kt, x0.shape[0]) if activity else (kt,)  # per-example scalars for activities
         s = jax.lax.axis_index(AXIS)
         ops = StageOps(pipe.stack, spec, s * per)
-        u = _unit_direction(direction, s, m) if guess else None
+        owned = {"embed": (s == 0).astype(jnp.float32), "head": (s == m - 1).astype(jnp.float32)}
+        u = cb.unit_direction(direction, lambda t: jax.lax.psum(t, AXIS), owned) if guess else None
         fns = _branches(pipe, ops, params, carry.params, dshape, u)
         up = [(i, i + 1) for i in range(m - 1)]
         down = [(i + 1, i) for i in range(m - 1)]
@@ -416,7 +459,7 @@ def _build(pipe: Pipeline):
         d = jax.lax.psum(dacc[:n] * last, AXIS)
         losses = jax.lax.psum(lacc[:n] * last, AXIS)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
-        if pipe.local_losses:  # each F op formed its stage's local estimates
+        if local:  # each F op formed its stage's local estimates
             grads = jax.tree.map(lambda a: a[0] / n, gacc)
         elif activity:
             first = (s == 0).astype(jnp.float32)
@@ -424,10 +467,9 @@ def _build(pipe: Pipeline):
                 lambda xs: ops.activity_grads(params, xs[0], xs[1], xs[2], xs[3], first, last),
                 (batch["x"], ain[:n], keys, d)))
             d = jnp.zeros((n, kt), jnp.float32)  # the per-example scalars stay inside
-        elif guess:
-            grads, h = _guess_estimate(pipe, params, gacc, groups[0], d, u, has_dir)
         else:
-            grads = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid)
+            grads, h = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid,
+                                 owned, u, has_dir)
         h = _gather(h, s, m) if guess else jnp.zeros(())
         return jnp.mean(losses), _gather(grads, s, m), d, ns, h
 
@@ -463,69 +505,39 @@ def _gather(t: dict, s, m: int) -> dict:
             "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), t["head"])}
 
 
-def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, valid):
-    """This stage's estimate from the directional derivatives and its exact gradients."""
-    spec, n, kt = pipe.spec, d.shape[0], pipe.spec.num
-    n_sel = len(pipe.lowered.selected)
-    like = params
-    if n_sel == 0 or pipe.correction == "none":
-        if pipe.aggregation == "mean":
-            return combine(spec, keys, d / (n * kt), like, first_layer)
-        s, m = jax.lax.axis_index(AXIS), pipe.schedule.num_stages
-
-        def coeffs(k, dn):  # (VᵀV)⁻¹ d of one micro-batch, the Gram summed over the stages
-            parts = gram_parts(spec, k, like, first_layer)
-            g = parts["blocks"] + parts["embed"] * (s == 0) + parts["head"] * (s == m - 1)
-            return jnp.linalg.solve(jax.lax.psum(g, AXIS), dn)
-
-        return combine(spec, keys, jax.vmap(coeffs)(keys, d) / n, like, first_layer)
-    exact = jax.tree.map(lambda a: a[:n_sel] * valid, gacc)
-    group_row = group_row * valid  # before the first stale step the groups are empty: h = 0
-    num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
-    masks = {"embed": group_row, "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local)),
-             "head": group_row}
-    h, counts = cr.group_mean(exact, masks, like)
-    sel = jnp.array(pipe.lowered.selected, jnp.int32)
-    # A stale exact gradient is of another step's micro-batch: every residual of this step
-    # is still estimated by tangents.
-    member = jax.tree.map(jnp.zeros_like, masks) if pipe.lowered.stale else masks
-    rows = cr.outside_rows(member, sel, n)
-    if pipe.correction == "replace":
-        return cr.replace(spec, keys, d, exact, masks, like, first_layer, rows=rows)
-    c = jax.lax.psum(cr.residual_scalars(spec, keys, h, first_layer), AXIS)
-    beta, stein = None, None
-    # the largest group (the last stage's) decides which residuals are estimated
-    q = cr.residual_q(d, c, jax.lax.pmin(rows["head"], AXIS))
-    sizes = cr.segment_sizes(like)  # this stage's blocks; embed and head in full
-    if pipe.correction == "weighted":
-        spread = cr.group_spread(exact, h, masks, like)
-        total = sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers
-        beta = cr.shrinkage(counts, spread, sizes, q, n, kt, total_size=total)
-    elif pipe.correction == "stein":
-        stein = (cr.residual_variance(counts, sizes, q, n, kt), counts)
-    return cr.control_variate(spec, keys, d, h, c, like, first_layer, beta=beta, rows=rows,
-                              stein=stein)
+def _reached(low: Lowered) -> jax.Array:
+    """(S,) 1 for each selected micro-batch whose chain reaches some stage (the head's group
+    of the whole model)."""
+    return jnp.asarray(np.asarray(low.groups).any(0), jnp.float32)
 
 
-def _unit_direction(direction, s, m):
-    """direction / ‖direction‖ over the whole model (blocks summed over stages; the replicated
-    embed and head counted once)."""
-    sq = lambda t: sum(jnp.vdot(a, a) for a in jax.tree.leaves(t))  # noqa: E731
-    nrm2 = jax.lax.psum(sq(direction["blocks"]), AXIS) + sq(direction["embed"]) + \
-        sq(direction["head"])
-    scale = 1.0 / jnp.sqrt(jnp.maximum(nrm2, 1e-30))
-    return jax.tree.map(lambda a: a * scale, direction)
-
-
-def _guess_estimate(pipe: Pipeline, params, gacc, group_row, d, u, has_dir):
-    """(estimate, h): (mean_n ∇L_n·u) u with a direction, this step's exact mean h without;
-    h (per stage group) becomes the next step's direction."""
-    n_sel = len(pipe.lowered.selected)
-    exact = jax.tree.map(lambda a: a[:n_sel], gacc)
-    num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
-    masks = {"embed": group_row, "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local)),
-             "head": group_row}
-    h, _ = cr.group_mean(exact, masks, params)
-    coef = jnp.mean(d[:, 0])
-    grads = jax.tree.map(lambda uu, hh: jnp.where(has_dir > 0, coef * uu, hh), u, h)
-    return grads, h
+def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, valid, owned,
+              direction, has_dir):
+    """(this stage's estimate, its group mean h) by the plan's combine rule, the rule's partial
+    sums reduced over the stages (``psum``). Before the first step of a stale table ``valid``
+    is 0: empty groups, h = 0."""
+    plan, low, n = pipe.plan, pipe.lowered, d.shape[0]
+    # with every micro-batch exact (backprop's plan), ``replace`` is the exact mean
+    rule = cb.REPLACE if plan.exact == "all" else plan.rule
+    stats = cb.Stats(pipe.spec, keys, d, params, first_layer, owned=owned)
+    if rule.exact:
+        n_sel = len(low.selected)
+        exact = jax.tree.map(lambda a: a[:n_sel] * valid, gacc)
+        group_row = group_row * valid
+        num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
+        masks = {"embed": group_row, "head": group_row,
+                 "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local))}
+        h, counts, spread = cb.group_stats(exact, masks, params)
+        sel = jnp.array(low.selected, jnp.int32)
+        # a stale exact gradient is of another step's micro-batch: every residual of this step
+        # is still estimated by tangents
+        member = jax.tree.map(jnp.zeros_like, masks) if low.stale else masks
+        sizes = cr.segment_sizes(params)  # this stage's blocks; embed and head in full
+        stats = stats._replace(
+            h=h, counts=counts, spread=spread, rows=cr.outside_rows(member, sel, n),
+            outside=cr.outside_rows({"tree": _reached(low) * (0.0 if low.stale else 1.0)}, sel,
+                                    n)["tree"],
+            total_size=sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers,
+            direction=direction, has_direction=has_dir)
+    grads = cb.combine(rule, stats, lambda t: jax.lax.psum(t, AXIS))
+    return grads, stats.h

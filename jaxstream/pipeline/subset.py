@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 
-from jaxstream.grad.baselines import select_exact
+from collections.abc import Callable
+
 from jaxstream.grad.checks import check_micro_batches
 
 
@@ -27,18 +28,20 @@ class SubsetPipeline:
     Attributes:
       inner: the GPipe backprop pipeline over ``num_exact`` micro-batches.
       num_exact: k.
+      select: the estimator's selection ``(n, key, num_layers) -> (indices, depth)``.
     """
 
     inner: Any
     num_exact: int
+    select: Callable
 
     @property
     def stale(self) -> bool:
         return False
 
     @property
-    def correction(self) -> str:
-        return "replace"
+    def along(self) -> bool:
+        return False
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -51,6 +54,6 @@ class SubsetPipeline:
         if carry is not None or guess is not None:
             raise ValueError("exact_subset on the pipeline takes no carry and no guess")
         n = check_micro_batches(batch, "exact_subset")
-        idx = select_exact(key, n, self.num_exact)
+        idx = self.select(n, key, None)[0]
         loss, grads, aux = self.inner(params, jax.tree.map(lambda a: a[idx], batch), key)
         return loss, grads, {**aux, "exact_indices": idx}

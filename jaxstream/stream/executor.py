@@ -29,11 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxstream.grad import corrections as cr
-from jaxstream.grad.baselines import BackpropRemat, ExactSubset, LocalForwardWeights, select_exact
 from jaxstream.grad.checks import check_local_losses
-from jaxstream.grad.estimators import Backprop, Forward, coefficients
-from jaxstream.grad.hybrid import Hybrid
+from jaxstream.grad.estimators import coefficients
+from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.stream import kernels as K
@@ -73,28 +71,21 @@ class StreamConfig:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
 
 
-def _kind(estimator: Any, update: str) -> str:
-    """Checks the estimator is one the streamed step implements; returns its kind."""
-    if isinstance(estimator, (Backprop, BackpropRemat)):
-        kind = "backprop"  # a streamed backprop recomputes each layer from its stashed input
-    elif isinstance(estimator, ExactSubset):
-        kind = "exact_subset"
-    elif isinstance(estimator, Forward):
-        kind = "forward" if estimator.perturb == "weights" else "activity"
-    elif isinstance(estimator, Hybrid):
-        kind = "hybrid"
-    elif isinstance(estimator, LocalForwardWeights):
-        kind = "local_weights"  # the local-loss sweep of activity, weights perturbed
-    else:
-        raise TypeError("stream: estimator must be jaxstream.grad backprop(), "
-                        "backprop_remat(), exact_subset(), forward(), hybrid() or "
-                        "local_forward_weights(), got "
-                        f"{type(estimator).__name__}")
-    if update == "lazy" and kind != "forward":
+def plan_of(estimator: Any, update: str = "eager") -> Plan:
+    """The estimator's plan, checked against what the streamed sweeps run; errors name it."""
+    plan = getattr(estimator, "plan", None)
+    if not isinstance(plan, Plan):
+        raise TypeError("stream: estimator must be a jaxstream.grad estimator (one with a "
+                        f".plan), got {type(estimator).__name__}")
+    if plan.mixes and plan.forward != "weights":
+        raise TypeError(f"stream: estimator must mix exact gradients with weight tangents; got "
+                        f"{type(estimator).__name__}, {plan.describe()}, which mixes them with "
+                        f"a {plan.forward!r} forward pass (run it in memory or data parallel)")
+    if update == "lazy" and not (plan.forward == "weights" and plan.exact == "none"):
         raise ValueError("stream: update='lazy' needs the forward estimator with "
                          f"perturb='weights' (an update fully described by keys and scalars), "
-                         f"got {kind}")
-    return kind
+                         f"got {plan.describe()}")
+    return plan
 
 
 class StreamedExecutor:
@@ -119,12 +110,11 @@ class StreamedExecutor:
                  config: StreamConfig = StreamConfig(), device: Any = None):
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
-        self.kind = _kind(estimator, config.update)
-        check_local_losses(stack, getattr(estimator, "local_losses", False)
-                           or self.kind == "local_weights", "stream")
+        self.plan = plan_of(estimator, config.update)
+        check_local_losses(stack, self.plan.forward in ("local", "local_weights"), "stream")
         self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
             stack, estimator, optimizer, store, config)
-        self.spec: TangentSpec = getattr(estimator, "spec", TangentSpec())
+        self.spec: TangentSpec = self.plan.spec
         self.device = device or jax.local_devices()[0]
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
@@ -265,18 +255,17 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
-        if self.kind == "exact_subset":  # backprop of the selected micro-batches only
-            n = jax.tree.leaves(batch)[0].shape[0]
-            idx = np.asarray(select_exact(key, n, self.estimator.num_exact))
-            batch = jax.tree.map(lambda a: np.asarray(a)[idx], batch)
+        plan = self.plan
+        if plan.forward == "none" and plan.exact == "selected":  # backprop of the selection
+            batch = jax.tree.map(lambda a: np.asarray(a)[self._selection(key, len(a))], batch)
         if self._merge_micro_batches():
             # one shared tangent / exact gradient of the mean over all samples: the N
             # micro-batches are computed as one (same device memory, same sums as in memory)
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self._applied = set()
-        if self.kind == "forward":
+        if plan.forward == "weights" and plan.exact == "none":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
-        elif self.kind in ("activity", "local_weights"):
+        elif plan.local:
             loss, new = self._run_activity(batch, key, list(layers), sink, t0), {}
         else:
             loss, new = self._run_reverse(batch, key, list(layers), sink, t0)
@@ -310,7 +299,7 @@ class StreamedExecutor:
         dk = d.mean(axis=0)  # (K,): derivative of the mean loss over all micro-batches
         units = ["embed", *layers, "head"]
         with jax.default_device(self.host):
-            coeffs = coefficients(self.spec, self.estimator.aggregation, jnp.asarray(dk), lambda: sum(
+            coeffs = coefficients(self.spec, self.plan.combine, jnp.asarray(dk), lambda: sum(
                 K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts)) for u in units))
         coeffs = np.asarray(coeffs, np.float32)[None]
         lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
@@ -341,8 +330,8 @@ class StreamedExecutor:
         keys = key[None]
         units = ["embed", *self._groups(layers), "head"]
         z = jnp.int32(0)
-        if self.kind == "local_weights" or self.estimator.local_losses:
-            weights = self.kind == "local_weights"
+        if self.plan.forward in ("local", "local_weights"):
+            weights = self.plan.forward == "local_weights"
             head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
             h = x["x"]
             for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
@@ -377,9 +366,13 @@ class StreamedExecutor:
         return hosts[u] if u in hosts else self.store.read(u).result()
 
     def _run_reverse(self, batch, key, layers, sink, t0):
+        """The reverse sweep: exact gradients of every micro-batch (backprop, exact subsets) or
+        of the selected ones, each unit's estimate formed by the plan's combine rule — in the
+        sweep itself, or (a rule that needs every unit's share, or a direction) in an update
+        sweep after it."""
         n = jax.tree.leaves(batch)[0].shape[0]
-        hybrid = self.kind == "hybrid"
-        if hybrid:
+        mixes, rule = self.plan.mixes, self.plan.rule
+        if mixes:
             idx = self._selection(key, n)
             keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
             losses, d, hosts, stash, x = self._forward_sweep(batch, keys, layers, t0, idx)
@@ -389,30 +382,29 @@ class StreamedExecutor:
         sel = jax.tree.map(lambda a: a[idx], x)
         s = len(idx)
         h_in = self._to_device(stash["head"])
-        guess = hybrid and self.estimator.correction == "guess"
-        cv = hybrid and self.estimator.correction in ("control_variate", "weighted", "stein",
-                                                      "guess")
-        spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit (weighted)
-        c_parts: dict = {}
+        later = mixes and (rule.cross or rule.along)  # estimates wait for every unit's share
+        spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit: plain host numbers, not arrays that
+        partials: list = []  # pin their buffers; each unit's share of the rule's sums
+        sq: dict = {}  # ‖h_u‖² per unit (a direction's norm)
         scratch: list = []
-        members = self._members(key, n, layers) if hybrid else {}
-        sq: dict = {}  # ‖h_u‖² per unit (guess)
-        idx_j = jnp.asarray(idx, jnp.int32)
+        members = self._members(key, n, layers) if mixes else {}
+        common = self._common_stats(idx, n, layers, hosts) if mixes else {}
 
         def finish(u, g, p):
-            """g: per selected micro-batch gradients (hybrid) or the mean gradient (backprop)."""
-            if not hybrid:
+            """g: per selected micro-batch gradients (mixes) or the mean gradient (backprop)."""
+            if not mixes:
                 return sink(u, _f32(g, self.host), p)
             with jax.default_device(self.host):
                 g, p_h = _f32(g, self.host), jax.device_put(p, self.host)
                 m = jnp.asarray(members[str(u)])
-                if not cv:
-                    return sink(u, K.unit_replace(self.spec, K.seg_keys(keys, u), jnp.asarray(d),
-                                                  g, m, idx_j, p_h), p)
                 h_u, spread_u = K.unit_group(g, m, p_h)
-                spread[u] = float(spread_u)  # per-unit values kept for the step: plain
-                if not guess:  # host numbers, not arrays that pin their buffers
-                    c_parts[u] = np.array(K.unit_project(self.spec, K.seg_keys(keys, u), h_u))
+                st = {**common, "h": h_u, "member": m, "spread": spread_u}
+                sk, dj = K.seg_keys(keys, u), jnp.asarray(d)
+                if not later:
+                    return sink(u, K.unit_combine(rule, self.spec, sk, dj, p_h, st, {}), p)
+                if rule.cross:
+                    partials.append(host_value(K.unit_partials(rule, self.spec, sk, dj, p_h, st)))
+                spread[str(u)] = float(spread_u)
                 sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
             scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
             for f in [f for f in scratch if f.done()]:  # keep only the writes in flight;
@@ -420,7 +412,7 @@ class StreamedExecutor:
                 scratch.remove(f)
 
         head_dev = self._to_device(hosts["head"])
-        if hybrid:
+        if mixes:
             head_losses, g, ct = K.head_vjp_each(self.stack, head_dev, h_in, sel)
         else:
             head_losses, g, ct = K.head_loss_vjp(self.stack, head_dev, h_in, sel,
@@ -430,53 +422,61 @@ class StreamedExecutor:
 
         for u, (host, dev) in self._sweep(list(reversed(self._groups(layers))), self._rload, t0,
                                           "reverse"):
-            g, ct = self._block_vjp(dev, u, stash, ct, hybrid)
+            g, ct = self._block_vjp(dev, u, stash, ct, mixes)
             self._each(u, g, host, finish)
         embed_dev = self._to_device(hosts["embed"])
-        g = (K.embed_vjp_each if hybrid else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
+        g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
         finish("embed", g, hosts["embed"])
 
-        if guess:
+        if later:
             for f in scratch:
                 f.result()
-            self._guess_sweeps(batch, layers, hosts, sink, t0, np.sqrt(sum(sq.values())))
-        elif cv:  # third sweep, now that c_nk = Σ_u h_u·v_nk,u is complete
-            for f in scratch:
-                f.result()
-            self._cv_sweep(layers, hosts, sink, t0, keys=keys, d=d, c_parts=c_parts,
-                           spread=spread, members=members, idx=idx)
+            totals = jax.tree.map(lambda *a: sum(a), *partials) if partials else {}
+            scale = None
+            if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
+                scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
+                d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
+            self._combine_sweep(layers, hosts, sink, t0, keys=keys, d=d, totals=totals,
+                                spread=spread, members=members, common=common, scale=scale)
         return float(np.mean(losses)), {}
 
-    def _cv_sweep(self, layers, hosts, sink, t0, *, keys, d, c_parts, spread, members,
-                  idx) -> None:
-        """The update sweep of ``control_variate`` / ``weighted`` / ``stein``: each unit's
-        estimate from its group mean h_u (the store's scratch), the scalars d and the
-        cross-unit c_nk = Σ_u ⟨h_u, v_nk,u⟩ (with β per unit for ``weighted`` / ``stein``)."""
-        corr = self.estimator.correction
-        blocks = [c_parts[l] for l in layers]
-        c = c_parts["embed"] + (np.sum(np.stack(blocks), 0) if blocks else 0.0) + c_parts["head"]
-        beta = (self._betas(layers, hosts, spread, members, d, c, idx, corr == "stein")
-                if corr in ("weighted", "stein") else {})
-        idx_j = jnp.asarray(idx, jnp.int32)
+    def _common_stats(self, idx, n: int, layers, hosts) -> dict:
+        """The combine statistics every unit shares: the selection, the micro-batches outside
+        it (the head's group holds every selected one) and the model's parameter count."""
+        outside = np.ones(n, np.float32)
+        outside[idx] = 0.0
+        size = lambda u: float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))  # noqa: E731
+        total = size("embed") + size("head") + (size(layers[0]) * self.store.num_layers
+                                                if layers else 0.0)
+        return {"idx": jnp.asarray(idx, jnp.int32), "outside": jnp.asarray(outside),
+                "total_size": jnp.float32(total)}
+
+    def _combine_sweep(self, layers, hosts, sink, t0, *, keys, d, totals, spread, members,
+                       common, scale) -> None:
+        """The update sweep of a rule that waits for every unit: each unit's estimate from its
+        group mean h_u (the store's scratch), the scalars d and the rule's cross-unit
+        ``totals`` (along a direction: u_unit = h_u · ``scale``)."""
+        rule = self.plan.rule
 
         def uload(u):
             p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
             h_u = self.store.read_scratch(u).result()
             with jax.default_device(self.host):
-                return p, K.unit_control_variate(
-                    self.spec, K.seg_keys(keys, u), jnp.asarray(d), jnp.asarray(c), h_u,
-                    jnp.asarray(members[str(u)]), idx_j, jnp.float32(beta.get(str(u), 1.0)),
-                    jax.device_put(p, self.host), corr == "stein")
+                st = {**common, "h": h_u, "member": jnp.asarray(members[str(u)]),
+                      "spread": jnp.float32(spread[str(u)])}
+                if scale is not None:
+                    st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(scale),
+                                                   h_u)
+                return p, K.unit_combine(rule, self.spec, K.seg_keys(keys, u), jnp.asarray(d),
+                                         jax.device_put(p, self.host), st, totals)
 
         for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
             sink(u, g, p)
 
-    def _guess_sweeps(self, batch, layers, hosts, sink, t0, norm: float) -> None:
-        """``guess``: a forward sweep along u = h / ‖h‖ (h from the store's scratch) gives each
-        micro-batch's derivative ∇L_n·u; an update sweep applies (mean_n ∇L_n·u) u."""
+    def _along_sweep(self, batch, layers, hosts, t0, scale: float) -> np.ndarray:
+        """A forward sweep along u = h · ``scale`` (h from the store's scratch): each
+        micro-batch's derivative ∇L_n·u, (N,)."""
         x = self._cast_batch(batch)
-        scale = 1.0 / max(norm, 1e-30)
-        units = ["embed", *layers, "head"]
 
         def gload(u):
             if isinstance(u, str):
@@ -492,15 +492,7 @@ class StreamedExecutor:
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
                 h, dh = self._block_along(dev, v, h, dh)
-        coef = float(np.mean(host_value(dg))) * scale
-
-        def uload(u):
-            p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
-            h_u = self.store.read_scratch(u).result()
-            return p, jax.tree.map(lambda a: np.asarray(a, np.float32) * np.float32(coef), h_u)
-
-        for u, (p, g) in self._sweep(units, uload, t0, "update"):
-            sink(u, g, p)
+        return np.asarray(host_value(dg), np.float32)
 
     # ------------------------------------------------------------------ blocks on the device
     # What a sweep does with the blocks. Here one layer at a time on one device; an engine
@@ -510,8 +502,8 @@ class StreamedExecutor:
         return list(layers)
 
     def _merge_micro_batches(self) -> bool:
-        """Whether the step computes its N micro-batches as one (every kind but hybrid)."""
-        return self.kind != "hybrid"
+        """Whether the step computes its N micro-batches as one (every plan but a hybrid's)."""
+        return not self.plan.mixes
 
     def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
         """``fn(layer, gradient, host params)`` for each layer of device unit ``u``."""
@@ -547,7 +539,7 @@ class StreamedExecutor:
 
     def _block_local_grad(self, dev, u, keys, h, head_dev, x):
         return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h,
-                                 head_dev, x, self.kind == "local_weights")
+                                 head_dev, x, self.plan.forward == "local_weights")
 
     def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
         vjp = K.block_vjp_each if each else K.block_vjp
@@ -564,37 +556,13 @@ class StreamedExecutor:
     def _members(self, key, n, layers) -> dict:
         """Per unit, which selected micro-batches have its exact gradient (nested groups:
         micro-batch i reaches block l iff depth[i] <= l, the embed iff depth[i] <= 0)."""
-        depth = np.asarray(self.estimator.selection(n, key, self.store.num_layers)[1])
+        depth = np.asarray(self.plan.select(n, key, self.store.num_layers)[1])
         out = {"embed": (depth <= 0), "head": np.ones_like(depth, bool)}
         out.update({str(l): depth <= l for l in layers})
         return {u: m.astype(np.float32) for u, m in out.items()}
 
-    def _betas(self, layers, hosts, spread, members, d, c, idx, stein=False) -> dict:
-        """β per unit of the ``weighted`` correction (:func:`jaxstream.grad.corrections.shrinkage`
-        with each unit a segment; the whole model's size for a single exact gradient), or for
-        ``stein`` each unit's residual variance b (its β needs the residual itself)."""
-        n, k = d.shape
-        units = ["embed", *layers, "head"]
-        sizes = {str(u): float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))
-                 for u in units}
-        per_layer = sizes[str(layers[0])] if layers else 0.0
-        total = sizes["embed"] + sizes["head"] + per_layer * self.store.num_layers
-        outside = np.ones(n, np.float32)
-        outside[idx] = 0.0  # the head's group holds every selected micro-batch
-        q = cr.residual_q(jnp.asarray(d), jnp.asarray(c), jnp.asarray(outside))
-        counts = {str(u): jnp.float32(members[str(u)].sum()) for u in units}
-        if stein:
-            b = cr.residual_variance(counts, {k_: jnp.float32(v) for k_, v in sizes.items()},
-                                     q, n, k)
-            return {u: float(v) for u, v in b.items()}
-        out = cr.shrinkage({str(u): jnp.float32(members[str(u)].sum()) for u in units},
-                           {str(u): jnp.float32(spread[u]) for u in units},
-                           {k_: jnp.float32(v) for k_, v in sizes.items()}, q, n, k,
-                           total_size=total)
-        return {u: float(b) for u, b in out.items()}
-
     def _selection(self, key, n):
-        return np.asarray(self.estimator.selection(n, key, self.store.num_layers)[0])
+        return np.asarray(self.plan.select(n, key, self.store.num_layers)[0])
 
     def _plain_sweep(self, batch, layers, t0):
         """Forward sweep without tangents, stashing every block's input (backprop)."""

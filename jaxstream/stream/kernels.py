@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
 from jaxstream.grad.tangents import TangentSpec, combine, gram, project
@@ -215,36 +216,37 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
     return out, _sum0(g)
 
 
-# ----------------------------------------------------------------------------- corrections per unit
-# One unit is one segment of the core's corrections (``{"tree": ...}``); ``member`` (S,) says
-# which selected micro-batches have this unit's exact gradient (nested per-layer groups).
+# ----------------------------------------------------------------------------- combine per unit
+# One unit is one segment of the core's combine (``{"tree": ...}``); ``member`` (S,) says which
+# selected micro-batches have this unit's exact gradient (nested per-layer groups).
 @jax.jit
 def unit_group(g_each: Any, member: jax.Array, like: Any) -> tuple[Any, jax.Array]:
     """(h, spread): the group's mean exact gradient and Σ_{s∈G} ‖g_s − h‖² of one unit."""
-    masks = {"tree": member}
-    h, _ = cr.group_mean(g_each, masks, like)
-    return h, cr.group_spread(g_each, h, masks, like)["tree"]
+    h, _, spread = cb.group_stats(g_each, {"tree": member}, like)
+    return h, spread["tree"]
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def unit_replace(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, g_each: Any,
-                 member: jax.Array, idx: jax.Array, like: Any) -> Any:
-    masks = {"tree": member}
-    rows = cr.outside_rows(masks, idx, d.shape[0])
-    return cr.replace(spec, seg_keys, d, g_each, masks, like, rows=rows)
+def unit_stats(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, like: Any, *, h: Any,
+               member: jax.Array, idx: jax.Array, spread: jax.Array, outside: jax.Array,
+               total_size: jax.Array, direction: Any = None) -> cb.Stats:
+    """The combine's statistics of one unit (one segment)."""
+    return cb.Stats(spec, seg_keys, d, like, h=h, counts={"tree": member.sum()},
+                    spread={"tree": spread}, outside=outside, total_size=total_size,
+                    rows=cr.outside_rows({"tree": member}, idx, d.shape[0]), direction=direction)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 9))
-def unit_control_variate(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, c: jax.Array,
-                         h: Any, member: jax.Array, idx: jax.Array, beta: jax.Array,
-                         like: Any, stein: bool = False) -> Any:
-    """The control variate of one unit; ``stein``: ``beta`` is the unit's residual variance b
-    and the weight is :func:`cr.stein_beta`'s."""
-    rows = cr.outside_rows({"tree": member}, idx, d.shape[0])
-    if stein:
-        return cr.control_variate(spec, seg_keys, d, h, c, like, rows=rows,
-                                  stein=({"tree": beta}, {"tree": member.sum()}))
-    return cr.control_variate(spec, seg_keys, d, h, c, like, beta={"tree": beta}, rows=rows)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def unit_partials(rule: cb.Rule, spec: TangentSpec, seg_keys: jax.Array, d: jax.Array,
+                  like: Any, stats: dict) -> dict:
+    """This unit's share of the rule's cross-unit sums (summed over units on the host)."""
+    return rule.partials(unit_stats(spec, seg_keys, d, like, **stats))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def unit_combine(rule: cb.Rule, spec: TangentSpec, seg_keys: jax.Array, d: jax.Array,
+                 like: Any, stats: dict, totals: dict) -> Any:
+    """This unit's estimate under ``rule`` once the cross-unit ``totals`` are known."""
+    return rule.estimate(unit_stats(spec, seg_keys, d, like, **stats), totals)
 
 
 # ----------------------------------------------------------------------------- along a direction
