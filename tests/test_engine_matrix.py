@@ -15,6 +15,10 @@ variants docs/engines.md states:
   whole batch and keeps the shard's rows: its reference is the estimator itself (a draw per
   shard, the estimator on each shard averaged, is far from it: checked below).
 
+The composed engine (streamed stages over a ``data × stage`` mesh) is a column like the others
+and needs no variant. A combine rule registered only here (``halfway``) is a row: a new rule
+runs on every engine once it is registered in ``jaxstream.grad.combine``.
+
 The in-memory column of the matrix is the reference itself, so it has no test here. Sizes:
 an MLP of depth 4 (one block per stage), 4 micro-batches of 4 examples, 4 devices (from the
 8 simulated CPU devices of tests/conftest.py). Each reference compiles once and serves every
@@ -35,6 +39,8 @@ from jax.sharding import Mesh
 
 import jaxstream.grad as jg
 from jaxstream.comm import data_parallel
+from jaxstream.compose import ComposedExecutor, make_mesh
+from jaxstream.grad import combine
 from jaxstream.models import mlp
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
@@ -63,6 +69,17 @@ def table_exact_from(sched, num_layers: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _halfway(stats, totals):
+    """A combine rule the library does not have: halfway between the exact-subset mean h and
+    the control variate, h + ½ · (tangent estimate of the residual). Registered here, in one
+    place; every engine must run it."""
+    cv = combine.CONTROL_VARIATE.estimate(stats, totals)
+    return jax.tree.map(lambda g, h: h + 0.5 * (g - h), cv, stats.h)
+
+
+HALFWAY = combine.register(combine.Rule("halfway", _halfway, combine.CONTROL_VARIATE.partials,
+                                        cross=True, stale_ok=True, doc="test rule"))
+
 # name -> (estimator, batch layout of the in-memory reference)
 ESTIMATORS = {
     "backprop": (jg.backprop(), "flat"),
@@ -82,8 +99,11 @@ ESTIMATORS = {
     "hyb-guess": (jg.hybrid(exact_indices=SEL, correction="guess", num_tangents=K), "micro"),
     "hyb-cv-nested": (jg.hybrid(exact_from=table_exact_from(NESTED, M),
                                 correction="control_variate", num_tangents=K), "micro"),
+    "hyb-new-rule": (jg.hybrid(exact_indices=SEL, correction="halfway", num_tangents=K),
+                     "micro"),
 }
-ENGINES = ("dataparallel", "pipeline", "stream")
+ENGINES = ("dataparallel", "pipeline", "stream", "composed")
+COMPOSED_MESH = (2, 2)  # data × stage: 2 replicas beside 2 stages of 2 streamed layers each
 PAIRS = [(engine, name) for name in ESTIMATORS for engine in ENGINES]
 
 
@@ -212,7 +232,11 @@ def run_engine(engine: str, name: str, problem, direction, store, key=None):
     if engine == "pipeline":
         kw = {"guess": direction} if name == "hyb-guess" else {}
         return pipeline_for(name)(params, micro, key, **kw)[:2]
-    ex = StreamedExecutor(STACK, est, SGD, store, StreamConfig(compute_dtype="float32", prefetch=2))
+    cfg = StreamConfig(compute_dtype="float32", prefetch=2)
+    if engine == "composed":
+        ex = ComposedExecutor(STACK, est, SGD, store, cfg, mesh=make_mesh(*COMPOSED_MESH))
+    else:
+        ex = StreamedExecutor(STACK, est, SGD, store, cfg)
     return ex.estimate(micro, key)
 
 
@@ -227,7 +251,8 @@ def test_engine_equals_in_memory_estimator(engine, name, problem, guess_directio
 
 
 @pytest.mark.parametrize("engine,name", [("pipeline", "fwd-w-gauss"), ("stream", "hyb-cv"),
-                                         ("dataparallel", "fwd-act")])
+                                         ("dataparallel", "fwd-act"),
+                                         ("composed", "hyb-weighted")])
 def test_a_wrong_engine_fails_the_comparison(engine, name, problem, guess_direction, store):
     """The comparison can fail: the engine run with another key, or compared with the
     reference of another variant, is far off."""
@@ -252,3 +277,17 @@ def test_nested_groups_are_partial():
     groups = table_exact_from(NESTED, M)
     assert all(0 < groups[j] <= M for j in SEL), groups
     assert all(groups[j] == M + 1 for j in range(N) if j not in SEL), groups
+
+
+def test_the_new_rule_is_what_it_says(problem):
+    """The registered rule's in-memory estimate is ½ (control variate + exact-subset mean),
+    the mean written here from ``jax.grad`` alone: the rule is not a copy of another."""
+    params, micro, _, key = problem
+    _, half = reference("hyb-new-rule", "same")(params, micro, key)
+    _, cv = reference("hyb-cv", "same")(params, micro, key)
+    grad = jax.jit(jax.grad(STACK))
+    gs = [grad(params, jax.tree.map(lambda a, i=i: a[i], micro)) for i in SEL]
+    h = jax.tree.map(lambda *g: sum(g) / len(g), *gs)
+    want = jax.tree.map(lambda c, hh: 0.5 * (c + hh), cv, h)
+    assert max_rel_err(half, want) <= TOL
+    assert max_rel_err(half, cv) > 1e-3 and max_rel_err(half, h) > 1e-3

@@ -78,7 +78,8 @@ def plan_of(estimator: Any, update: str = "eager") -> Plan:
         raise TypeError("stream: estimator must be a jaxstream.grad estimator (one with a "
                         f".plan), got {type(estimator).__name__}")
     if plan.mixes and plan.forward != "weights":
-        raise TypeError(f"stream: estimator must mix exact gradients with weight tangents; got "
+        raise TypeError(f"stream: estimator must be one that mixes exact gradients with weight "
+                        f"tangents; got "
                         f"{type(estimator).__name__}, {plan.describe()}, which mixes them with "
                         f"a {plan.forward!r} forward pass (run it in memory or data parallel)")
     if update == "lazy" and not (plan.forward == "weights" and plan.exact == "none"):

@@ -26,8 +26,8 @@ CASES = [
      r"optimizer.options.nesterov: expected true or false"),
     (QUICKSTART, ["model.width=1000000000"], r"model: needs about .* GiB .* this machine has"),
     (STREAM, ["arms.1.estimator={type: hybrid_activity}"],
-     r"arms.1.estimator: stream: estimator must mix exact gradients with weight tangents; "
-     r"got HybridActivity"),
+     r"arms.1.estimator: stream: estimator must be one that mixes exact gradients with weight "
+     r"tangents; got HybridActivity"),
     (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
 ]
