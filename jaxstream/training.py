@@ -51,15 +51,11 @@ class TrainStep:
         return WithModelState(opt, self.loss_fn.state) if self.stateful else opt
 
     def gradients(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
-        """``(loss, grads)`` of the estimator; a sequential model gets its dropout key and,
-        for activity perturbation, its own layered pass."""
+        """``(loss, grads)`` of the estimator; a sequential model gets its dropout key (the
+        estimator runs activity perturbation on its own layered pass)."""
         model = self.loss_fn
         if isinstance(model, Sequential):
             model = model.with_rng(jax.random.fold_in(key, DROPOUT))
-            if getattr(self.estimator, "perturb", None) == "activations":
-                if getattr(self.estimator, "local_losses", False):
-                    raise ValueError("local_losses=True is not available for a sequential model")
-                return model.activity(self.estimator.spec, params, batch, key)
         out = self.estimator(model, params, batch, key)
         return out[0], out[1]
 

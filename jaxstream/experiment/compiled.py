@@ -33,11 +33,6 @@ def _cached(key: tuple, make: Callable[[], Any]) -> Any:
     return _CACHE[key]
 
 
-def clear_cache() -> None:
-    """Forget every cached model and engine."""
-    _CACHE.clear()
-
-
 def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
     """The model of ``cfg.model`` for data ``info`` (same object for equal configs). For an
     engine that places or streams blocks (``places_blocks``) a sequential model becomes a stack

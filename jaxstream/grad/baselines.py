@@ -149,21 +149,15 @@ class LocalForwardWeights:
 def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array):
     """Each segment's weight-perturbed estimate of its local loss (the segment kernel
     :func:`~jaxstream.grad.segments.local_weight_grad`, as every engine runs it)."""
-    x = batch["x"]
     example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
     local = lambda h: example(stack.head(params["head"], h))  # noqa: E731
-    h0, g_embed = sg.local_weight_grad(lambda p: stack.embed(p, x), params["embed"], spec, key,
-                                       "embed", local)
 
-    def body(h, xs):
-        p, layer = xs
-        return sg.local_weight_grad(lambda q: stack.block(q, h), p, spec, key, layer, local)
+    def kernel(fn, p, seg):
+        loss = example if isinstance(seg, str) and seg == "head" else local
+        return sg.local_weight_grad(fn, p, spec, key, seg, loss)
 
-    layers = jnp.arange(stack.num_layers)
-    h_last, g_blocks = jax.lax.scan(body, h0, (params["blocks"], layers))
-    logits, g_head = sg.local_weight_grad(lambda p: stack.head(p, h_last), params["head"], spec,
-                                          key, "head", example)
-    return jnp.mean(example(logits)), {"embed": g_embed, "blocks": g_blocks, "head": g_head}
+    logits, grads = sg.segment_sweep(stack, params, batch["x"], kernel)
+    return jnp.mean(example(logits)), grads
 
 
 def local_forward_weights(num_tangents: int = 1, distribution: str = "rademacher") -> LocalForwardWeights:

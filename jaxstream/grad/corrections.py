@@ -1,6 +1,7 @@
 """Corrections that mix forward estimates with exact gradients of a subset of micro-batches.
 
-A step has N micro-batches, each with K directional derivatives ``d[n, k] = ∇L_n·v_nk``.
+The formulas the combine rules of :mod:`jaxstream.grad.combine` are made of (the choice between
+them lives there only). A step has N micro-batches, each with K directional derivatives ``d[n, k] = ∇L_n·v_nk``.
 A selected subset also has exact gradients. Groups are per *segment*: for a stack, the embed,
 each block l and the head are segments, and segment s has its own group G_s (the micro-batches
 whose exact gradient reaches it: nested G_embed = G_0 ⊆ G_1 ⊆ … ⊆ G_head, as a pipeline with
@@ -21,9 +22,6 @@ import jax.numpy as jnp
 
 from jaxstream.grad.tangents import TangentSpec, combine, project
 from jaxstream.models.stack import is_stack_params
-
-CORRECTIONS = ("replace", "control_variate", "weighted", "stein", "guess")
-
 
 def _bcast(v: jax.Array, ndim: int) -> jax.Array:
     return v.reshape(v.shape + (1,) * (ndim - v.ndim))
@@ -201,22 +199,6 @@ def residual_q(d: jax.Array, c: jax.Array, outside: jax.Array) -> jax.Array:
     """q = mean (d − c)² over the micro-batches whose residual is estimated (``outside`` (N,))."""
     w = outside[:, None] * jnp.ones_like(d)
     return jnp.sum(w * (d - c) ** 2) / jnp.maximum(jnp.sum(w), 1.0)
-
-
-def replace(spec: TangentSpec, keys, d, exact, masks, like, first_layer: int = 0, *,
-            rows: dict) -> Any:
-    """Exact gradient for micro-batches in the group, forward estimate for the others:
-    (1/N)[Σ_{n∈G} g_n + Σ_{n∉G} ĝ_n] per segment. Unbiased.
-
-    ``rows``: :func:`outside_rows` of the group (which micro-batches keep their forward part).
-    """
-    n = d.shape[0]
-    plain = combine(spec, keys, d / (n * spec.num), like, first_layer, rows=rows)
-    m_leaf = _per_leaf(masks, like)
-    return jax.tree.map(
-        lambda p, g, m: p + ((_bcast(m, g.ndim) * g).sum(0) / n).astype(p.dtype),
-        plain, exact, m_leaf,
-    )
 
 
 def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0,

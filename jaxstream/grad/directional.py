@@ -79,34 +79,20 @@ def stack_activity(
     b = d.shape[1]
 
     # Pass 2: recompute the forward and form each module's weight estimate locally.
-    h0, g_embed = sg.act_grad(lambda p: stack.embed(p, x), params["embed"], spec, key, "embed",
-                              d, b)
-
-    def bwd(h, xs):
-        p, layer = xs
-        return sg.act_grad(lambda pp: stack.block(pp, h), p, spec, key, layer, d, b)
-
-    layers = jnp.arange(stack.num_layers)
-    h_last, g_blocks = jax.lax.scan(bwd, h0, (params["blocks"], layers))
-    _, g_head = sg.act_grad(lambda p: stack.head(p, h_last), params["head"], spec, key, "head",
-                            d, b)
-    return jnp.mean(ex_loss), {"embed": g_embed, "blocks": g_blocks, "head": g_head}
+    _, grads = sg.segment_sweep(stack, params, x, lambda fn, p, seg: sg.act_grad(
+        fn, p, spec, key, seg, d, b))
+    return jnp.mean(ex_loss), grads
 
 
 def _activity_local(stack, spec, params, batch, key):
-    """One pass: each module output's tangent reaches only that output's local loss."""
-    x = batch["x"]
+    """One pass: each module output's tangent reaches only that output's local loss (the
+    head's: the global loss)."""
     example = lambda lg: stack.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
     local_loss = lambda h: example(stack.head(params["head"], h))  # noqa: E731
-    h0, g_embed = sg.local_act_grad(lambda p: stack.embed(p, x), params["embed"], spec, key,
-                                    "embed", local_loss)
 
-    def body(h, xs):
-        p, layer = xs
-        return sg.local_act_grad(lambda pp: stack.block(pp, h), p, spec, key, layer, local_loss)
+    def kernel(fn, p, seg):
+        loss = example if isinstance(seg, str) and seg == "head" else local_loss
+        return sg.local_act_grad(fn, p, spec, key, seg, loss)
 
-    layers = jnp.arange(stack.num_layers)
-    h_last, g_blocks = jax.lax.scan(body, h0, (params["blocks"], layers))
-    logits, g_head = sg.local_act_grad(lambda p: stack.head(p, h_last), params["head"], spec, key,
-                                       "head", example)
-    return jnp.mean(example(logits)), {"embed": g_embed, "blocks": g_blocks, "head": g_head}
+    logits, grads = sg.segment_sweep(stack, params, batch["x"], kernel)
+    return jnp.mean(example(logits)), grads

@@ -12,11 +12,11 @@ import dataclasses
 from typing import Any, Callable, Literal
 
 import jax
-import jax.numpy as jnp
 
 from jaxstream.grad import combine as cb
 from jaxstream.grad.checks import check_examples, check_key, check_labels, check_local_losses
 from jaxstream.grad.directional import directional, stack_activity
+from jaxstream.grad.layered import is_layered, layered_activity
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
@@ -105,12 +105,11 @@ class Forward:
             check_examples(batch, "forward")
             check_local_losses(loss_fn, self.local_losses, "forward")
         if self.perturb == "activations":
-            if not isinstance(loss_fn, Stack) and callable(getattr(loss_fn, "activity", None)):
-                # a layered model that runs its own activity pass (models.from_sequential)
+            if is_layered(loss_fn):  # a user's layered model (models.from_sequential)
                 if self.local_losses:
                     raise ValueError("local_losses=True needs a model Stack (a shared head for "
                                      f"every block); got {type(loss_fn).__name__}")
-                loss, grads = loss_fn.activity(self.spec, params, batch, key)
+                loss, grads = layered_activity(loss_fn, self.spec, params, batch, key)
                 return _finish(loss, grads, {}, diagnostics)
             if not isinstance(loss_fn, Stack):
                 raise TypeError(

@@ -54,7 +54,10 @@ class Plan:
     combine: str | None = None
     spec: TangentSpec = TangentSpec()
     micro_batches: bool = False
-    select: Callable[[int, jax.Array, int | None], tuple[Any, Any]] | None = None
+    # the selection follows from the estimator's fields below (num_exact, fixed, nested), so
+    # two equal estimators' plans compare equal although their bound methods are distinct
+    select: Callable[[int, jax.Array, int | None], tuple[Any, Any]] | None = dataclasses.field(
+        default=None, compare=False)
     num_exact: int | None = None
     fixed: tuple[int, ...] | None = None
     nested: bool = False

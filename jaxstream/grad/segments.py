@@ -96,6 +96,30 @@ def _scan_blocks(kernel: Callable, stack: Stack, spec: TangentSpec, blocks: Any,
     return h, dh
 
 
+def segment_sweep(stack: Stack, params: dict, x: jax.Array, kernel: Callable,
+                  first_layer: Any = 0, *, embed: bool = True,
+                  head: bool = True) -> tuple[jax.Array, dict]:
+    """embed → blocks → head with one kernel per segment: ``kernel(fn, p, segment) -> (out,
+    grad)``, where ``out = fn(p)`` is the segment's output on its input and ``segment`` is
+    ``"embed"``, a block's global layer index (traced) or ``"head"``. Blocks are scanned, so one
+    layer's work is live at a time. A slice of the model (a pipeline stage) leaves out the
+    embed (``x`` is then the first block's input) or the head (the output is the last block's);
+    a left-out segment's result is zeros. Returns the output and the per-segment results."""
+    zeros = lambda name: jax.tree.map(jnp.zeros_like, params[name])  # noqa: E731
+    h, g_embed = (kernel(lambda p: stack.embed(p, x), params["embed"], "embed") if embed
+                  else (x, zeros("embed")))
+
+    def body(h, xs):
+        p, layer = xs
+        return kernel(lambda pp: stack.block(pp, h), p, layer)
+
+    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    h, g_blocks = jax.lax.scan(body, h, (params["blocks"], first_layer + jnp.arange(n)))
+    out, g_head = (kernel(lambda p: stack.head(p, h), params["head"], "head") if head
+                   else (h, zeros("head")))
+    return out, {"embed": g_embed, "blocks": g_blocks, "head": g_head}
+
+
 def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
              key: jax.Array, batch: dict):
     """``(loss, d)``: the micro-batch's mean loss and its K directional derivatives."""

@@ -4,8 +4,8 @@ Each element of the sequence is a *layer*: an nnx module (with parameters, batch
 dropout) or a plain callable (``nnx.relu``, a pooling lambda, a reshape). Layers may change the
 shape of the activations. The model is a ``loss_fn(params, batch) -> scalar`` that every
 estimator accepts (backprop, forward weight perturbation, hybrid); activity perturbation runs on
-its own layered pass (:meth:`Sequential.activity`), which puts a tangent on the output of every
-layer that has parameters. A stack of identical blocks (:class:`~jaxstream.models.Stack`) stays
+its own layered pass (:func:`jaxstream.grad.layered.layered_activity`), which puts a tangent on
+the output of every layer that has parameters. A stack of identical blocks (:class:`~jaxstream.models.Stack`) stays
 the fast path (one compiled block, ``lax.scan``); a sequential model unrolls its layers.
 
 Parameters are a tuple with one ``nnx.Param`` pure dict per layer (``{}`` for a layer without
@@ -29,14 +29,14 @@ Example:
     ...     loss="cross_entropy")
     >>> params = model.init(jax.random.key(0))
     >>> loss, grads = jaxstream.grad.backprop()(model, params, batch, key)
-    >>> loss, grads = model.activity(TangentSpec(num=4), params, batch, key)
+    >>> loss, grads = jaxstream.grad.forward(4, perturb="activations")(model, params, batch, key)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +44,6 @@ from flax import nnx
 
 from jaxstream.models.stack import Batch, cross_entropy
 
-if TYPE_CHECKING:  # jaxstream.grad imports jaxstream.models: import it lazily at run time
-    from jaxstream.grad.tangents import TangentSpec
-
-ACTIVITY = 3  # key segment of activation tangents (as for a stack)
 DROPOUT = 5  # key segment of dropout masks
 
 LOSSES: dict[str, Callable[[jax.Array, Batch], jax.Array]] = {"cross_entropy": cross_entropy}
@@ -169,47 +165,9 @@ class Sequential:
         out = self.apply(params, batch["x"], state)
         return jnp.mean(jnp.argmax(out, axis=-1) == batch["y"])
 
-    # ------------------------------------------------------------------ activity perturbation
-    def activity(self, spec: TangentSpec, params: tuple, batch: Batch,
-                 key: jax.Array) -> tuple[jax.Array, tuple]:
-        """Activity-perturbation forward gradient: ``(loss, grads)``, unbiased.
-
-        Tangents u_l (K per example) go on the output of every layer with parameters; one jvp
-        pass gives per-example scalars ``d[k, b]``; layer l's output cotangent is estimated by
-        ``(1/(K·B)) Σ_k d[k, b] u_l[k, b]`` and its weight estimate is a vjp through that layer
-        alone (a second pass recomputes the forward). With batch statistics (BatchNorm) an
-        example's loss depends on the other examples, so the scalar of the mean loss
-        ``Σ_b d[k, b] / B`` is used for every example instead (still unbiased, noisier).
-        """
-        from jaxstream.grad.tangents import block_key
-
+    def check_batch(self, params: tuple, batch: Batch) -> None:
+        """Clear errors for the common mistakes, before any layer is traced."""
         _check_batch(self, params, batch)
-        akey = jax.random.fold_in(key, ACTIVITY)
-        h, dh = batch["x"], None
-        for l in range(self.num_layers):
-            f = lambda hh, l=l: self.layer(l, params[l], hh)[0]
-            h, dh = (f(h), None) if dh is None else _jvp_k(f, h, dh)
-            if self.layers[l].has_params:
-                u = spec.sample(block_key(akey, l), h.shape, h.dtype)
-                dh = u if dh is None else dh + u
-        if dh is None:
-            raise ValueError("activity perturbation: the model has no parameters")
-        ex_loss, d = _jvp_k(lambda out: self.example_loss(out, batch), h, dh)  # d: (K, B)
-        k, b = d.shape
-        coef = jnp.broadcast_to(d.mean(axis=1, keepdims=True), d.shape) if self.cross_example \
-            else d / b
-
-        h, grads = batch["x"], []
-        for l in range(self.num_layers):
-            if not self.layers[l].has_params:
-                h = self.layer(l, params[l], h)[0]
-                grads.append(params[l])
-                continue
-            h, pull = jax.vjp(lambda p, l=l, h=h: self.layer(l, p, h)[0], params[l])
-            u = spec.sample(block_key(akey, l), h.shape, h.dtype)
-            cot = jnp.einsum("kb...,kb->b...", u, coef.astype(u.dtype)) / k
-            grads.append(pull(cot)[0])
-        return jnp.mean(ex_loss), tuple(grads)
 
 
 def _bind_dropout(module: nnx.Module, key: jax.Array) -> None:
@@ -218,13 +176,6 @@ def _bind_dropout(module: nnx.Module, key: jax.Array) -> None:
     dropouts = [m for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Dropout)]
     for j, m in enumerate(dropouts):
         object.__setattr__(m, "rngs", jax.random.fold_in(key, j))
-
-
-def _jvp_k(fn: Callable, primal: Any, tangents_k: Any):
-    """jvp of ``fn`` for a batch of K tangents (the core's kernel; the primal computed once)."""
-    from jaxstream.grad.segments import jvp_k
-
-    return jvp_k(fn, (primal,), (tangents_k,))
 
 
 def _check_batch(model: Sequential, params: Any, batch: Any) -> None:

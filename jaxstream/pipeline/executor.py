@@ -36,12 +36,11 @@ from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
-from jaxstream.pipeline.lowering import FIELDS, Lowered, lower
+from jaxstream.pipeline.lowering import Lowered, Row, lower
 from jaxstream.pipeline.stage_ops import StageOps
 from jaxstream.pipeline.table import BW, FBW, IDLE, B, F, Schedule, W
 
 AXIS = "stage"
-_C = {f: i for i, f in enumerate(FIELDS)}
 
 
 class PipelineCarry(NamedTuple):
@@ -400,15 +399,70 @@ def _shardings_dict(mesh, spec, arg):
     return {k: _shardings_dict(mesh, spec[k], arg[k]) for k in arg}
 
 
+class TickCarry(NamedTuple):
+    """What a stage carries from one tick to the next (the ``lax.scan`` carry).
+
+    Attributes:
+      h: (h_slots + 1, b, ...) ring buffer of stage inputs (the last slot is scratch).
+      t: (t_slots + 1, K, b, ...) ring buffer of input tangents.
+      c: (c_slots + 1, b, ...) ring buffer of output cotangents.
+      stash: (P + 1, b, ...) this step's inputs of the micro-batches the next step corrects.
+      inputs: (N + 1, b, ...) every micro-batch's stage input (activity perturbation only).
+      g: exact-gradient accumulators, one row per selected micro-batch (+ scratch).
+      d: (N + 1, K[, b]) directional derivatives (the last stage writes them).
+      loss: (N + 1,) per micro-batch losses (the last stage writes them).
+      h_next, t_next, c_next: what arrives next tick (sent up / down this tick).
+    """
+
+    h: jax.Array
+    t: jax.Array
+    c: jax.Array
+    stash: jax.Array
+    inputs: jax.Array
+    g: Any
+    d: jax.Array
+    loss: jax.Array
+    h_next: jax.Array
+    t_next: jax.Array
+    c_next: jax.Array
+
+
+def _tick(pipe: Pipeline, fns: list, batch, carry: PipelineCarry, key, *, activity: bool,
+          accumulate: bool):
+    """The scan body: store what arrived, run the cell's op under ``lax.switch``, record its
+    outputs, send activations up and cotangents down (outside the switch)."""
+    m = pipe.schedule.num_stages
+    up, down = [(i, i + 1) for i in range(m - 1)], [(i + 1, i) for i in range(m - 1)]
+
+    def tick(c: TickCarry, xs) -> tuple[TickCarry, None]:
+        r, aw = Row(*xs[0]), xs[1]
+        hbuf = c.h.at[r.h_w].set(c.h_next)
+        tbuf = c.t.at[r.t_w].set(c.t_next)
+        cbuf = c.c.at[r.c_w].set(c.c_next)
+        h_in = hbuf[r.h_r]
+        bj = jax.tree.map(lambda a: a[r.mb], batch)
+        sbj = jax.tree.map(lambda a: a[r.pm_r], carry.micro)
+        h_o, t_o, c_o, g, loss, d = jax.lax.switch(
+            r.branch, fns, (h_in, tbuf[r.t_r], cbuf[r.c_r], bj, micro_key(key, r.mb), sbj,
+                            carry.stash[r.pm_r]))
+        gacc = jax.tree.map(lambda a, x: a.at[r.g_w].add(x), c.g, g) if accumulate else c.g
+        c_next = jax.lax.ppermute(c_o, AXIS, down) if pipe.lowered.backward else c.c_next
+        return TickCarry(
+            hbuf, tbuf, cbuf, c.stash.at[r.ns_w].set(h_in),
+            c.inputs.at[aw].set(h_in) if activity else c.inputs,  # for the weight estimates
+            gacc, c.d.at[r.d_w].set(d), c.loss.at[r.d_w].set(loss),
+            jax.lax.ppermute(h_o, AXIS, up), jax.lax.ppermute(t_o, AXIS, up), c_next), None
+
+    return tick
+
+
 def _build(pipe: Pipeline):
     """The jitted shard_map'd step of a pipeline (built once, traced per input shapes)."""
     low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
     m, n, kt = sched.num_stages, sched.num_microbatches, spec.num
     per = pipe.stack.num_layers // m
-
     activity = pipe.plan.forward == "activity"
     local = pipe.plan.forward in ("local", "local_weights")
-    accumulate = low.backward or local
     guess = pipe.along
     if guess:
         kt = 1  # one derivative per micro-batch, along the given direction
@@ -423,55 +477,28 @@ def _build(pipe: Pipeline):
         owned = {"embed": (s == 0).astype(jnp.float32), "head": (s == m - 1).astype(jnp.float32)}
         u = cb.unit_direction(direction, lambda t: jax.lax.psum(t, AXIS), owned) if guess else None
         fns = _branches(pipe, ops, params, carry.params, dshape, u)
-        up = [(i, i + 1) for i in range(m - 1)]
-        down = [(i + 1, i) for i in range(m - 1)]
-
-        def tick(c, xs):
-            row, aw = xs
-            hbuf, tbuf, cbuf, ns, ain, gacc, dacc, lacc, hr, tr, cr_ = c
-            hbuf = hbuf.at[row[_C["h_w"]]].set(hr)
-            tbuf = tbuf.at[row[_C["t_w"]]].set(tr)
-            cbuf = cbuf.at[row[_C["c_w"]]].set(cr_)
-            h_in, t_in, c_in = hbuf[row[_C["h_r"]]], tbuf[row[_C["t_r"]]], cbuf[row[_C["c_r"]]]
-            mb, pm = row[_C["mb"]], row[_C["pm_r"]]
-            bj = jax.tree.map(lambda a: a[mb], batch)
-            sbj = jax.tree.map(lambda a: a[pm], carry.micro)
-            sh = carry.stash[pm]
-            h_o, t_o, c_o, g, loss, d = jax.lax.switch(
-                row[_C["branch"]], fns, (h_in, t_in, c_in, bj, micro_key(key, mb), sbj, sh))
-            ns = ns.at[row[_C["ns_w"]]].set(h_in)
-            if activity:  # every micro-batch's stage input, for the weight estimates after
-                ain = ain.at[aw].set(h_in)
-            dacc = dacc.at[row[_C["d_w"]]].set(d)
-            lacc = lacc.at[row[_C["d_w"]]].set(loss)
-            if accumulate:
-                gacc = jax.tree.map(lambda a, x: a.at[row[_C["g_w"]]].add(x), gacc, g)
-            if low.backward:
-                cr_ = jax.lax.ppermute(c_o, AXIS, down)
-            hr = jax.lax.ppermute(h_o, AXIS, up)
-            tr = jax.lax.ppermute(t_o, AXIS, up)
-            return (hbuf, tbuf, cbuf, ns, ain, gacc, dacc, lacc, hr, tr, cr_), None
-
+        tick = _tick(pipe, fns, batch, carry, key, activity=activity,
+                     accumulate=low.backward or local)
         init = _buffers(low, params, hsd, kt, n, dshape, n if activity else 0)
         out, _ = jax.lax.scan(tick, init, (tables[:, 0], ain_w[:, 0]))
-        _, _, _, ns, ain, gacc, dacc, lacc, _, _, _ = out
         last = (s == m - 1).astype(jnp.float32)
-        d = jax.lax.psum(dacc[:n] * last, AXIS)
-        losses = jax.lax.psum(lacc[:n] * last, AXIS)
+        d = jax.lax.psum(out.d[:n] * last, AXIS)
+        losses = jax.lax.psum(out.loss[:n] * last, AXIS)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+        h = None
         if local:  # each F op formed its stage's local estimates
-            grads = jax.tree.map(lambda a: a[0] / n, gacc)
+            grads = jax.tree.map(lambda a: a[0] / n, out.g)
         elif activity:
             first = (s == 0).astype(jnp.float32)
             grads = jax.tree.map(lambda a: a.sum(0) / n, jax.lax.map(
                 lambda xs: ops.activity_grads(params, xs[0], xs[1], xs[2], xs[3], first, last),
-                (batch["x"], ain[:n], keys, d)))
+                (batch["x"], out.inputs[:n], keys, d)))
             d = jnp.zeros((n, kt), jnp.float32)  # the per-example scalars stay inside
         else:
-            grads, h = _estimate(pipe, params, gacc, groups[0], d, keys, s * per, carry.valid,
+            grads, h = _estimate(pipe, params, out.g, groups[0], d, keys, s * per, carry.valid,
                                  owned, u, has_dir)
         h = _gather(h, s, m) if guess else jnp.zeros(())
-        return jnp.mean(losses), _gather(grads, s, m), d, ns, h
+        return jnp.mean(losses), _gather(grads, s, m), d, out.stash, h
 
     def step(*args, impl: str):
         fn = shard_map(functools.partial(body, impl=impl), mesh=pipe.mesh, in_specs=_in_specs(),
@@ -482,13 +509,12 @@ def _build(pipe: Pipeline):
     return jax.jit(step, static_argnames="impl")
 
 
-def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple, num_inputs: int):
-    """The scan carry: h / tangent / cotangent ring buffers, the stash of the previous step's
-    stage inputs, every micro-batch's stage input (activity perturbation: ``num_inputs`` = N),
-    exact-gradient accumulators, directional derivatives, losses, and what arrives next tick."""
+def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple,
+             num_inputs: int) -> TickCarry:
+    """The initial :class:`TickCarry` (``num_inputs``: N for activity perturbation, else 0)."""
     hshape, hdtype = hsd.shape, hsd.dtype
     z = lambda *shape: jnp.zeros(shape, hdtype)  # noqa: E731
-    return (
+    return TickCarry(
         z(low.h_slots + 1, *hshape), z(low.t_slots + 1, kt, *hshape), z(low.c_slots + 1, *hshape),
         z(len(low.prev_selected) + 1, *hshape), z(num_inputs + 1, *hshape),
         jax.tree.map(lambda a: jnp.zeros((len(low.selected) + 1, *a.shape), a.dtype), params),

@@ -21,8 +21,42 @@ import numpy as np
 from jaxstream.pipeline.table import BW, COT_OPS, FBW, IDLE, B, F, Schedule, W
 from jaxstream.pipeline.validate import forward_ticks, validate
 
-POSITIONS = ("first", "mid", "last", "only")
-FIELDS = ("branch", "mb", "h_w", "t_w", "c_w", "h_r", "t_r", "c_r", "ns_w", "pm_r", "d_w", "g_w")
+
+
+class Row(NamedTuple):
+    """The integer fields of one (tick, stage) cell of a lowered table. Slots index the stage's
+    ring buffers; the last slot of every buffer is scratch (written to, never read).
+
+    Attributes:
+      branch: the ``lax.switch`` branch the cell runs (:attr:`Lowered.branches`; 0 is idle).
+      mb: the op's micro-batch (its data and its tangent key).
+      h_w: slot that stores the activation arriving from the stage below this tick.
+      t_w: slot that stores the activation tangents arriving with it.
+      c_w: slot that stores the cotangent arriving from the stage above this tick.
+      h_r: slot of the stage input the op reads.
+      t_r: slot of the input tangents the op reads.
+      c_r: slot of the output cotangent the op reads.
+      ns_w: stash slot for this step's input of a micro-batch the next step corrects (stale).
+      pm_r: stash slot of the previous step's input that a stale op reads.
+      d_w: row of the loss / directional-derivative accumulators written (last stage's F).
+      g_w: row of the exact-gradient accumulator a weight-gradient op adds to.
+    """
+
+    branch: int
+    mb: int
+    h_w: int
+    t_w: int
+    c_w: int
+    h_r: int
+    t_r: int
+    c_r: int
+    ns_w: int
+    pm_r: int
+    d_w: int
+    g_w: int
+
+
+FIELDS = Row._fields
 
 
 class Lowered(NamedTuple):
@@ -30,7 +64,7 @@ class Lowered(NamedTuple):
 
     Attributes:
       branches: (kind, position, stale) of each lax.switch branch; branch 0 is idle.
-      tables: (T, M, len(FIELDS)) int32, one row of FIELDS per tick and stage.
+      tables: (T, M, len(FIELDS)) int32, one :class:`Row` per tick and stage.
       h_slots, t_slots, c_slots: buffer slots per stage (a scratch slot comes on top).
       prev_selected: the previous step's micro-batches the table corrects (delayed policy).
       selected: the micro-batches with any exact gradient (of the previous step if stale);
@@ -78,11 +112,28 @@ def _colour(items: list[tuple[int, int, object]]) -> tuple[dict, int]:
 def lower(s: Schedule) -> Lowered:
     """Validates `s` and builds the executor's tables (see Lowered)."""
     validate(s)
-    M, N, T = s.num_stages, s.num_microbatches, s.num_ticks
+    M, N = s.num_stages, s.num_microbatches
     if s.stale.any() and np.isin(s.kind[~s.stale], (B, W, BW, FBW)).any():
         raise ValueError("a table may hold exact-gradient ops of this step or of the previous "
                          "step (stale), not both")
     fwd = forward_ticks(s)
+    cot_tick, last_use = _uses(s)
+    prev_sel = tuple(sorted({j for (_, j, stl) in last_use if stl}))
+    selected = tuple(sorted({j for _, _, k, j, _ in s.cells() if k in (W, BW, FBW)}))
+    slots = _slots(M, N, fwd, cot_tick, last_use)
+    branches, tab = _tables(s, slots, last_use, prev_sel, selected)
+    g_rank = {j: r for r, j in enumerate(selected)}
+    groups = np.zeros((M, len(selected)), bool)
+    for _, st, k, j, _ in s.cells():
+        if k in (W, BW, FBW):
+            groups[st, g_rank[j]] = True
+    h_n, t_n, c_n = (max(n for _, n in per) for per in slots)
+    return Lowered(tuple(branches), tab, h_n, t_n, c_n, prev_sel, selected, groups,
+                   bool(s.stale.any()), bool(np.isin(s.kind, (B, W, BW, FBW)).any()))
+
+
+def _uses(s: Schedule) -> tuple[dict, dict]:
+    """(tick of each input-cotangent op, last tick of each B/W/BW) by (stage, j, stale)."""
     cot_tick: dict[tuple[int, int, bool], int] = {}
     last_use: dict[tuple[int, int, bool], int] = {}
     for t, st, k, j, stl in s.cells():
@@ -90,13 +141,12 @@ def lower(s: Schedule) -> Lowered:
             cot_tick[(st, j, stl)] = t
         if k in (B, W, BW):
             last_use[(st, j, stl)] = max(t, last_use.get((st, j, stl), -1))
-    prev_sel = tuple(sorted({j for (_, j, stl) in last_use if stl}))
-    rank = {j: r for r, j in enumerate(prev_sel)}
-    selected = tuple(sorted({j for _, _, k, j, _ in s.cells() if k in (W, BW, FBW)}))
-    g_rank = {j: r for r, j in enumerate(selected)}
+    return cot_tick, last_use
 
+
+def _slots(M: int, N: int, fwd: np.ndarray, cot_tick: dict, last_use: dict) -> tuple:
+    """Per buffer (inputs, tangents, cotangents), per stage: ({item: slot}, slots used)."""
     h_slot, t_slot, c_slot = [], [], []
-    h_n = t_n = c_n = 0
     for st in range(M):
         hs, ts, cs = [], [], []
         if st > 0:
@@ -111,26 +161,30 @@ def lower(s: Schedule) -> Lowered:
                     cs.append((t_up + 1, last_use[(st, j, stl)], (j, stl)))
         for items, acc in ((hs, h_slot), (ts, t_slot), (cs, c_slot)):
             acc.append(_colour(items))
-        h_n, t_n, c_n = (max(h_n, h_slot[-1][1]), max(t_n, t_slot[-1][1]),
-                         max(c_n, c_slot[-1][1]))
+    return h_slot, t_slot, c_slot
 
+
+def _tables(s: Schedule, slots: tuple, last_use: dict, prev_sel: tuple,
+            selected: tuple) -> tuple[list, np.ndarray]:
+    """The switch branches used and the (T, M, len(FIELDS)) table of :class:`Row` s."""
+    M, N, T = s.num_stages, s.num_microbatches, s.num_ticks
+    h_slot, t_slot, c_slot = slots
+    h_n, t_n, c_n = (max(n for _, n in per) for per in slots)
+    rank = {j: r for r, j in enumerate(prev_sel)}
+    g_rank = {j: r for r, j in enumerate(selected)}
     branches: list[tuple] = [(IDLE, "any", False)]
     tab = np.zeros((T, M, len(FIELDS)), np.int32)
     col = {f: i for i, f in enumerate(FIELDS)}
-    tab[..., col["h_w"]], tab[..., col["h_r"]] = h_n, h_n
-    tab[..., col["t_w"]], tab[..., col["t_r"]] = t_n, t_n
-    tab[..., col["c_w"]], tab[..., col["c_r"]] = c_n, c_n
-    tab[..., col["ns_w"]], tab[..., col["pm_r"]] = len(prev_sel), len(prev_sel)
-    tab[..., col["d_w"]] = N
-    tab[..., col["g_w"]] = len(selected)
+    scratch = {"h_w": h_n, "h_r": h_n, "t_w": t_n, "t_r": t_n, "c_w": c_n, "c_r": c_n,
+               "ns_w": len(prev_sel), "pm_r": len(prev_sel), "d_w": N, "g_w": len(selected)}
+    for name, slot in scratch.items():
+        tab[..., col[name]] = slot
     for t, st, k, j, stl in s.cells():
-        pos = position(st, M)
-        key = (k, pos, stl)
+        key = (k, position(st, M), stl)
         if key not in branches:
             branches.append(key)
         row = tab[t, st]
-        row[col["branch"]] = branches.index(key)
-        row[col["mb"]] = j
+        row[col["branch"]], row[col["mb"]] = branches.index(key), j
         if st > 0 and not stl:
             row[col["h_r"]] = h_slot[st][0][j]
         if k in (F, FBW):
@@ -155,14 +209,7 @@ def lower(s: Schedule) -> Lowered:
             tab[t + 1, st + 1, col["t_w"]] = t_slot[st + 1][0][j]
         if k in COT_OPS and st > 0 and (st - 1, j, stl) in last_use:
             tab[t + 1, st - 1, col["c_w"]] = c_slot[st - 1][0][(j, stl)]
-
-    stale = bool(s.stale.any())
-    groups = np.zeros((M, len(selected)), bool)
-    for _, st, k, j, _ in s.cells():
-        if k in (W, BW, FBW):
-            groups[st, g_rank[j]] = True
-    return Lowered(tuple(branches), tab, h_n, t_n, c_n, prev_sel, selected, groups, stale,
-                   bool(np.isin(s.kind, (B, W, BW, FBW)).any()))
+    return branches, tab
 
 
 def exact_from(s: Schedule, num_layers: int) -> tuple[int, ...]:

@@ -92,26 +92,18 @@ class StageOps:
         segment's tangent reaches only its own loss (the head applied to its output). Tangents
         on the segments' outputs (activity), or with ``weights`` on their weights (LG-FG-W)."""
         st, spec = self.stack, self.spec
-        kernel = sg.local_weight_grad if weights else sg.local_act_grad
+        seg_kernel = sg.local_weight_grad if weights else sg.local_act_grad
         example = lambda lg: st.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
         local = lambda h: example(st.head(p["head"], h))  # noqa: E731
-        g = jax.tree.map(jnp.zeros_like, p)
-        h = inp
-        if position in ("first", "only"):
-            h, g["embed"] = kernel(lambda pe: st.embed(pe, inp), p["embed"], spec, key, "embed",
-                                   local)
 
-        def body(h, xs):
-            pl, layer = xs
-            return kernel(lambda pp: st.block(pp, h), pl, spec, key, layer, local)
+        def kernel(fn, pp, seg):
+            loss = example if isinstance(seg, str) and seg == "head" else local
+            return seg_kernel(fn, pp, spec, key, seg, loss)
 
-        n = jax.tree.leaves(p["blocks"])[0].shape[0]
-        h, g["blocks"] = jax.lax.scan(body, h, (p["blocks"], self.first_layer + jnp.arange(n)))
-        if position in ("first", "mid"):
-            return h, g
-        logits, g["head"] = kernel(lambda ph: st.head(ph, h), p["head"], spec, key, "head",
-                                   example)
-        return jnp.mean(example(logits)), g
+        last = position in ("last", "only")
+        out, g = sg.segment_sweep(st, p, inp, kernel, self.first_layer,
+                                  embed=position in ("first", "only"), head=last)
+        return (jnp.mean(example(out)) if last else out), g
 
     # ------------------------------------------------------------------ along a given direction
     def along_forward(self, position: str, p, u, inp, dh, batch):

@@ -101,15 +101,6 @@ class Schedule:
                 self.stale[t, st]
             )
 
-    def trimmed(self) -> Schedule:
-        """The same table without trailing all-idle ticks."""
-        busy = np.nonzero(self.kind.any(axis=1))[0]
-        end = int(busy[-1]) + 1 if busy.size else 0
-        return Schedule(
-            self.kind[:end].copy(), self.micro[:end].copy(), self.stale[:end].copy(),
-            self.num_microbatches, self.name, self.stash_capacity, dict(self.meta),
-        )
-
     def with_capacity(self, stash_capacity: int | None) -> Schedule:
         """A copy with another stash capacity."""
         return Schedule(self.kind, self.micro, self.stale, self.num_microbatches, self.name,

@@ -85,6 +85,19 @@ def peak_stash(s: Schedule) -> np.ndarray:
 
 def validate(s: Schedule) -> None:
     """Raises ScheduleError naming the first broken rule; returns None for a valid table."""
+    _check_shape(s)
+    fwd, cot = _check_ops(s)
+    _check_order(s, fwd, cot)
+    if s.stash_capacity is not None:
+        peaks = peak_stash(s)
+        if peaks.max(initial=0) > s.stash_capacity:
+            st = int(np.argmax(peaks))
+            raise ScheduleError(f"stage {st}: the stash holds {peaks[st]} stage inputs; "
+                                f"stash_capacity={s.stash_capacity}")
+
+
+def _check_shape(s: Schedule) -> None:
+    """Sizes, codes, micro-batch indices, and which ops may be stale."""
     M, N = s.num_stages, s.num_microbatches
     if N < 1:
         raise ScheduleError(f"num_microbatches={N}; must be >= 1")
@@ -106,6 +119,11 @@ def validate(s: Schedule) -> None:
         raise ScheduleError(f"stage {st} tick {t}: only B, W, BW may be stale "
                             f"(previous step); got {OP_NAMES[s.kind[t, st]]}")
 
+
+def _check_ops(s: Schedule) -> tuple[np.ndarray, dict]:
+    """Each op at most once per (stage, micro-batch), FBW on the last stage, every F present;
+    returns the F ticks (M, N) and the input-cotangent ticks by (stage, j, stale)."""
+    M, N = s.num_stages, s.num_microbatches
     fwd = np.full((M, N), -1, np.int64)
     cot: dict[tuple[int, int, bool], int] = {}
     wgt: dict[tuple[int, int, bool], int] = {}
@@ -117,21 +135,24 @@ def validate(s: Schedule) -> None:
             if fwd[st, j] >= 0:
                 raise ScheduleError(f"stage {st}: F_{j} runs twice (ticks {fwd[st, j]} and {t})")
             fwd[st, j] = t
-        if k in COT_OPS:
-            if (st, j, stale) in cot:
-                raise ScheduleError(f"stage {st} tick {t}: {_op(k, j, stale)} repeats the input "
-                                    f"cotangent of tick {cot[(st, j, stale)]}")
-            cot[(st, j, stale)] = t
-        if k in GRAD_OPS:
-            if (st, j, stale) in wgt:
-                raise ScheduleError(f"stage {st} tick {t}: {_op(k, j, stale)} repeats the weight "
-                                    f"cotangent of tick {wgt[(st, j, stale)]}")
-            wgt[(st, j, stale)] = t
+        for ops, seen, what in ((COT_OPS, cot, "input"), (GRAD_OPS, wgt, "weight")):
+            if k in ops:
+                if (st, j, stale) in seen:
+                    raise ScheduleError(f"stage {st} tick {t}: {_op(k, j, stale)} repeats the "
+                                        f"{what} cotangent of tick {seen[(st, j, stale)]}")
+                seen[(st, j, stale)] = t
     missing = np.argwhere(fwd < 0)
     if missing.size:
         st, j = missing[0]
         raise ScheduleError(f"stage {st}: micro-batch {j} has no F op (every stage runs F_j "
                             f"once for every j in 0..{N - 1})")
+    return fwd, cot
+
+
+def _check_order(s: Schedule, fwd: np.ndarray, cot: dict) -> None:
+    """F_j after its input; B/W/BW after the loss or the cotangent from the stage above, and
+    after their own stage's F."""
+    M, N = s.num_stages, s.num_microbatches
     for st in range(1, M):
         for j in range(N):
             if fwd[st, j] <= fwd[st - 1, j]:
@@ -146,19 +167,13 @@ def validate(s: Schedule) -> None:
                 raise ScheduleError(
                     f"stage {st} tick {t}: {_op(k, j, stale)} needs the loss of F_{j} on the last "
                     f"stage, which runs at tick {fwd[st, j]}")
-        else:
-            up = cot.get((st + 1, j, stale))
-            if up is None or up >= t:
-                where = "never runs" if up is None else f"runs at tick {up}"
-                raise ScheduleError(
-                    f"stage {st} tick {t}: {_op(k, j, stale)} needs the cotangent from "
-                    f"B_{j} at stage {st + 1}, which {where}")
-            if not stale and fwd[st, j] >= t:
-                raise ScheduleError(f"stage {st} tick {t}: {_op(k, j, stale)} runs before F_{j} "
-                                    f"at this stage (tick {fwd[st, j]})")
-    if s.stash_capacity is not None:
-        peaks = peak_stash(s)
-        if peaks.max(initial=0) > s.stash_capacity:
-            st = int(np.argmax(peaks))
-            raise ScheduleError(f"stage {st}: the stash holds {peaks[st]} stage inputs; "
-                                f"stash_capacity={s.stash_capacity}")
+            continue
+        up = cot.get((st + 1, j, stale))
+        if up is None or up >= t:
+            where = "never runs" if up is None else f"runs at tick {up}"
+            raise ScheduleError(
+                f"stage {st} tick {t}: {_op(k, j, stale)} needs the cotangent from "
+                f"B_{j} at stage {st + 1}, which {where}")
+        if not stale and fwd[st, j] >= t:
+            raise ScheduleError(f"stage {st} tick {t}: {_op(k, j, stale)} runs before F_{j} "
+                                f"at this stage (tick {fwd[st, j]})")

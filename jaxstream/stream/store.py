@@ -104,7 +104,6 @@ class LayerStore:
                                 e["dtype"])
                     self._arrays[(kind, part, i)] = arr
                     self._direct[(kind, part, i)] = FileChunks.of(arr, len(lead))
-        self._scratch_lock = threading.Lock()
         self._fresh: bytes | None = None  # manifest last found current (_check_fresh)
 
     @property

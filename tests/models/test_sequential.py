@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxstream as js
+from jaxstream.grad.layered import layered_activity
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.sequential import from_sequential
 
@@ -59,7 +60,7 @@ def test_activity_unbiased(batch_norm, dropout, k):
     exact = jax.jit(jax.grad(model))(params, batch)
     keys = jax.random.split(jax.random.key(1), R)
     losses, est = jax.jit(lambda ks: jax.lax.map(
-        lambda k: model.activity(spec, params, batch, k), ks))(keys)
+        lambda k: layered_activity(model, spec, params, batch, k), ks))(keys)
     np.testing.assert_allclose(losses, jax.jit(model)(params, batch), rtol=1e-5)  # same mask
     z, snr = z_scores(est, exact)
     # About 300 coordinates, each z ~ N(0, 1) by the CLT: max |z| above 5 has probability < 1e-4.
