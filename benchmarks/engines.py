@@ -106,16 +106,17 @@ def run_pipeline(name, est, stack, params, micro, key):
     """(grads, own reference or None); raises ValueError/TypeError when the pipeline refuses.
     Forward estimators run on a forward-only table with tangents per micro-batch (reference:
     :func:`per_micro_forward`); hybrids on ``complete`` (``truncated`` for nested groups)."""
-    if isinstance(est, jg.Backprop):
+    plan = est.plan
+    if plan.exact == "all":
         return pipeline(stack, gpipe_backprop(M, N), est)(params, micro, key)[1], None
-    if isinstance(est, jg.ExactSubset):  # GPipe backprop over the micro-batches the key selects
-        return pipeline(stack, gpipe_backprop(M, est.num_exact), est)(params, micro, key)[1], None
-    if isinstance(est, (jg.Forward, jg.LocalForwardWeights)):
+    if plan.exact == "selected" and plan.forward == "none":  # GPipe backprop over the selection
+        return pipeline(stack, gpipe_backprop(M, plan.num_exact), est)(params, micro, key)[1], None
+    if plan.exact == "none":
         grads = pipeline(stack, gpipe_forward(M, N), est)(params, micro, key)[1]
         return grads, per_micro_forward(est, stack, params, micro, key)[1]
-    sched = truncated(M, N, SEL) if est.exact_from is not None else complete(M, N, SEL)
+    sched = truncated(M, N, SEL) if plan.nested else complete(M, N, SEL)
     pipe = pipeline(stack, sched, est)
-    if est.correction == "guess":  # the direction comes from a step before: here this step's h
+    if pipe.along:  # the direction comes from a step before: here this step's h
         direction = pipe(params, micro, key)[2]["direction"]
         return pipe(params, micro, key, guess=direction)[1], None
     return pipe(params, micro, key)[1], None

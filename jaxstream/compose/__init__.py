@@ -2,8 +2,8 @@
 ``data × stage`` mesh (:class:`ComposedExecutor`)."""
 
 from jaxstream.compose.cost import ChunkCost, chunk_cost
-from jaxstream.compose.executor import ComposedExecutor, make_mesh
+from jaxstream.compose.executor import ComposedExecutor, StageChunks, make_mesh
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 
-__all__ = ["DATA", "STAGE", "ChunkCost", "ComposedExecutor", "build_pipe", "chunk_cost",
-           "make_mesh"]
+__all__ = ["DATA", "STAGE", "ChunkCost", "ComposedExecutor", "StageChunks", "build_pipe",
+           "chunk_cost", "make_mesh"]

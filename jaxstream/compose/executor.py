@@ -2,7 +2,8 @@
 beside them, over a ``data × stage`` mesh.
 
 The streamed executor's sweeps (:mod:`jaxstream.stream.executor`) run unchanged; what changes
-is where a block runs. The step's layers are cut into *chunks* of M consecutive layers (M the
+is where a block runs: its :class:`~jaxstream.stream.placement.Placement` is
+:class:`StageChunks`. The step's layers are cut into *chunks* of M consecutive layers (M the
 ``stage`` size): chunk c puts layer cM + s on stage s. A sweep reads a chunk from the
 :class:`~jaxstream.stream.LayerStore` (prefetching the next), places it one layer per stage,
 and runs a GPipe pass of all N micro-batches through it (:mod:`.pipe`), each micro-batch's
@@ -39,9 +40,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
+from jaxstream.grad.plan import Plan
 from jaxstream.models.stack import Stack
-from jaxstream.stream.executor import StreamConfig, StreamedExecutor, host_value
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor, plan_of
+from jaxstream.stream.placement import Placement
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.values import host_value
 
 ACT = P(None, DATA)  # (N, B, ...)
 TAN = P(None, None, DATA)  # (N, K, B, ...)
@@ -69,7 +73,8 @@ def make_mesh(data: int = 1, stage: int = 1, devices: Sequence | None = None) ->
 
 class ComposedExecutor(StreamedExecutor):
     """Streamed training steps whose blocks run as pipelined chunks over a ``data × stage``
-    mesh (see the module docstring).
+    mesh (see the module docstring): the streamed executor with a :class:`StageChunks`
+    placement.
 
     Args:
       stack: the model; its depth must divide into ``mesh.shape["stage"]`` stages.
@@ -78,6 +83,8 @@ class ComposedExecutor(StreamedExecutor):
       store: the :class:`~jaxstream.stream.LayerStore` holding the parameters.
       config: :class:`~jaxstream.stream.StreamConfig` (prefetch counts chunks).
       mesh: from :func:`make_mesh`.
+
+    A step's metrics add ``ticks``, the pipeline ticks of its chunk passes.
     """
 
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
@@ -89,52 +96,76 @@ class ComposedExecutor(StreamedExecutor):
         if stack.num_layers % m:
             raise ValueError(f"mesh: stage = {m} must divide the model's {stack.num_layers} "
                              f"layers (allowed: divisors of {stack.num_layers})")
-        super().__init__(stack, estimator, optimizer, store, config or StreamConfig(),
-                         device=NamedSharding(mesh, P()))
+        config = config or StreamConfig()
+        placement = StageChunks(stack, plan_of(estimator, config.update).spec,
+                                config.compute_dtype, mesh)
+        super().__init__(stack, estimator, optimizer, store, config, placement=placement)
         self.mesh, self.num_stages = mesh, m
+
+    @property
+    def ticks(self) -> int:
+        """Pipeline ticks of the chunk passes since the last step began."""
+        return self.placement.ticks
+
+    @ticks.setter
+    def ticks(self, value: int) -> None:
+        self.placement.ticks = value
+
+
+class StageChunks(Placement):
+    """Block units are chunks of M consecutive layers, layer cM + s on stage s of a
+    ``data × stage`` mesh; each kernel is a GPipe pass of the micro-batches (:mod:`.pipe`),
+    examples split over ``data``."""
+
+    def __init__(self, stack: Stack, spec: Any, dtype: Any, mesh: Mesh):
+        self.stack, self.spec, self.dtype, self.mesh = stack, spec, jnp.dtype(dtype), mesh
+        self.num_stages = mesh.shape[STAGE]
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
-        self.ticks = 0  # pipeline ticks of the passes since the last step began
-
-    def step(self, batch: dict, key: jax.Array, step: int | None = None, extra: Any = None) -> dict:
-        """One committed optimizer step (see :meth:`StreamedExecutor.step`); the metrics add
-        ``ticks``, the pipeline ticks of the step's chunk passes."""
         self.ticks = 0
-        return {**super().step(batch, key, step, extra), "ticks": self.ticks}
 
-    # ------------------------------------------------------------------ placement
-    def _groups(self, layers: Sequence[int]) -> list:
+    def begin_step(self) -> None:
+        self.ticks = 0
+
+    def metrics(self) -> dict:
+        return {"ticks": self.ticks}
+
+    # ------------------------------------------------------------------ units and values
+    def chunks(self, layers: Sequence[int]) -> list:
         m = self.num_stages
         if len(layers) % m:
             raise ValueError(f"depth: a step's {len(layers)} layers must divide into the "
                              f"{m} stages (use a depth policy with multiples of {m})")
         return [tuple(int(l) for l in layers[i:i + m]) for i in range(0, len(layers), m)]
 
-    def _merge_micro_batches(self) -> bool:
+    def layers_of(self, unit: Any) -> tuple[int, ...]:
+        return unit if isinstance(unit, tuple) else (unit,)
+
+    def merge_micro_batches(self, plan: Plan) -> bool:
         # the micro-batches are what the pipeline overlaps; activity and LG-FG-W compute them as
         # one (activity draws its tangents for the whole batch; LG-FG-W's local losses are means
         # over it)
-        return self.plan.local
+        return plan.local
 
-    def _cast_batch(self, batch: dict) -> dict:
+    def cast_batch(self, batch: dict) -> dict:
         b = jax.tree.leaves(batch)[0].shape[1]
         if b % self.mesh.shape[DATA]:
             raise ValueError(f"batch: the micro-batch size {b} must be divisible by "
                              f"data = {self.mesh.shape[DATA]}")
         return self._global(jax.tree.map(self._cast, batch), ACT)
 
-    def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
-        if not isinstance(u, tuple):
-            return fn(u, g, host)
+    def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
         leaves = jax.tree.leaves(g)
         if all(isinstance(a, jax.Array) and a.is_fully_addressable for a in leaves):
             part = _stage_part  # one layer at a time from its device: no gathered chunk
         else:
             g, part = host_value(g), lambda a, i: a[i]  # across processes: gathered once
-        for i, l in enumerate(u):
-            fn(l, jax.tree.map(lambda a, i=i: part(a, i), g), None if host is None else host[i])
+        for i, l in enumerate(unit):
+            fn(l, jax.tree.map(lambda a, i=i: part(a, i), g), None if hosts is None else hosts[i])
 
-    # ------------------------------------------------------------------ loading chunks
+    def put(self, unit: Any, hosts: list) -> Any:
+        return self._put(hosts, self._stage)
+
     def _put(self, trees: list, sharding: NamedSharding) -> Any:
         """Stacks per-stage trees into arrays sharded by ``sharding`` (stage on the first
         axis): each device gets its own slice straight from its tree (no stacked host copy;
@@ -157,36 +188,8 @@ class ComposedExecutor(StreamedExecutor):
         return jax.tree.map(lambda a: jax.make_array_from_callback(
             np.shape(a), sh, lambda i, a=a: np.asarray(a)[i]), tree)
 
-    def _to_device(self, tree: Any) -> Any:
+    def to_device(self, tree: Any) -> Any:
         return self._global(jax.tree.map(self._cast, tree), P())
-
-    def _read(self, u: tuple, staged: bool = False) -> list:
-        futures = [self.store.read(l, staged=staged) for l in u]
-        hosts = [f.result() for f in futures]
-        return hosts if staged else [self._apply_pending(l, h) for l, h in zip(u, hosts)]
-
-    def _load(self, unit: Any) -> tuple[Any, Any]:
-        if not isinstance(unit, tuple):
-            return super()._load(unit)
-        return None, self._put(self._read(unit), self._stage)
-
-    def _load_both(self, unit: Any) -> tuple[Any, Any]:
-        if not isinstance(unit, tuple):
-            return super()._load_both(unit)
-        hosts = self._read(unit)
-        return hosts, self._put(hosts, self._stage)
-
-    def _rload(self, u: Any) -> tuple[Any, Any]:
-        if not isinstance(u, tuple):
-            return super()._rload(u)
-        hosts = self._read(u, staged=True)
-        return hosts, self._put(hosts, self._stage)
-
-    def _load_along(self, u: Any, scale: float) -> tuple[Any, Any]:
-        dev = self._put(self._read(u), self._stage)
-        vs = [jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(l).result())
-              for l in u]
-        return dev, self._put(vs, self._stage)
 
     # ------------------------------------------------------------------ the passes
     def _pipe(self, name: str, **kw) -> Callable:
@@ -213,40 +216,39 @@ class ComposedExecutor(StreamedExecutor):
         for i, l in enumerate(u):
             stash[l] = em[i]
 
-    def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
+    def jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
         slots, s = self._slots(h.shape[0], stash_idx)
         run = self._pipe("jvp", num_slots=s, impl=_impl(keys))
         h_in = h
         (h, dh), em = run(dev, (h, dh), _kd(keys), self._layers(u), (), slots)
         if stash_idx is not None:
             self._unstash(u, em, stash)
-        # as the streamed executor: wait for the previous chunk, so this one is queued
+        # as the one-device placement: wait for the previous chunk, so this one is queued
         # behind it while Python takes the next layers (no more layers are held)
         h_in.block_until_ready()
         return h, dh
 
-    def _block_act(self, dev, u, keys, h, dh):
+    def act(self, dev, u, keys, h, dh):
         slots, _ = self._slots(h.shape[0], None)
         (h, dh), _ = self._pipe("act", impl=_impl(keys))(dev, (h, dh), _kd(keys),
                                                          self._layers(u), (), slots)
         return h, dh
 
-    def _block_act_grad(self, dev, u, keys, h, d):
+    def act_grad(self, dev, u, keys, h, d):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("act_grad", num_examples=int(d.shape[0] * d.shape[2]), emit_sum=True,
                          impl=_impl(keys))
         (h,), g = run(dev, (h,), (_kd(keys), d), self._layers(u), (), slots)
         return h, g
 
-    def _block_local_grad(self, dev, u, keys, h, head_dev, x):
+    def local_grad(self, dev, u, keys, h, head_dev, x, weights: bool):
         slots, _ = self._slots(h.shape[0], None)
         run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
-                         emit_sum=True, weights=self.plan.forward == "local_weights",
-                         impl=_impl(keys))
+                         emit_sum=True, weights=weights, impl=_impl(keys))
         (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
         return h, g
 
-    def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
+    def vjp(self, dev, u, stash: dict, ct, each: bool):
         s = ct.shape[0]
         st = self._put([stash[l] for l in u], self._stash)
         if each:
@@ -258,12 +260,13 @@ class ComposedExecutor(StreamedExecutor):
         (ct,), g = run(dev, (ct,), np.arange(s, dtype=np.int32), st, (), slots)
         return g, ct
 
-    def _block_along(self, dev, v, h, dh):
+    def along(self, dev, v, h, dh):
         slots, _ = self._slots(h.shape[0], None)
-        (h, dh), _ = self._pipe("along")(dev, (h, dh), np.zeros(h.shape[0], np.float32), v, (), slots)
+        (h, dh), _ = self._pipe("along")(dev, (h, dh), np.zeros(h.shape[0], np.float32), v, (),
+                                         slots)
         return h, dh
 
-    def _block_apply(self, dev, u, h, stash: dict):
+    def apply(self, dev, u, h, stash: dict):
         n = h.shape[0]
         run = self._pipe("apply", num_slots=n)
         (h,), em = run(dev, (h,), np.zeros(n, np.float32), self._layers(u), (),

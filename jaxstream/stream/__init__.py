@@ -9,6 +9,7 @@ from jaxstream.stream.errors import (
     StoreWriteError,
 )
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.planner import LayerCost, Plan, layer_cost, plan
 from jaxstream.stream.store import LayerStore, TreeFuture
 
@@ -17,6 +18,8 @@ __all__ = [
     "DepthPolicy",
     "LayerCost",
     "LayerStore",
+    "OneDevice",
+    "Placement",
     "Plan",
     "StoreError",
     "StoreMismatchError",

@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.estimators import coefficients
@@ -38,7 +37,9 @@ from jaxstream.stream import kernels as K
 from jaxstream.stream import lazy
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.prefetch import Event, Prefetcher
+from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.values import host_value
 
 DTYPES = ("float32", "bfloat16", "float16")
 UPDATES = ("eager", "lazy")
@@ -108,7 +109,8 @@ class StreamedExecutor:
     """
 
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
-                 config: StreamConfig = StreamConfig(), device: Any = None):
+                 config: StreamConfig = StreamConfig(), device: Any = None,
+                 placement: Placement | None = None):
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
         self.plan = plan_of(estimator, config.update)
@@ -116,18 +118,17 @@ class StreamedExecutor:
         self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
             stack, estimator, optimizer, store, config)
         self.spec: TangentSpec = self.plan.spec
-        self.device = device or jax.local_devices()[0]
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
+        self.placement = placement or OneDevice(stack, self.spec, self.dtype,
+                                                device or jax.local_devices()[0])
         self.events: list[Event] = []
         self._pending: dict = dict(store.extra.get("pending", {}))
         self._applied: set = set()
 
     # ------------------------------------------------------------------ loading
     def _to_device(self, tree: Any) -> Any:
-        from jaxstream.stream.prefetch import to_device
-
-        return to_device(tree, self.dtype, self.device)
+        return self.placement.to_device(tree)
 
     def _apply_pending(self, unit: Any, params: Any) -> Any:
         """Applies the lazy records of ``unit`` (host, fp32) and stages the result (a step's
@@ -146,10 +147,20 @@ class StreamedExecutor:
         self._applied.add(str(unit))
         return params
 
+    def _block_hosts(self, unit: Any, staged: bool = False) -> list:
+        """Host params of each layer of a block unit (lazy updates applied unless ``staged``:
+        the reverse sweep reads what this step staged)."""
+        layers = self.placement.layers_of(unit)
+        futures = [self.store.read(l, staged=staged) for l in layers]
+        hosts = [f.result() for f in futures]
+        return hosts if staged else [self._apply_pending(l, h) for l, h in zip(layers, hosts)]
+
     def _load(self, unit: Any) -> tuple[Any, Any]:
-        host = self.store.read(unit).result()
-        host = self._apply_pending(unit, host)
-        return (host if unit in ("embed", "head") else None), self._to_device(host)
+        """(host params of the embed / head, or None for a block unit; device params)."""
+        if isinstance(unit, str):
+            host = self._apply_pending(unit, self.store.read(unit).result())
+            return host, self._to_device(host)
+        return None, self.placement.put(unit, self._block_hosts(unit))
 
     def _sweep(self, units: Sequence, load: Callable, t0: float, name: str):
         pf = Prefetcher(load, units, self.cfg.prefetch, t0, name)
@@ -157,10 +168,7 @@ class StreamedExecutor:
         self.events.extend(pf.events)
 
     def _cast_batch(self, batch: dict) -> dict:
-        def c(a):
-            a = jnp.asarray(a)
-            return a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
-        return jax.device_put({k: c(v) for k, v in batch.items()}, self.device)
+        return self.placement.cast_batch(batch)
 
     # ------------------------------------------------------------------ updates
     def _update(self, unit: Any, grads: Any, params: Any = None, opt: Any = None) -> None:
@@ -196,6 +204,7 @@ class StreamedExecutor:
         step = self.store.step if step is None else int(step)
         t0 = time.perf_counter()
         self.events = []
+        self.placement.begin_step()
         pending = {k: list(v) for k, v in self._pending.items()}
         try:
             loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
@@ -209,8 +218,9 @@ class StreamedExecutor:
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)),
-                "layers_read": sum(len(e.unit) if isinstance(e.unit, tuple) else 1
-                                   for e in self.events if not isinstance(e.unit, str))}
+                "layers_read": sum(len(self.placement.layers_of(e.unit))
+                                   for e in self.events if not isinstance(e.unit, str)),
+                **self.placement.metrics()}
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
         """The step's gradient estimate without updating: ``(loss, grads)``, grads shaped like
@@ -259,9 +269,7 @@ class StreamedExecutor:
         plan = self.plan
         if plan.forward == "none" and plan.exact == "selected":  # backprop of the selection
             batch = jax.tree.map(lambda a: np.asarray(a)[self._selection(key, len(a))], batch)
-        if self._merge_micro_batches():
-            # one shared tangent / exact gradient of the mean over all samples: the N
-            # micro-batches are computed as one (same device memory, same sums as in memory)
+        if self.placement.merge_micro_batches(self.plan):
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self._applied = set()
         if plan.forward == "weights" and plan.exact == "none":
@@ -280,7 +288,7 @@ class StreamedExecutor:
     def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        units = ["embed", *self._groups(layers), "head"]
+        units = ["embed", *self.placement.chunks(layers), "head"]
         for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
                 h, dh = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
@@ -288,7 +296,7 @@ class StreamedExecutor:
                 losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
                 stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
             else:
-                h, dh = self._block_jvp(dev, u, keys, h, dh, stash, stash_idx)
+                h, dh = self.placement.jvp(dev, u, keys, h, dh, stash, stash_idx)
             if host is not None:
                 hosts[u] = host
         return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
@@ -318,9 +326,11 @@ class StreamedExecutor:
         return float(np.mean(losses)), new
 
     def _load_both(self, unit: Any) -> tuple[Any, Any]:
-        """(host fp32 params, device params) of a unit."""
-        host = self._apply_pending(unit, self.store.read(unit).result())
-        return host, self._to_device(host)
+        """(host fp32 params — a list per layer for a block unit —, device params) of a unit."""
+        if isinstance(unit, str):
+            return self._load(unit)
+        hosts = self._block_hosts(unit)
+        return hosts, self.placement.put(unit, hosts)
 
     def _run_activity(self, batch, key, layers, sink, t0) -> float:
         """Activity perturbation: a forward sweep with tangents on every unit's output gives the
@@ -329,7 +339,7 @@ class StreamedExecutor:
         estimate needs only its own output and the head: one sweep."""
         x = self._cast_batch(batch)
         keys = key[None]
-        units = ["embed", *self._groups(layers), "head"]
+        units = ["embed", *self.placement.chunks(layers), "head"]
         z = jnp.int32(0)
         if self.plan.forward in ("local", "local_weights"):
             weights = self.plan.forward == "local_weights"
@@ -340,7 +350,7 @@ class StreamedExecutor:
                     out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, h,
                                                head_dev, x, weights)
                 else:
-                    out, g = self._block_local_grad(dev, u, keys, h, head_dev, x)
+                    out, g = self.placement.local_grad(dev, u, keys, h, head_dev, x, weights)
                 if u == "head":
                     loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
                         o.astype(jnp.float32), b))(out, x))
@@ -353,13 +363,13 @@ class StreamedExecutor:
             elif u == "head":
                 ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
             else:
-                h, dh = self._block_act(dev, u, keys, h, dh)
+                h, dh = self.placement.act(dev, u, keys, h, dh)
         h = x["x"]
         for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
             if isinstance(u, str):
                 h, g = K.unit_act_grad(self.stack, self.spec, u, dev, z, keys, h, d)
             else:
-                h, g = self._block_act_grad(dev, u, keys, h, d)
+                h, g = self.placement.act_grad(dev, u, keys, h, d)
             self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
         return float(jnp.mean(ex_loss))
 
@@ -421,9 +431,9 @@ class StreamedExecutor:
             losses = host_value(head_losses)
         finish("head", g, hosts["head"])
 
-        for u, (host, dev) in self._sweep(list(reversed(self._groups(layers))), self._rload, t0,
+        for u, (host, dev) in self._sweep(list(reversed(self.placement.chunks(layers))), self._rload, t0,
                                           "reverse"):
-            g, ct = self._block_vjp(dev, u, stash, ct, mixes)
+            g, ct = self.placement.vjp(dev, u, stash, ct, mixes)
             self._each(u, g, host, finish)
         embed_dev = self._to_device(hosts["embed"])
         g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
@@ -486,72 +496,36 @@ class StreamedExecutor:
                 return dev, self._to_device(v)
             return self._load_along(u, scale)
 
-        for u, (dev, v) in self._sweep(["embed", *self._groups(layers), "head"], gload, t0, "guess"):
+        for u, (dev, v) in self._sweep(["embed", *self.placement.chunks(layers), "head"], gload, t0, "guess"):
             if u == "embed":
                 h, dh = K.embed_along(self.stack, dev, v, x["x"])
             elif u == "head":
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
-                h, dh = self._block_along(dev, v, h, dh)
+                h, dh = self.placement.along(dev, v, h, dh)
         return np.asarray(host_value(dg), np.float32)
 
-    # ------------------------------------------------------------------ blocks on the device
-    # What a sweep does with the blocks. Here one layer at a time on one device; an engine
-    # that places a group of layers over several devices overrides these (and the loaders).
-    def _groups(self, layers: Sequence[int]) -> list:
-        """The device units of a block sweep: here each layer alone."""
-        return list(layers)
-
-    def _merge_micro_batches(self) -> bool:
-        """Whether the step computes its N micro-batches as one (every plan but a hybrid's)."""
-        return not self.plan.mixes
-
+    # ------------------------------------------------------------------ units
     def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
-        """``fn(layer, gradient, host params)`` for each layer of device unit ``u``."""
-        fn(u, g, host)
+        """``fn(layer or "embed"/"head", gradient, host params)`` for each layer of unit ``u``."""
+        if isinstance(u, str):
+            return fn(u, g, host)
+        self.placement.split(u, g, host, fn)
 
     def _rload(self, u: Any) -> tuple[Any, Any]:
         """(host, device) params of a unit as staged this step (the reverse sweep)."""
-        host = self.store.read(u, staged=True).result()
-        return host, self._to_device(host)
+        if isinstance(u, str):
+            host = self.store.read(u, staged=True).result()
+            return host, self._to_device(host)
+        hosts = self._block_hosts(u, staged=True)
+        return hosts, self.placement.put(u, hosts)
 
     def _load_along(self, u: Any, scale: float) -> tuple[Any, Any]:
         """(device params, device direction) of a block unit for the ``guess`` sweep."""
-        _, dev = self._load_both(u)
-        v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
-        return dev, self._to_device(v)
-
-    def _block_jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
-        if stash_idx is not None:
-            stash[u] = host_value(h[stash_idx])
-        h_in = h
-        h, dh = K.block_jvp(self.stack, self.spec, dev, np.int32(u), keys, h, dh)
-        # wait for the previous block, not this one: this block is queued behind it, so the
-        # device never idles while Python fetches the next layer and dispatches it, and no
-        # more layers are held than with a wait per block
-        h_in.block_until_ready()
-        return h, dh
-
-    def _block_act(self, dev, u, keys, h, dh):
-        return K.block_act(self.stack, self.spec, dev, jnp.int32(u), keys, h, dh)
-
-    def _block_act_grad(self, dev, u, keys, h, d):
-        return K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h, d)
-
-    def _block_local_grad(self, dev, u, keys, h, head_dev, x):
-        return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(u), keys, h,
-                                 head_dev, x, self.plan.forward == "local_weights")
-
-    def _block_vjp(self, dev, u, stash: dict, ct, each: bool):
-        vjp = K.block_vjp_each if each else K.block_vjp
-        return vjp(self.stack, dev, jax.device_put(stash[u], self.device), ct)
-
-    def _block_along(self, dev, v, h, dh):
-        return K.block_along(self.stack, dev, v, h, dh)
-
-    def _block_apply(self, dev, u, h, stash: dict):
-        stash[u] = host_value(h)
-        return K.block_apply(self.stack, dev, h)
+        dev = self.placement.put(u, self._block_hosts(u))
+        vs = [jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(l).result())
+              for l in self.placement.layers_of(u)]
+        return dev, self.placement.put(u, vs)
 
     # ------------------------------------------------------------------ helpers
     def _members(self, key, n, layers) -> dict:
@@ -569,14 +543,14 @@ class StreamedExecutor:
         """Forward sweep without tangents, stashing every block's input (backprop)."""
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        units = ["embed", *self._groups(layers), "head"]
+        units = ["embed", *self.placement.chunks(layers), "head"]
         for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
                 h = K.embed_apply(self.stack, dev, x["x"])
             elif u == "head":
                 stash["head"] = host_value(h)
             else:
-                h = self._block_apply(dev, u, h, stash)
+                h = self.placement.apply(dev, u, h, stash)
             if host is not None:
                 hosts[u] = host
         return None, hosts, stash, x
@@ -586,13 +560,3 @@ def _f32(tree: Any, host: Any) -> Any:
     """A gradient pytree as fp32 on the host (the optimizer's precision)."""
     return jax.tree.map(lambda a: jax.device_put(np.asarray(host_value(a), np.float32), host),
                         tree)
-
-
-def host_value(tree: Any) -> Any:
-    """NumPy values of a pytree of arrays, also of arrays spread over several processes
-    (gathered: every process calls this in the same order)."""
-    def one(a):
-        if isinstance(a, jax.Array) and not a.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-        return np.asarray(jax.device_get(a))
-    return jax.tree.map(one, tree)

@@ -1,0 +1,175 @@
+"""Where the blocks of a streamed step run: the streamed executor's one seam.
+
+The executor (:class:`~jaxstream.stream.StreamedExecutor`) streams *units* — ``"embed"``, a
+block unit, ``"head"`` — reads them from the store, applies their lazy updates, and runs the
+sweeps its estimator's plan asks for. A :class:`Placement` says what a block unit is and how
+its kernels run: :class:`OneDevice` (one layer per unit, on one device) or, in
+:mod:`jaxstream.compose`, a chunk of M layers placed one per stage of a ``data × stage`` mesh.
+The embed and the head always run on the placement's main device (:meth:`Placement.to_device`).
+
+Example::
+
+    ex = StreamedExecutor(stack, est, optax.adam(1e-3), store, placement=OneDevice(
+        stack, est.plan.spec, jnp.float32, jax.devices()[0]))
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstream.grad.plan import Plan
+from jaxstream.grad.tangents import TangentSpec
+from jaxstream.models.stack import Stack
+from jaxstream.stream import kernels as K
+from jaxstream.stream.prefetch import to_device
+from jaxstream.stream.values import host_value
+
+
+class Placement(abc.ABC):
+    """What a streamed executor needs to know about where block units run.
+
+    A block unit is hashable and names one or more layers (:meth:`layers_of`); the kernels take
+    a unit's device parameters (:meth:`put`) and the activations of every micro-batch
+    (leaves (N, B, ...)) and return what the same kernel of :mod:`jaxstream.stream.kernels`
+    returns for each layer in order.
+    """
+
+    stack: Stack
+    spec: TangentSpec
+    dtype: Any
+
+    # ---------------------------------------------------------------- units and values
+    @abc.abstractmethod
+    def chunks(self, layers: Sequence[int]) -> list:
+        """The block units of a sweep over ``layers`` (in order)."""
+
+    @abc.abstractmethod
+    def layers_of(self, unit: Any) -> tuple[int, ...]:
+        """The layers of a block unit."""
+
+    @abc.abstractmethod
+    def merge_micro_batches(self, plan: Plan) -> bool:
+        """Whether a step computes its N micro-batches as one."""
+
+    @abc.abstractmethod
+    def to_device(self, tree: Any) -> Any:
+        """A host pytree on the main device (floating leaves in the compute dtype)."""
+
+    @abc.abstractmethod
+    def cast_batch(self, batch: dict) -> dict:
+        """The micro-batched batch on the device, floating leaves in the compute dtype."""
+
+    @abc.abstractmethod
+    def put(self, unit: Any, hosts: list) -> Any:
+        """Device values of a block unit from one host pytree per layer."""
+
+    @abc.abstractmethod
+    def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
+        """``fn(layer, gradient, host params or None)`` for each layer of ``unit``."""
+
+    def begin_step(self) -> None:
+        """Called when a step (or an estimate) begins."""
+
+    def metrics(self) -> dict:
+        """What the placement adds to a step's metrics."""
+        return {}
+
+    # ---------------------------------------------------------------- kernels on a block unit
+    @abc.abstractmethod
+    def jvp(self, dev, unit, keys, h, dh, stash: dict, stash_idx):
+        """``(h, dh)`` through the unit with weight tangents; stashes the selected inputs."""
+
+    @abc.abstractmethod
+    def act(self, dev, unit, keys, h, dh):
+        """``(h, dh)`` through the unit with activity tangents."""
+
+    @abc.abstractmethod
+    def act_grad(self, dev, unit, keys, h, d):
+        """``(h, weight estimate)`` of the unit from the activity scalars ``d``."""
+
+    @abc.abstractmethod
+    def local_grad(self, dev, unit, keys, h, head_dev, x, weights: bool):
+        """``(h, weight estimate)`` of the unit under local losses."""
+
+    @abc.abstractmethod
+    def vjp(self, dev, unit, stash: dict, ct, each: bool):
+        """``(weight gradient(s), input cotangent)`` from the stashed inputs."""
+
+    @abc.abstractmethod
+    def along(self, dev, v, h, dh):
+        """``(h, dh)`` along the direction ``v`` (device values of the unit)."""
+
+    @abc.abstractmethod
+    def apply(self, dev, unit, h, stash: dict):
+        """The unit's output; stashes every micro-batch's input."""
+
+
+class OneDevice(Placement):
+    """One layer per unit, on one device (the streamed executor's default)."""
+
+    def __init__(self, stack: Stack, spec: TangentSpec, dtype: Any, device: Any):
+        self.stack, self.spec, self.dtype, self.device = stack, spec, jnp.dtype(dtype), device
+
+    def chunks(self, layers: Sequence[int]) -> list:
+        return list(layers)
+
+    def layers_of(self, unit: Any) -> tuple[int, ...]:
+        return (unit,)
+
+    def merge_micro_batches(self, plan: Plan) -> bool:
+        # one shared tangent / exact gradient of the mean over all samples: the N
+        # micro-batches are computed as one (same device memory, same sums as in memory)
+        return not plan.mixes
+
+    def to_device(self, tree: Any) -> Any:
+        return to_device(tree, self.dtype, self.device)
+
+    def cast_batch(self, batch: dict) -> dict:
+        def c(a):
+            a = jnp.asarray(a)
+            return a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+        return jax.device_put({k: c(v) for k, v in batch.items()}, self.device)
+
+    def put(self, unit: Any, hosts: list) -> Any:
+        return self.to_device(hosts[0])
+
+    def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
+        fn(unit, g, None if hosts is None else hosts[0])
+
+    def jvp(self, dev, unit, keys, h, dh, stash: dict, stash_idx):
+        if stash_idx is not None:
+            stash[unit] = host_value(h[stash_idx])
+        h_in = h
+        h, dh = K.block_jvp(self.stack, self.spec, dev, np.int32(unit), keys, h, dh)
+        # wait for the previous block, not this one: this block is queued behind it, so the
+        # device never idles while Python fetches the next layer and dispatches it, and no
+        # more layers are held than with a wait per block
+        h_in.block_until_ready()
+        return h, dh
+
+    def act(self, dev, unit, keys, h, dh):
+        return K.block_act(self.stack, self.spec, dev, jnp.int32(unit), keys, h, dh)
+
+    def act_grad(self, dev, unit, keys, h, d):
+        return K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys, h, d)
+
+    def local_grad(self, dev, unit, keys, h, head_dev, x, weights: bool):
+        return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys, h,
+                                 head_dev, x, weights)
+
+    def vjp(self, dev, unit, stash: dict, ct, each: bool):
+        vjp = K.block_vjp_each if each else K.block_vjp
+        return vjp(self.stack, dev, jax.device_put(stash[unit], self.device), ct)
+
+    def along(self, dev, v, h, dh):
+        return K.block_along(self.stack, dev, v, h, dh)
+
+    def apply(self, dev, unit, h, stash: dict):
+        stash[unit] = host_value(h)
+        return K.block_apply(self.stack, dev, h)

@@ -1,0 +1,19 @@
+"""Host values of device arrays, also of arrays spread over several processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def host_value(tree: Any) -> Any:
+    """NumPy values of a pytree of arrays, also of arrays spread over several processes
+    (gathered: every process calls this in the same order)."""
+    def one(a):
+        if isinstance(a, jax.Array) and not a.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        return np.asarray(jax.device_get(a))
+    return jax.tree.map(one, tree)
