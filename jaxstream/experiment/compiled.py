@@ -38,7 +38,7 @@ def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
     engine that places or streams blocks (``places_blocks``) a sequential model becomes a stack
     (:func:`jaxstream.models.to_stack`; ``x``, a few training inputs, fixes a padded stack's
     shapes)."""
-    staged = getattr(cfg.engine, "places_blocks", False)
+    staged = cfg.engine.places_blocks
 
     def make():
         model = cfg.model.build(info)

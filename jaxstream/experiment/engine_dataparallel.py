@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.dataparallel import ALLREDUCE, EXCHANGE, TANGENTS, DataParallel, data_parallel
 from jaxstream.experiment.engines import (
+    EngineConfig,
     LocalEngine,
     LocalEngineConfig,
     LocalState,
@@ -46,7 +47,7 @@ MOMENT_OPTIMIZERS = ("max_adabelief",)  # optimizers whose moments ``exchange: m
 
 
 @dataclasses.dataclass(frozen=True)
-class DataParallelEngineConfig:
+class DataParallelEngineConfig(EngineConfig):
     """Options of the ``dataparallel`` engine.
 
     Attributes:

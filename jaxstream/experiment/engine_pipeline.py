@@ -26,13 +26,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxstream.experiment.engines import register_engine, split_micro_batches
+from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineEngineConfig:
+class PipelineEngineConfig(EngineConfig):
     """Options of the pipeline engine.
 
     Attributes:

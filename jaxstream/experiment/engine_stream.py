@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstream.experiment.config import ConfigError
-from jaxstream.experiment.engines import register_engine, split_micro_batches
+from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import StoreError, StoreNonFiniteError, StoreNotFoundError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
@@ -35,7 +35,7 @@ from jaxstream.stream.store import LayerStore
 
 
 @dataclasses.dataclass(frozen=True)
-class StreamEngineConfig:
+class StreamEngineConfig(EngineConfig):
     """Options of ``engine: {type: stream}``.
 
     Attributes:

@@ -19,7 +19,7 @@ additions.
 
 Example:
     >>> @dataclasses.dataclass(frozen=True)
-    ... class MyEngineConfig:
+    ... class MyEngineConfig(EngineConfig):
     ...     stages: int = 2
     >>> register_engine("mine", MyEngineConfig, lambda cfg, **kw: MyEngine(cfg, **kw))
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,33 @@ class Engine(Protocol):
 
 
 class EngineConfig:
-    """Base of the polymorphic ``engine:`` section; variants come from :func:`register_engine`."""
+    """Base of the polymorphic ``engine:`` section; variants come from :func:`register_engine`
+    and subclass it, overriding what they need (levanter's pattern: a config declares its
+    capabilities and its checks, the runner asks nothing else of it).
+
+    Attributes:
+      places_blocks: the engine places or streams a stack's blocks, so a sequential model runs
+        as a stack (:func:`jaxstream.models.to_stack`).
+      streams_layers: the engine holds one layer at a time (the memory check counts one layer).
+    """
+
+    places_blocks: ClassVar[bool] = False
+    streams_layers: ClassVar[bool] = False
+
+    def check_arm(self, arm: Any, field: str) -> None:
+        """Raises ValueError naming ``field`` if the engine cannot run the arm's estimator."""
+
+    def check_optimizer(self, optimizer: Any, field: str) -> None:
+        """Raises ValueError naming ``field`` if the engine cannot run the optimizer."""
+
+    def check_arms(self, names: list[str]) -> None:
+        """Checks across the arms (e.g. one store path per arm)."""
+
+    def check_model(self, model: Any) -> None:
+        """Checks of the model section against the engine (e.g. depth against stages)."""
+
+    def check_run(self, names: list[str], resume: bool) -> None:
+        """Checks that need the disk, before anything is written (e.g. an existing store)."""
 
 
 class EngineEntry(NamedTuple):
@@ -79,9 +105,14 @@ def register_engine(name: str, config_cls: type, build: Callable[..., Engine]) -
 
     Args:
       name: the ``type:`` value in YAML.
-      config_cls: a frozen dataclass with the engine's options (need not subclass EngineConfig).
+      config_cls: a frozen dataclass subclassing :class:`EngineConfig`, with the engine's
+        options; it overrides the checks and capabilities that apply.
       build: ``build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches)``.
     """
+    if not (isinstance(config_cls, type) and issubclass(config_cls, EngineConfig)):
+        raise TypeError(f"register_engine({name!r}, ...): config_cls must subclass "
+                        f"jaxstream.experiment.EngineConfig (class {getattr(config_cls, '__name__', config_cls)}"
+                        f"(EngineConfig)), got {config_cls!r}")
     register_choice(EngineConfig, name, config_cls)
     _ENGINES[name] = EngineEntry(name, config_cls, build)
 
@@ -115,7 +146,7 @@ def split_micro_batches(batch: dict, n: int) -> dict:
 
 # ----------------------------------------------------------------------------- local engine
 @dataclasses.dataclass(frozen=True)
-class LocalEngineConfig:
+class LocalEngineConfig(EngineConfig):
     """One device, one jit-compiled step (no options)."""
 
 

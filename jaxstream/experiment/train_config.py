@@ -108,26 +108,19 @@ class TrainConfig:
                                  f" is not divisible by micro_batches={n}")
             if arm.optimizer is not None:
                 check_optimizer(arm.optimizer, f"arms.{i}.optimizer")
-            check_arm = getattr(self.engine, "check_arm", None)  # engine/estimator compatibility
-            if check_arm is not None:
-                check_arm(arm, f"arms.{i}")
-            check_opt = getattr(self.engine, "check_optimizer", None)  # engine/optimizer
-            if check_opt is not None:
-                check_opt(self.arm_optimizer(arm),
-                          f"arms.{i}.optimizer" if arm.optimizer is not None else "optimizer")
+            self.engine.check_arm(arm, f"arms.{i}")  # engine/estimator compatibility
+            self.engine.check_optimizer(
+                self.arm_optimizer(arm),
+                f"arms.{i}.optimizer" if arm.optimizer is not None else "optimizer")
         check_optimizer(self.optimizer, "optimizer")
-        check_arms = getattr(self.engine, "check_arms", None)
-        if check_arms is not None:
-            check_arms(names)
-        check_model = getattr(self.engine, "check_model", None)  # e.g. depth against stages
-        if check_model is not None:
-            check_model(self.model)
+        self.engine.check_arms(names)
+        self.engine.check_model(self.model)  # e.g. depth against stages
 
     def check_run(self, resume: bool) -> None:
         """Checks that need the machine or the disk, before anything is written: the memory
         estimate of the model against the machine's memory, and the engine's own checks
         (e.g. a new run must not reuse an existing layer store)."""
-        streamed = getattr(self.engine, "streams_layers", False)
+        streamed = self.engine.streams_layers
         estimate = getattr(self.model, "memory_estimate", None)
         if estimate is not None:
             need = estimate(self.batch_size, per_layer=streamed)
@@ -137,9 +130,7 @@ class TrainConfig:
                     f"model: needs about {need / 2**30:.3g} GiB ({'one streamed layer' if streamed else 'parameters'}"
                     f" with optimizer state, plus activations of batch_size={self.batch_size}); "
                     f"this machine has {have / 2**30:.3g} GiB of memory; make the model smaller")
-        check_run = getattr(self.engine, "check_run", None)
-        if check_run is not None:
-            check_run([a.name for a in self.arms], resume)
+        self.engine.check_run([a.name for a in self.arms], resume)
 
     def arm_optimizer(self, arm: ArmConfig) -> OptimizerConfig:
         """The optimizer section that applies to ``arm``."""

@@ -87,9 +87,11 @@ def test_registered_optimizer_and_engine_are_usable_by_name():
     assert "test_sgd_momentum" in optimizer_names()
 
     @dataclasses.dataclass(frozen=True)
-    class EchoEngineConfig:
+    class EchoEngineConfig(EngineConfig):
         tag: str = "a"
 
+    with pytest.raises(TypeError, match="config_cls must subclass"):
+        register_engine("test_plain", dataclasses.make_dataclass("Plain", []), lambda cfg, **kw: 0)
     register_engine("test_echo", EchoEngineConfig, lambda cfg, **kw: ("built", cfg.tag, kw))
     assert "test_echo" in engine_names()
     try:
