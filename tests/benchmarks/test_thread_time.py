@@ -30,7 +30,7 @@ def test_busiest_is_the_thread_that_computed():
 
     def worker():
         box["tid"] = threading.get_native_id()
-        _spin(0.15)
+        _spin(0.6)  # long enough to outweigh another thread of a loaded test process
         spun.set()
         release.wait()  # alive at the second snapshot, as XLA's compute thread is
 

@@ -235,3 +235,22 @@ def test_backprop_remat_runs_as_the_backprop_table():
         params, batch, jax.random.key(0))
     ref_loss, ref = jax.value_and_grad(stack)(params, flat)
     assert max_rel_err(grads, ref) <= 1e-5 and abs(float(loss) - float(ref_loss)) <= 1e-6
+
+
+@pytest.mark.parametrize("sched, est, match", [
+    (complete(4, 8, (0, 1)), jg.backprop_remat(),
+     r"estimator backprop on schedule 'complete': backprop needs every one of the N=8 "
+     r"micro-batches' complete reverse chains; the table carries \(0, 1\)"),
+    (gpipe_forward(4, 8), jg.hybrid(exact_indices=(0, 1)),
+     r"correction='control_variate' needs exact gradients; the table has no reverse chain"),
+    (complete(4, 8, (0, 1)), jg.hybrid(exact_indices=(2, 3)),
+     r"fixes exact_indices=\(2, 3\), the table's chains are \(0, 1\)"),
+    (complete(4, 8, (0, 1)), jg.hybrid(num_exact=3), r"num_exact=3, the table carries 2 chains"),
+])
+def test_a_table_that_cannot_carry_the_plan_is_refused(monkeypatch, sched, est, match):
+    """The pipeline reads the estimator's plan and refuses, naming both, a table that cannot
+    carry it (a backprop estimator on a hybrid table used to run as a ``replace`` hybrid over
+    the table's two chains, silently) — before anything is compiled."""
+    monkeypatch.setattr(ex, "_build", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError, match=match):
+        pipeline(mlp(6, 5, 4, 3), sched, est)
