@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -141,23 +142,65 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
                 step_s = time.perf_counter() - t0
             _, ref = jax.jit(est, static_argnums=0)(stack, params,
                                                     flat if layout == "flat" else micro, key)
-            model = chunk_cost(kind, layers=layers, stages=s, micro_batches=N, selected=SEL,
-                               prefetch=FP32.prefetch)
+            cost = functools.partial(chunk_cost, kind, layers=layers, stages=s,
+                                     micro_batches=N, selected=SEL, prefetch=FP32.prefetch)
+            model = cost()
             merged = kind in ("activity", "local")  # N micro-batches as one pass
             fwd = chunk_cost("forward", layers=layers, stages=s,
                              micro_batches=1 if merged else N).ticks
             rows.append({
-                "data": d, "stage": s, "policy": "chunked", "estimator": name, "streamed": True,
+                "data": d, "stage": s, "policy": "circular", "estimator": name, "streamed": True,
                 "max_rel_err": max_rel_err(grads, ref), "ticks": m["ticks"],
-                "ticks_model": model.ticks, "added_ticks": m["ticks"] - fwd,
-                "fill_ratio": 0.0,  # reverse chains run in their own passes
+                "ticks_model": model.ticks, "ticks_chunked": cost(schedule="chunked").ticks,
+                "added_ticks": m["ticks"] - fwd, "fill_ratio": m["fill_ratio"],
                 "coverage_per_stage": coverage(est, N, layers, s, key),
                 "staleness_per_stage": [0] * s, "layers_read": m["layers_read"],
+                "layer_reads_per_layer": m["layers_read"] / layers,
                 "layers_read_model": model.layer_reads, "first_call_s": first_s,
                 "step_s": step_s})
             print(f"  {d}x{s} {name:16s} err {rows[-1]['max_rel_err']:.2e} ticks {m['ticks']} "
-                  f"(model {model.ticks})", flush=True)
+                  f"(model {model.ticks}, chunked {rows[-1]['ticks_chunked']}) fill "
+                  f"{m['fill_ratio']:.3f}", flush=True)
     return rows
+
+
+def deep_rows(layers: int = 64, stages: int = 8, n: int = 16, selections=(1, 2, 8)) -> list:
+    """The control-variate hybrid at L = 64, M = 8, N = 16 for each S, executed on a narrow
+    model: the step's ticks and bubble fraction counted by its passes, beside the chunked
+    schedule's formula and MaxText's circular bubble (M − 1)/(C·N + M − 1) for the forward
+    sweep (measured alone with :meth:`ComposedExecutor.forward`)."""
+    stack = mlp(8, 8, layers, 4)
+    params = stack.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    micro = {"x": rng.standard_normal((n, 2, 8), dtype=np.float32),
+             "y": rng.integers(0, 4, (n, 2), dtype=np.int32)}
+    c, out = layers // stages, []
+    for sel in selections:
+        est = jg.hybrid(num_exact=sel, num_tangents=K)
+        with tempfile.TemporaryDirectory() as tmp:
+            store = LayerStore.create(Path(tmp) / "s", params, optimizer=optax.sgd(0.1))
+            ex = ComposedExecutor(stack, est, optax.sgd(0.1), store, FP32,
+                                  mesh=make_mesh(1, stages))
+            m = ex.step(micro, jax.random.key(1))
+            ex.placement.begin_step()
+            ex.forward(micro, jax.random.key(1))
+            fwd_ticks, fwd_busy = ex.placement.ticks, ex.placement.busy_per_stage()
+        cost = functools.partial(chunk_cost, "hybrid_cv", layers=layers, stages=stages,
+                                 micro_batches=n, selected=sel)
+        out.append({"layers": layers, "stages": stages, "micro_batches": n, "selected": sel,
+                    "ticks": m["ticks"], "ticks_model": cost().ticks,
+                    "ticks_chunked": cost(schedule="chunked").ticks,
+                    "bubble_fraction": 1.0 - m["fill_ratio"],
+                    "bubble_fraction_chunked": cost(schedule="chunked").bubble_fraction,
+                    "forward_ticks": fwd_ticks,
+                    "forward_bubble_fraction": 1.0 - fwd_busy.sum() / (fwd_ticks * stages),
+                    "maxtext_forward_bubble": (stages - 1) / (c * n + stages - 1),
+                    "layers_read": m["layers_read"], "executed": True})
+        print(f"  deep S={sel}: ticks {m['ticks']} (model {out[-1]['ticks_model']}, chunked "
+              f"{out[-1]['ticks_chunked']}), bubble {out[-1]['bubble_fraction']:.3f}, forward "
+              f"bubble {out[-1]['forward_bubble_fraction']:.4f} (MaxText "
+              f"{out[-1]['maxtext_forward_bubble']:.4f})", flush=True)
+    return out
 
 
 def in_memory_rows(m: int, layers: int, quick: bool) -> list[dict]:
@@ -211,20 +254,26 @@ def _record_pass_buffers(record: dict):
     function that undoes it."""
     import jaxstream.compose.executor as ce
 
-    orig = ce._pass
+    orig = ce._circular
 
-    def measured(mesh, stack, spec, name, kw):
-        run = orig(mesh, stack, spec, name, kw)
+    def measured(mesh, stack, spec, name, kw, chains):
+        circ = orig(mesh, stack, spec, name, kw, chains)
+        win = circ._win
 
         def call(*args):
             if name not in record:
-                ma = run.lower(*args).compile().memory_analysis()
+                ma = win.lower(*args).compile().memory_analysis()
                 record[name] = int(ma.temp_size_in_bytes + ma.output_size_in_bytes)
-            return run(*args)
-        return call
+            return win(*args)
+        circ._win = call
+        return circ
 
-    ce._pass = measured
-    return lambda: setattr(ce, "_pass", orig)
+    ce._circular = measured
+
+    def undo():
+        ce._circular = orig
+        orig.cache_clear()  # the wrapped windows are not kept
+    return undo
 
 
 def scale_worker(args) -> None:
@@ -318,8 +367,12 @@ def scale(width: int, depths=(192, 384), steps: int = 1, mesh=(2, 4), repeats: i
 
 
 # ---------------------------------------------------------------------------- output
-COLS = ("data", "stage", "policy", "estimator", "streamed", "max_rel_err", "ticks", "added_ticks",
-        "fill_ratio", "coverage_per_stage", "staleness_per_stage")
+COLS = ("data", "stage", "policy", "estimator", "streamed", "max_rel_err", "ticks", "ticks_model",
+        "ticks_chunked", "added_ticks", "fill_ratio", "layer_reads_per_layer",
+        "coverage_per_stage", "staleness_per_stage")
+DEEP = ("selected", "ticks", "ticks_model", "ticks_chunked", "bubble_fraction",
+        "bubble_fraction_chunked", "forward_ticks", "forward_bubble_fraction",
+        "maxtext_forward_bubble", "layers_read", "executed")
 
 
 def _fmt(v) -> str:
@@ -332,9 +385,18 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def markdown(rows: list[dict], sc: dict, command: str) -> str:
-    head = "| " + " | ".join(COLS) + " |\n|" + "---|" * len(COLS) + "\n"
-    body = "".join("| " + " | ".join(_fmt(r.get(c)) for c in COLS) + " |\n" for r in rows)
+def _table(rows: list[dict], cols) -> str:
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return head + "".join("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |\n" for r in rows)
+
+
+def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str) -> str:
+    x = deep[0]
+    deep_md = (f"\nThe control-variate hybrid at L = {x['layers']}, M = {x['stages']}, "
+               f"N = {x['micro_batches']} for each S (executed on a narrow model; `ticks` and "
+               "`bubble_fraction` counted by its passes, `ticks_chunked` and "
+               "`bubble_fraction_chunked` the chunked schedule's formula):\n\n"
+               + _table(deep, DEEP))
     mib = lambda x: round(x / MiB, 2)
     s = (f"\nscale (mesh {sc['mesh'][0]} × {sc['mesh'][1]}, width {sc['width']}): resident "
          f"budget {sc['budget_bytes'] / MiB:.2f} MiB per device "
@@ -352,7 +414,7 @@ def markdown(rows: list[dict], sc: dict, command: str) -> str:
               f"{_fmt([round(v / MiB) for v in x['baseline_rss_bytes']])} MiB)\n")
     return (f"Written by `{command}` on {platform.node() or 'this machine'} "
             f"({os.cpu_count()} CPU cores, simulated devices), jax {jax.__version__}.\n\n"
-            + head + body + s)
+            + _table(rows, COLS) + deep_md + s)
 
 
 def write_doc(path: Path, block: str) -> None:
@@ -385,6 +447,8 @@ def main(argv=None) -> int:
         meshes, names = ((1, 4), (2, 4), (2, 2), (4, 2)), tuple(ESTIMATORS)
     print("streamed (composed engine):", flush=True)
     rows = streamed_rows(meshes, layers, names)
+    print("deep (L = 64, M = 8, N = 16, control variate):", flush=True)
+    deep = deep_rows()
     print("in-memory pipeline (stage axis):", flush=True)
     rows += in_memory_rows(4, layers, args.quick)
     print("scale:", flush=True)
@@ -394,12 +458,13 @@ def main(argv=None) -> int:
     print(json.dumps(sc, indent=1))
     command = "python benchmarks/composed.py" + (" --quick" if args.quick else "")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "scale": sc, "command": command,
+        args.json.write_text(json.dumps({"rows": rows, "deep": deep, "scale": sc,
+                                         "command": command,
                                          "machine": platform.node(), "cpus": os.cpu_count()},
                                         indent=1))
         print(f"wrote {args.json}")
     if args.doc:
-        write_doc(args.doc, markdown(rows, sc, command + f" --doc {args.doc}"))
+        write_doc(args.doc, markdown(rows, deep, sc, command + f" --doc {args.doc}"))
         print(f"wrote {args.doc}")
     return 0
 

@@ -3,13 +3,16 @@
 With L layers in the step cut into C = L / M chunks (M stages), N micro-batches of B examples
 split over D replicas, S of them selected for exact gradients and p chunks prefetched:
 
-* a chunk pass takes N + M − 1 ticks (each stage busy N of them); a reverse pass over the S
-  selected micro-batches S + M − 1;
+* circular schedule (the default, :mod:`.circular`): a sweep of n chains (N micro-batches
+  forward, S selected ones in reverse) takes C·P + max(0, n + M − 1 − P) ticks with period
+  P = max(n, M): one fill and one drain per sweep, so S ≤ M reverse chains cost L + S − 1 ticks;
+* chunked schedule (one GPipe pass per chunk, :mod:`.pipe`): C (n + M − 1) ticks per sweep;
 * the sweeps of a step (forward, reverse, update, ...) each read every layer once from the
   store (the update sweep of a forward estimate and the control variate's third sweep are
   host-only: no ticks);
-* a device holds p + 1 layers (its stage's layer of the computing chunk and of the prefetched
-  ones) plus the embed and head, never the model;
+* a device holds its stage's layer of the running chunk and of the p prefetched ones, and in
+  the circular schedule also of the previous chunk (still draining): p + 2 layers (chunked:
+  p + 1), plus the embed and head, never the model;
 * activations on a device: the N micro-batches' states of the running pass (primal and K
   tangents, B / D examples each); the host stashes the S selected micro-batches' input to
   every layer (S · L · B activations) for the reverse sweep.
@@ -17,12 +20,17 @@ split over D replicas, S of them selected for exact gradients and p chunks prefe
 Example:
   >>> c = chunk_cost("hybrid_cv", layers=8, stages=4, micro_batches=8, selected=2)
   >>> c.ticks, c.layer_reads
-  (32, 24)
+  (28, 24)
+  >>> chunk_cost("hybrid_cv", layers=8, stages=4, micro_batches=8, selected=2,
+  ...            schedule="chunked").ticks
+  32
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+from jaxstream.compose.circular import circular_ticks
 
 #: Per estimator kind: (sweeps with a forward chunk pass, reverse passes, host-only sweeps that
 #: read every layer). Activity perturbation computes its N micro-batches as one.
@@ -49,21 +57,31 @@ class ChunkCost:
     stash_activations: int  # micro-batch activations (B examples each) stashed on the host
 
 
+def sweep_ticks(chains: int, stages: int, chunks: int, schedule: str = "circular") -> int:
+    """Ticks of one sweep of ``chains`` chains through ``chunks`` chunks of ``stages`` layers."""
+    if schedule == "chunked":
+        return chunks * (chains + stages - 1)
+    return circular_ticks(chains, stages, chunks)[1]
+
+
 def chunk_cost(kind: str, *, layers: int, stages: int, micro_batches: int, selected: int = 0,
-               prefetch: int = 2) -> ChunkCost:
-    """The step's cost under the chunked schedule; ``kind`` is a key of :data:`SWEEPS`
-    (``weighted`` and ``stein`` cost as ``hybrid_cv``)."""
+               prefetch: int = 2, schedule: str = "circular") -> ChunkCost:
+    """The step's cost; ``kind`` is a key of :data:`SWEEPS` (``weighted`` and ``stein`` cost
+    as ``hybrid_cv``), ``schedule`` "circular" or "chunked"."""
     if kind not in SWEEPS:
         raise ValueError(f"kind must be one of {sorted(SWEEPS)}, got {kind!r}")
+    if schedule not in ("circular", "chunked"):
+        raise ValueError(f"schedule must be one of ('circular', 'chunked'), got {schedule!r}")
     if layers % stages:
         raise ValueError(f"stages = {stages} must divide layers = {layers}")
     c, m = layers // stages, stages
     fwd, rev, host = SWEEPS[kind]
     n = 1 if kind in ("activity", "local") else micro_batches
     s = micro_batches if kind == "backprop" else selected
-    ticks = c * (fwd * (n + m - 1) + rev * (s + m - 1))
+    ticks = (fwd * sweep_ticks(n, m, c, schedule)
+             + rev * (sweep_ticks(s, m, c, schedule) if s else 0))
     busy = c * (fwd * n + rev * s)
     return ChunkCost(ticks=ticks, bubble_fraction=1.0 - busy / ticks if ticks else 0.0,
                      layer_reads=layers * (fwd + rev + host),
-                     resident_layers_per_device=prefetch + 1,
+                     resident_layers_per_device=prefetch + (2 if schedule == "circular" else 1),
                      stash_activations=(s * layers if rev else 0))

@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxstream.compose.circular import Circular
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
 from jaxstream.grad.plan import Plan
@@ -47,6 +48,7 @@ from jaxstream.stream.placement import Placement
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.values import host_value
 
+SCHEDULES = ("circular", "chunked")
 ACT = P(None, DATA)  # (N, B, ...)
 TAN = P(None, None, DATA)  # (N, K, B, ...)
 STASH = P(STAGE, None, DATA)  # (M, S, B, ...)
@@ -83,12 +85,15 @@ class ComposedExecutor(StreamedExecutor):
       store: the :class:`~jaxstream.stream.LayerStore` holding the parameters.
       config: :class:`~jaxstream.stream.StreamConfig` (prefetch counts chunks).
       mesh: from :func:`make_mesh`.
+      schedule: ``"circular"`` (default: each sweep is one circular pass over its chunks,
+        :mod:`.circular`) or ``"chunked"`` (one GPipe pass per chunk, :mod:`.pipe`).
 
-    A step's metrics add ``ticks``, the pipeline ticks of its chunk passes.
+    A step's metrics add ``ticks`` (the pipeline ticks its passes ran) and ``fill_ratio`` (the
+    share of stage-ticks that computed).
     """
 
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
-                 config: StreamConfig | None = None, *, mesh: Mesh):
+                 config: StreamConfig | None = None, *, mesh: Mesh, schedule: str = "circular"):
         if tuple(mesh.axis_names) != (DATA, STAGE):
             raise ValueError(f"mesh: axes must be {(DATA, STAGE)}, got {tuple(mesh.axis_names)} "
                              "(use jaxstream.compose.make_mesh)")
@@ -98,7 +103,7 @@ class ComposedExecutor(StreamedExecutor):
                              f"layers (allowed: divisors of {stack.num_layers})")
         config = config or StreamConfig()
         placement = StageChunks(stack, plan_of(estimator, config.update).spec,
-                                config.compute_dtype, mesh)
+                                config.compute_dtype, mesh, schedule)
         super().__init__(stack, estimator, optimizer, store, config, placement=placement)
         self.mesh, self.num_stages = mesh, m
 
@@ -117,18 +122,47 @@ class StageChunks(Placement):
     ``data × stage`` mesh; each kernel is a GPipe pass of the micro-batches (:mod:`.pipe`),
     examples split over ``data``."""
 
-    def __init__(self, stack: Stack, spec: Any, dtype: Any, mesh: Mesh):
+    def __init__(self, stack: Stack, spec: Any, dtype: Any, mesh: Mesh,
+                 schedule: str = "circular"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         self.stack, self.spec, self.dtype, self.mesh = stack, spec, jnp.dtype(dtype), mesh
-        self.num_stages = mesh.shape[STAGE]
+        self.num_stages, self.schedule = mesh.shape[STAGE], schedule
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
-        self.ticks = 0
+        self.begin_step()
 
     def begin_step(self) -> None:
-        self.ticks = 0
+        self._ticks, self._busy, self._counts = 0, 0, []
+
+    def _settle(self) -> None:
+        """Adds the counts the circular windows reported (device values) to the totals."""
+        for busy, ran in self._counts:
+            self._busy = self._busy + np.asarray(host_value(busy), np.int64)
+            self._ticks += int(np.asarray(host_value(ran))[0])
+        self._counts = []
+
+    @property
+    def ticks(self) -> int:
+        """Pipeline ticks the passes ran since the step began (each window counts its own)."""
+        self._settle()
+        return self._ticks
+
+    @ticks.setter
+    def ticks(self, value: int) -> None:
+        self._settle()
+        self._ticks = value
+
+    def busy_per_stage(self) -> np.ndarray:
+        """Ticks each stage computed since the step began, counted by the passes run."""
+        self._settle()
+        return np.broadcast_to(np.asarray(self._busy, np.int64), (self.num_stages,)).copy()
 
     def metrics(self) -> dict:
-        return {"ticks": self.ticks}
+        """The step's pipeline ticks and the share of stage-ticks that computed."""
+        ticks, busy = self.ticks, self.busy_per_stage()
+        fill = float(busy.sum() / (ticks * self.num_stages)) if ticks else 0.0
+        return {"ticks": ticks, "fill_ratio": fill}
 
     # ------------------------------------------------------------------ units and values
     def chunks(self, layers: Sequence[int]) -> list:
@@ -192,14 +226,50 @@ class StageChunks(Placement):
         return self._global(jax.tree.map(self._cast, tree), P())
 
     # ------------------------------------------------------------------ the passes
-    def _pipe(self, name: str, **kw) -> Callable:
-        """The pass ``name`` (built once per options); calling it counts its ticks."""
-        run = _pass(self.mesh, self.stack, self.spec, name, tuple(sorted(kw.items())))
+    def _go(self, name: str, kw: dict, dev, u: tuple, stage_aux, state, mb_aux, consts, slots,
+            emitted: Callable | None = None):
+        """Runs unit ``u`` of a sweep through the pass ``name``: ``(state, done)``.
 
-        def counted(params, states, *rest):
-            self.ticks += jax.tree.leaves(states)[0].shape[0] + self.num_stages - 1
-            return run(params, states, *rest)
-        return counted
+        ``emitted(unit, emits)`` receives a unit's emits once they are complete and returns a
+        ``(unit, gradient)`` to hand back, or None. Chunked: one GPipe pass now. Circular: one
+        window of the sweep's circular pass; ``state`` is then the pass in flight
+        (:class:`_Flight`) until :meth:`land`."""
+        key = tuple(sorted(kw.items()))
+        if self.schedule == "chunked":
+            run = _pass(self.mesh, self.stack, self.spec, name, key)
+            n = jax.tree.leaves(state)[0].shape[0]
+            self._ticks += n + self.num_stages - 1
+            self._busy = self._busy + n
+            state, em = run(dev, state, mb_aux, stage_aux, consts, slots)
+            out = emitted(u, em) if emitted else None
+            return state, [out] if out is not None else []
+        fl = state if isinstance(state, _Flight) else None
+        if fl is None:
+            n = jax.tree.leaves(state)[0].shape[0]
+            circ = _circular(self.mesh, self.stack, self.spec, name, key, n)
+            fl = _Flight(circ, circ.begin(dev, state, mb_aux, stage_aux, consts, slots))
+        before = fl.carry
+        prev = fl.prev or (u, dev, stage_aux)
+        fl.carry, em, counts = fl.circ.window(prev[1], dev, fl.carry, mb_aux, prev[2],
+                                              stage_aux, consts, slots, fl.prev is not None)
+        self._counts.append(counts)
+        out = emitted(fl.prev[0], em) if (emitted and fl.prev) else None
+        fl.prev, fl.rest = (u, dev, stage_aux), (mb_aux, consts, slots, emitted)
+        # as the one-device placement: wait for the previous window, so this one is queued
+        # behind it while Python takes the next layers
+        jax.block_until_ready(before)
+        return fl, [out] if out is not None else []
+
+    def land(self, state) -> tuple[tuple, list]:
+        if not isinstance(state, _Flight):
+            return state, []
+        fl, (mb_aux, consts, slots, emitted) = state, state.rest
+        u, dev, aux = fl.prev
+        carry, em, counts = fl.circ.tail(dev, fl.carry, mb_aux, aux, consts, slots)
+        if counts is not None:
+            self._counts.append(counts)
+        out = emitted(u, em) if emitted else None
+        return fl.circ.end(carry), [out] if out is not None else []
 
     @staticmethod
     def _slots(n: int, idx) -> tuple[jax.Array, int]:
@@ -211,68 +281,84 @@ class StageChunks(Placement):
     def _layers(self, u: tuple) -> jax.Array:
         return self._put([np.int32(l) for l in u], self._stage)
 
-    def _unstash(self, u: tuple, em: Any, stash: dict) -> None:
-        em = host_value(em)
-        for i, l in enumerate(u):
-            stash[l] = em[i]
+    def _unstash(self, stash: dict) -> Callable:
+        def emitted(u: tuple, em: Any) -> None:
+            em = host_value(em)
+            for i, l in enumerate(u):
+                stash[l] = em[i]
+        return emitted
 
-    def jvp(self, dev, u, keys, h, dh, stash: dict, stash_idx):
-        slots, s = self._slots(h.shape[0], stash_idx)
-        run = self._pipe("jvp", num_slots=s, impl=_impl(keys))
-        h_in = h
-        (h, dh), em = run(dev, (h, dh), _kd(keys), self._layers(u), (), slots)
-        if stash_idx is not None:
-            self._unstash(u, em, stash)
-        # as the one-device placement: wait for the previous chunk, so this one is queued
-        # behind it while Python takes the next layers (no more layers are held)
-        h_in.block_until_ready()
-        return h, dh
+    def jvp(self, dev, u, keys, state, stash: dict, stash_idx):
+        slots, s = self._slots(self._n(state), stash_idx)
+        state, _ = self._go("jvp", {"num_slots": s, "impl": _impl(keys)}, dev, u,
+                            self._layers(u), state, _kd(keys), (), slots,
+                            self._unstash(stash) if stash_idx is not None else None)
+        return state
 
-    def act(self, dev, u, keys, h, dh):
-        slots, _ = self._slots(h.shape[0], None)
-        (h, dh), _ = self._pipe("act", impl=_impl(keys))(dev, (h, dh), _kd(keys),
-                                                         self._layers(u), (), slots)
-        return h, dh
+    def act(self, dev, u, keys, state):
+        return self._go("act", {"impl": _impl(keys)}, dev, u, self._layers(u), state, _kd(keys),
+                        (), self._slots(self._n(state), None)[0])[0]
 
-    def act_grad(self, dev, u, keys, h, d):
-        slots, _ = self._slots(h.shape[0], None)
-        run = self._pipe("act_grad", num_examples=int(d.shape[0] * d.shape[2]), emit_sum=True,
-                         impl=_impl(keys))
-        (h,), g = run(dev, (h,), (_kd(keys), d), self._layers(u), (), slots)
-        return h, g
+    def act_grad(self, dev, u, keys, state, d):
+        kw = {"num_examples": int(d.shape[0] * d.shape[2]), "emit_sum": True,
+              "impl": _impl(keys)}
+        return self._go("act_grad", kw, dev, u, self._layers(u), state, (_kd(keys), d), (),
+                        self._slots(d.shape[0], None)[0], _handed)
 
-    def local_grad(self, dev, u, keys, h, head_dev, x, weights: bool):
-        slots, _ = self._slots(h.shape[0], None)
-        run = self._pipe("local", num_micro=int(h.shape[0]), num_examples=int(h.shape[1]),
-                         emit_sum=True, weights=weights, impl=_impl(keys))
-        (h,), g = run(dev, (h,), (_kd(keys), x), self._layers(u), head_dev, slots)
-        return h, g
+    def local_grad(self, dev, u, keys, state, head_dev, x, weights: bool):
+        n, b = jax.tree.leaves(x)[0].shape[:2]
+        kw = {"num_micro": int(n), "num_examples": int(b), "emit_sum": True, "weights": weights,
+              "impl": _impl(keys)}
+        return self._go("local", kw, dev, u, self._layers(u), state, (_kd(keys), x), head_dev,
+                        self._slots(n, None)[0], _handed)
 
-    def vjp(self, dev, u, stash: dict, ct, each: bool):
-        s = ct.shape[0]
+    def vjp(self, dev, u, stash: dict, state, each: bool):
+        s = self._n(state)
         st = self._put([stash[l] for l in u], self._stash)
         if each:
-            run = self._pipe("vjp", num_slots=s, reverse=True)
-            slots = np.arange(s, dtype=np.int32)
+            kw, slots = {"num_slots": s, "reverse": True}, np.arange(s, dtype=np.int32)
         else:
-            run = self._pipe("vjp", emit_sum=True, reverse=True)
-            slots = np.zeros(s, np.int32)
-        (ct,), g = run(dev, (ct,), np.arange(s, dtype=np.int32), st, (), slots)
-        return g, ct
+            kw, slots = {"emit_sum": True, "reverse": True}, np.zeros(s, np.int32)
+        return self._go("vjp", kw, dev, u, st, state, np.arange(s, dtype=np.int32), (), slots,
+                        _handed)
 
-    def along(self, dev, v, h, dh):
-        slots, _ = self._slots(h.shape[0], None)
-        (h, dh), _ = self._pipe("along")(dev, (h, dh), np.zeros(h.shape[0], np.float32), v, (),
-                                         slots)
-        return h, dh
+    def along(self, dev, u, v, state):
+        n = self._n(state)
+        return self._go("along", {}, dev, u, v, state, np.zeros(n, np.float32), (),
+                        self._slots(n, None)[0])[0]
 
-    def apply(self, dev, u, h, stash: dict):
-        n = h.shape[0]
-        run = self._pipe("apply", num_slots=n)
-        (h,), em = run(dev, (h,), np.zeros(n, np.float32), self._layers(u), (),
-                       np.arange(n, dtype=np.int32))
-        self._unstash(u, em, stash)
-        return h
+    def apply(self, dev, u, state, stash: dict):
+        n = self._n(state)
+        return self._go("apply", {"num_slots": n}, dev, u, self._layers(u), state,
+                        np.zeros(n, np.float32), (), np.arange(n, dtype=np.int32),
+                        self._unstash(stash))[0]
+
+    @staticmethod
+    def _n(state) -> int:
+        return state.circ.n if isinstance(state, _Flight) else jax.tree.leaves(state)[0].shape[0]
+
+
+class _Flight:
+    """A circular pass in flight between a sweep's units: its programs, the pipeline state on
+    the devices, the unit whose window ran last (with its device values) and the sweep's
+    per-chain inputs."""
+
+    def __init__(self, circ: Circular, carry: Any):
+        self.circ, self.carry, self.prev, self.rest = circ, carry, None, None
+
+
+def _handed(u: tuple, em: Any) -> tuple:
+    """A unit's gradient, handed back to the executor."""
+    return u, em
+
+
+@functools.lru_cache(maxsize=256)
+def _circular(mesh: Mesh, stack: Stack, spec: Any, name: str, kw: tuple, chains: int) -> Circular:
+    """The circular programs of the pass ``name`` for ``chains`` chains (shared as :func:`_pass`)."""
+    kw = dict(kw)
+    fn, specs = _PASSES[name](stack, spec, **kw)
+    opts = {k: v for k, v in kw.items() if k in ("num_slots", "emit_sum", "reverse")}
+    return Circular(mesh, fn, chains=chains, **specs, **opts)
 
 
 @functools.lru_cache(maxsize=256)

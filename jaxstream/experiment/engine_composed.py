@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxstream.compose.executor import SCHEDULES
 from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.experiment.engines import register_engine
 from jaxstream.stream.store import LayerStore
@@ -30,10 +31,14 @@ class ComposedEngineConfig(StreamEngineConfig):
       data: replicas (each micro-batch's examples are split over them).
       stage: pipeline stages (the model's depth must divide by it); data × stage must divide
         the devices.
+      schedule: ``circular`` (each sweep one circular pass over its chunks: one fill and one
+        drain per sweep, up to ``stage`` exact chains for the ticks of one) or ``chunked`` (one
+        GPipe pass per chunk of ``stage`` layers, the earlier schedule).
     """
 
     data: int = 1
     stage: int = 1
+    schedule: str = "circular"
 
     def __post_init__(self):
         super().__post_init__()
@@ -41,6 +46,9 @@ class ComposedEngineConfig(StreamEngineConfig):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"engine.{name}: must be an int >= 1, got {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"engine.schedule: must be one of {SCHEDULES}, got "
+                             f"{self.schedule!r}")
 
     def check_model(self, model: Any) -> None:
         """The model's depth divides into the stages (when the model section says its depth)."""
@@ -76,7 +84,8 @@ class ComposedEngine(StreamEngine):
         scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
                             self.cfg.depth)
         return ComposedExecutor(self.stack, self.estimator, self.optimizer, store, scfg,
-                                mesh=make_mesh(self.cfg.data, self.cfg.stage))
+                                mesh=make_mesh(self.cfg.data, self.cfg.stage),
+                                schedule=self.cfg.schedule)
 
 
 def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: Any,

@@ -291,12 +291,13 @@ class StreamedExecutor:
         units = ["embed", *self.placement.chunks(layers), "head"]
         for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
-                h, dh = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
+                state = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
             elif u == "head":
+                (h, dh), _ = self.placement.land(state)
                 losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
                 stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
             else:
-                h, dh = self.placement.jvp(dev, u, keys, h, dh, stash, stash_idx)
+                state = self.placement.jvp(dev, u, keys, state, stash, stash_idx)
             if host is not None:
                 hosts[u] = host
         return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
@@ -344,33 +345,43 @@ class StreamedExecutor:
         if self.plan.forward in ("local", "local_weights"):
             weights = self.plan.forward == "local_weights"
             head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
-            h = x["x"]
+            state, hosts = (x["x"],), {}
             for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
+                hosts[u] = host
                 if isinstance(u, str):
-                    out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, h,
+                    if u == "head":
+                        state, done = self.placement.land(state)
+                        self._done(done, hosts, sink)
+                    out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, state[0],
                                                head_dev, x, weights)
+                    state, done = (out,), [(u, g)]
                 else:
-                    out, g = self.placement.local_grad(dev, u, keys, h, head_dev, x, weights)
-                if u == "head":
-                    loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
-                        o.astype(jnp.float32), b))(out, x))
-                h = out
-                self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
+                    state, done = self.placement.local_grad(dev, u, keys, state, head_dev, x,
+                                                            weights)
+                self._done(done, hosts, sink)
+            loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
+                o.astype(jnp.float32), b))(out, x))
             return float(loss)
         for u, (_, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
-                h, dh = K.embed_act(self.stack, self.spec, dev, x["x"], keys)
+                state = K.embed_act(self.stack, self.spec, dev, x["x"], keys)
             elif u == "head":
+                (h, dh), _ = self.placement.land(state)
                 ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
             else:
-                h, dh = self.placement.act(dev, u, keys, h, dh)
-        h = x["x"]
+                state = self.placement.act(dev, u, keys, state)
+        state, hosts = (x["x"],), {}
         for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
+            hosts[u] = host
             if isinstance(u, str):
-                h, g = K.unit_act_grad(self.stack, self.spec, u, dev, z, keys, h, d)
+                if u == "head":
+                    state, done = self.placement.land(state)
+                    self._done(done, hosts, sink)
+                h, g = K.unit_act_grad(self.stack, self.spec, u, dev, z, keys, state[0], d)
+                state, done = (h,), [(u, g)]
             else:
-                h, g = self.placement.act_grad(dev, u, keys, h, d)
-            self._each(u, g, host, lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
+                state, done = self.placement.act_grad(dev, u, keys, state, d)
+            self._done(done, hosts, sink)
         return float(jnp.mean(ex_loss))
 
     def _like(self, u, hosts):
@@ -431,10 +442,16 @@ class StreamedExecutor:
             losses = host_value(head_losses)
         finish("head", g, hosts["head"])
 
-        for u, (host, dev) in self._sweep(list(reversed(self.placement.chunks(layers))), self._rload, t0,
-                                          "reverse"):
-            g, ct = self.placement.vjp(dev, u, stash, ct, mixes)
-            self._each(u, g, host, finish)
+        state, rhosts = (ct,), {}
+        for u, (host, dev) in self._sweep(list(reversed(self.placement.chunks(layers))),
+                                          self._rload, t0, "reverse"):
+            rhosts[u] = host
+            state, done = self.placement.vjp(dev, u, stash, state, mixes)
+            for v, g in done:
+                self._each(v, g, rhosts.pop(v), finish)
+        (ct,), done = self.placement.land(state)
+        for v, g in done:
+            self._each(v, g, rhosts.pop(v), finish)
         embed_dev = self._to_device(hosts["embed"])
         g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
         finish("embed", g, hosts["embed"])
@@ -498,14 +515,20 @@ class StreamedExecutor:
 
         for u, (dev, v) in self._sweep(["embed", *self.placement.chunks(layers), "head"], gload, t0, "guess"):
             if u == "embed":
-                h, dh = K.embed_along(self.stack, dev, v, x["x"])
+                state = K.embed_along(self.stack, dev, v, x["x"])
             elif u == "head":
+                (h, dh), _ = self.placement.land(state)
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
-                h, dh = self.placement.along(dev, v, h, dh)
+                state = self.placement.along(dev, u, v, state)
         return np.asarray(host_value(dg), np.float32)
 
     # ------------------------------------------------------------------ units
+    def _done(self, done: list, hosts: dict, sink: Callable) -> None:
+        """Sinks the gradients a placement completed (fp32, on the host), one per layer."""
+        for u, g in done:
+            self._each(u, g, hosts.pop(u), lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
+
     def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
         """``fn(layer or "embed"/"head", gradient, host params)`` for each layer of unit ``u``."""
         if isinstance(u, str):
@@ -546,11 +569,12 @@ class StreamedExecutor:
         units = ["embed", *self.placement.chunks(layers), "head"]
         for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
             if u == "embed":
-                h = K.embed_apply(self.stack, dev, x["x"])
+                state = (K.embed_apply(self.stack, dev, x["x"]),)
             elif u == "head":
+                (h,), _ = self.placement.land(state)
                 stash["head"] = host_value(h)
             else:
-                h = self.placement.apply(dev, u, h, stash)
+                state = self.placement.apply(dev, u, state, stash)
             if host is not None:
                 hosts[u] = host
         return None, hosts, stash, x

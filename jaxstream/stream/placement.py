@@ -81,33 +81,42 @@ class Placement(abc.ABC):
         return {}
 
     # ---------------------------------------------------------------- kernels on a block unit
+    # ``state`` is what flows between units (a tuple of activations, leaves (N, ...)); a
+    # placement may return an opaque state that only it reads (a pass still in flight) and hand
+    # a unit's gradient back later than the call that ran it: kernels that produce gradients
+    # return ``(state, done)``, ``done`` a list of ``(unit, gradient)``, and :meth:`land`, called
+    # after a sweep's last block unit, returns the final activations and what is still due.
     @abc.abstractmethod
-    def jvp(self, dev, unit, keys, h, dh, stash: dict, stash_idx):
+    def jvp(self, dev, unit, keys, state, stash: dict, stash_idx):
         """``(h, dh)`` through the unit with weight tangents; stashes the selected inputs."""
 
     @abc.abstractmethod
-    def act(self, dev, unit, keys, h, dh):
+    def act(self, dev, unit, keys, state):
         """``(h, dh)`` through the unit with activity tangents."""
 
     @abc.abstractmethod
-    def act_grad(self, dev, unit, keys, h, d):
-        """``(h, weight estimate)`` of the unit from the activity scalars ``d``."""
+    def act_grad(self, dev, unit, keys, state, d):
+        """``((h,), done)``: the unit's weight estimate from the activity scalars ``d``."""
 
     @abc.abstractmethod
-    def local_grad(self, dev, unit, keys, h, head_dev, x, weights: bool):
-        """``(h, weight estimate)`` of the unit under local losses."""
+    def local_grad(self, dev, unit, keys, state, head_dev, x, weights: bool):
+        """``((h,), done)``: the unit's weight estimate under local losses."""
 
     @abc.abstractmethod
-    def vjp(self, dev, unit, stash: dict, ct, each: bool):
-        """``(weight gradient(s), input cotangent)`` from the stashed inputs."""
+    def vjp(self, dev, unit, stash: dict, state, each: bool):
+        """``((input cotangent,), done)``: weight gradient(s) from the stashed inputs."""
 
     @abc.abstractmethod
-    def along(self, dev, v, h, dh):
+    def along(self, dev, unit, v, state):
         """``(h, dh)`` along the direction ``v`` (device values of the unit)."""
 
     @abc.abstractmethod
-    def apply(self, dev, unit, h, stash: dict):
-        """The unit's output; stashes every micro-batch's input."""
+    def apply(self, dev, unit, state, stash: dict):
+        """``(h,)``, the unit's output; stashes every micro-batch's input."""
+
+    def land(self, state) -> tuple[tuple, list]:
+        """``(activations, done)`` once a sweep's last block unit has been run."""
+        return state, []
 
 
 class OneDevice(Placement):
@@ -142,7 +151,8 @@ class OneDevice(Placement):
     def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
         fn(unit, g, None if hosts is None else hosts[0])
 
-    def jvp(self, dev, unit, keys, h, dh, stash: dict, stash_idx):
+    def jvp(self, dev, unit, keys, state, stash: dict, stash_idx):
+        h, dh = state
         if stash_idx is not None:
             stash[unit] = host_value(h[stash_idx])
         h_in = h
@@ -153,23 +163,28 @@ class OneDevice(Placement):
         h_in.block_until_ready()
         return h, dh
 
-    def act(self, dev, unit, keys, h, dh):
-        return K.block_act(self.stack, self.spec, dev, jnp.int32(unit), keys, h, dh)
+    def act(self, dev, unit, keys, state):
+        return K.block_act(self.stack, self.spec, dev, jnp.int32(unit), keys, *state)
 
-    def act_grad(self, dev, unit, keys, h, d):
-        return K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys, h, d)
+    def act_grad(self, dev, unit, keys, state, d):
+        h, g = K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys,
+                               state[0], d)
+        return (h,), [(unit, g)]
 
-    def local_grad(self, dev, unit, keys, h, head_dev, x, weights: bool):
-        return K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys, h,
-                                 head_dev, x, weights)
+    def local_grad(self, dev, unit, keys, state, head_dev, x, weights: bool):
+        h, g = K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys,
+                                 state[0], head_dev, x, weights)
+        return (h,), [(unit, g)]
 
-    def vjp(self, dev, unit, stash: dict, ct, each: bool):
+    def vjp(self, dev, unit, stash: dict, state, each: bool):
         vjp = K.block_vjp_each if each else K.block_vjp
-        return vjp(self.stack, dev, jax.device_put(stash[unit], self.device), ct)
+        g, ct = vjp(self.stack, dev, jax.device_put(stash[unit], self.device), state[0])
+        return (ct,), [(unit, g)]
 
-    def along(self, dev, v, h, dh):
-        return K.block_along(self.stack, dev, v, h, dh)
+    def along(self, dev, unit, v, state):
+        return K.block_along(self.stack, dev, v, *state)
 
-    def apply(self, dev, unit, h, stash: dict):
+    def apply(self, dev, unit, state, stash: dict):
+        (h,) = state
         stash[unit] = host_value(h)
-        return K.block_apply(self.stack, dev, h)
+        return (K.block_apply(self.stack, dev, h),)

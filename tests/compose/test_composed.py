@@ -69,9 +69,18 @@ def test_bad_mesh_depth_and_batch(tmp_path, data):
 
 
 def test_cost_model_counts():
-    """Ticks and reads of the chunked schedule, against a count by hand for C = 2 chunks."""
-    c = chunk_cost("hybrid_cv", layers=8, stages=4, micro_batches=8, selected=2)
+    """Ticks and reads of both schedules, against a count by hand for C = 2 chunks of M = 4,
+    N = 8, S = 2: chunked, a pass of N + M - 1 per chunk and sweep; circular, the forward sweep
+    2 · 8 + 3 ticks (period N, one drain), the reverse 2 · 4 + 1 (period M, chains S)."""
+    kw = dict(layers=8, stages=4, micro_batches=8, selected=2)
+    c = chunk_cost("hybrid_cv", schedule="chunked", **kw)
     assert c.ticks == 2 * (8 + 3) + 2 * (2 + 3) and c.layer_reads == 3 * 8
     assert c.bubble_fraction == pytest.approx(1 - (2 * 8 + 2 * 2) / c.ticks)
+    c = chunk_cost("hybrid_cv", **kw)
+    assert c.ticks == (2 * 8 + 3) + (2 * 4 + 1) and c.layer_reads == 3 * 8
+    assert c.bubble_fraction == pytest.approx(1 - (2 * 8 + 2 * 2) / c.ticks)
+    assert c.resident_layers_per_device == 2 + 2  # p = 2 prefetched, running, draining
     with pytest.raises(ValueError, match="kind must be one of"):
         chunk_cost("nosuch", layers=8, stages=4, micro_batches=8)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        chunk_cost("forward", schedule="looped", **kw)
