@@ -390,7 +390,8 @@ def _table(rows: list[dict], cols) -> str:
     return head + "".join("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |\n" for r in rows)
 
 
-def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str) -> str:
+def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str,
+             machine: str | None = None, cpus: int | None = None) -> str:
     x = deep[0]
     deep_md = (f"\nThe control-variate hybrid at L = {x['layers']}, M = {x['stages']}, "
                f"N = {x['micro_batches']} for each S (executed on a narrow model; `ticks` and "
@@ -412,8 +413,9 @@ def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str) -> str:
               f"summed over the devices + the activation stash "
               f"{x['activation_stash_bytes'] / MiB:.2f} MiB; constant "
               f"{_fmt([round(v / MiB) for v in x['baseline_rss_bytes']])} MiB)\n")
-    return (f"Written by `{command}` on {platform.node() or 'this machine'} "
-            f"({os.cpu_count()} CPU cores, simulated devices), jax {jax.__version__}.\n\n"
+    machine = machine or platform.node() or "this machine"
+    return (f"Written from `{command}` on {machine} "
+            f"({cpus or os.cpu_count()} CPU cores, simulated devices), jax {jax.__version__}.\n\n"
             + _table(rows, COLS) + deep_md + s)
 
 
@@ -429,6 +431,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer meshes and estimators")
     ap.add_argument("--json", type=Path, help="write {rows, scale} here")
     ap.add_argument("--doc", type=Path, help="rewrite the table block of this markdown file")
+    ap.add_argument("--doc-from", type=Path, metavar="JSON",
+                    help="with --doc: write the block from a run's --json output, running nothing")
     ap.add_argument("--scale-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--width", type=int, default=256, help=argparse.SUPPRESS)
@@ -438,6 +442,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.scale_worker:
         scale_worker(args)
+        return 0
+    if args.doc_from:
+        if not args.doc:
+            ap.error("--doc-from needs --doc")
+        run = json.loads(args.doc_from.read_text())
+        write_doc(args.doc, markdown(run["rows"], run["deep"], run["scale"],
+                                     f"{run['command']} --json {args.doc_from.name}",
+                                     machine=run["machine"], cpus=run["cpus"]))
+        print(f"wrote {args.doc} from {args.doc_from}")
         return 0
     layers = 8
     if args.quick:

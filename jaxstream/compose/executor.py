@@ -102,6 +102,10 @@ class ComposedExecutor(StreamedExecutor):
             raise ValueError(f"mesh: stage = {m} must divide the model's {stack.num_layers} "
                              f"layers (allowed: divisors of {stack.num_layers})")
         config = config or StreamConfig()
+        if schedule == "circular" and config.prefetch < 1:
+            raise ValueError(f"prefetch: the circular schedule reads the next chunk while one "
+                             f"computes, so prefetch must be >= 1, got {config.prefetch} (or "
+                             f"use schedule='chunked')")
         placement = StageChunks(stack, plan_of(estimator, config.update).spec,
                                 config.compute_dtype, mesh, schedule)
         super().__init__(stack, estimator, optimizer, store, config, placement=placement)

@@ -49,6 +49,10 @@ class ComposedEngineConfig(StreamEngineConfig):
         if self.schedule not in SCHEDULES:
             raise ValueError(f"engine.schedule: must be one of {SCHEDULES}, got "
                              f"{self.schedule!r}")
+        if self.schedule == "circular" and self.prefetch < 1:
+            raise ValueError(f"engine.prefetch: the circular schedule reads the next chunk while "
+                             f"one computes, so it must be >= 1, got {self.prefetch} (or "
+                             f"engine.schedule: chunked)")
 
     def check_model(self, model: Any) -> None:
         """The model's depth divides into the stages (when the model section says its depth)."""

@@ -123,6 +123,7 @@ class StreamedExecutor:
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
                                                 device or jax.local_devices()[0])
         self.events: list[Event] = []
+        self.clock = {"host_update_s": 0.0, "wait_write_s": 0.0}  # the last step's, per cause
         self._pending: dict = dict(store.extra.get("pending", {}))
         self._applied: set = set()
 
@@ -177,10 +178,15 @@ class StreamedExecutor:
             params = self.store.read(unit, staged=True).result()
         if opt is None:
             opt = self.store.read_opt(unit, staged=True).result()
+        t0 = time.perf_counter()
         with jax.default_device(self.host):
             grads = _f32(grads, self.host)
             new_p, new_opt = K.optax_step(self.optimizer, grads, opt, params)
-        self.store.write(unit, *jax.tree.map(np.asarray, (new_p, new_opt)))
+            new = jax.tree.map(np.asarray, (new_p, new_opt))
+        t1 = time.perf_counter()
+        self.store.write(unit, *new)  # waits only while too many bytes are in flight
+        self.clock["host_update_s"] += t1 - t0
+        self.clock["wait_write_s"] += time.perf_counter() - t1
 
     # ------------------------------------------------------------------ public
     def layers(self, step: int) -> tuple[int, ...]:
@@ -199,25 +205,31 @@ class StreamedExecutor:
             function of the step's loss returning it.
 
         Returns:
-          metrics: loss, step time, stall time, bytes read.
+          metrics: loss, ``step_time_s``, and the step's time on its critical path per cause:
+          ``stall_s`` (waiting for a layer's read), ``host_update_s`` (the host optimizer),
+          ``wait_write_s`` (staged writes past ``max_write_bytes``, and the commit's wait for
+          every write); ``layers_read``; a placement's own (ticks).
         """
         step = self.store.step if step is None else int(step)
         t0 = time.perf_counter()
         self.events = []
+        self.clock = {"host_update_s": 0.0, "wait_write_s": 0.0}
         self.placement.begin_step()
         pending = {k: list(v) for k, v in self._pending.items()}
         try:
             loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
             if callable(extra):
                 extra = extra(float(loss))
+            tc = time.perf_counter()
             self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
+            self.clock["wait_write_s"] += time.perf_counter() - tc
         except BaseException:
             self._pending = pending  # a failed step leaves no trace: a retry redoes it exactly
             self.store.abort()
             raise
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
-                "stall_s": float(sum(e.stall for e in self.events)),
+                "stall_s": float(sum(e.stall for e in self.events)), **self.clock,
                 "layers_read": sum(len(self.placement.layers_of(e.unit))
                                    for e in self.events if not isinstance(e.unit, str)),
                 **self.placement.metrics()}

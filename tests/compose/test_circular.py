@@ -152,6 +152,9 @@ def test_chunked_schedule_still_runs_and_costs_more(tmp_path):
     assert out["chunked"][1] == chunk_cost("hybrid_replace", layers=8, stages=4, micro_batches=4,
                                            selected=2, schedule="chunked").ticks
     assert out["circular"][1] < out["chunked"][1]
+    with pytest.raises(ValueError, match="prefetch must be >= 1, got 0"):
+        ComposedExecutor(stack, est, optax.sgd(0.1), store, StreamConfig(prefetch=0),
+                         mesh=make_mesh(1, 4))
     with pytest.raises(ValueError, match="schedule must be one of"):
         ComposedExecutor(stack, est, optax.sgd(0.1), store, cfg, mesh=make_mesh(1, 4),
                          schedule="looped")

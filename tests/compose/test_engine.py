@@ -26,6 +26,7 @@ def test_shipped_config_parses():
     (["engine.stage=3"], r"engine.stage: 3 must divide model.depth = 8"),
     (["engine.data=0"], r"engine.data: must be an int >= 1"),
     (["engine.schedule=looped"], r"engine.schedule: must be one of \('circular', 'chunked'\)"),
+    (["engine.prefetch=0"], r"engine.prefetch: the circular schedule .* must be >= 1, got 0"),
 ])
 def test_bad_mesh_is_named_at_load(overrides, match):
     with pytest.raises(ValueError, match=match):
