@@ -270,9 +270,8 @@ def _record_pass_buffers(record: dict):
 
     ce._circular = measured
 
-    def undo():
+    def undo():  # the cached programs keep the wrapper: after its first call, a plain call
         ce._circular = orig
-        orig.cache_clear()  # the wrapped windows are not kept
     return undo
 
 

@@ -61,7 +61,6 @@ def estimators(num_layers: int) -> dict:
         "fwd-w-gauss": (jg.forward(2, "gaussian"), "flat"),
         "fwd-w-rad": (jg.forward(2, "rademacher"), "flat"),
         "fwd-w-orth": (jg.forward(2, "gaussian", orthogonal=True), "flat"),
-        "fwd-w-anti": (jg.forward(2, "gaussian", antithetic=True), "flat"),
         "fwd-w-proj": (jg.forward(2, "gaussian", aggregation="projection"), "flat"),
         "fwd-act": (jg.forward(2, perturb="activations"), "flat"),
         "fwd-act-local": (jg.forward(2, perturb="activations", local_losses=True), "flat"),

@@ -86,7 +86,6 @@ ESTIMATORS = {
     "fwd-w-gauss": (jg.forward(K, "gaussian"), "flat"),
     "fwd-w-rad": (jg.forward(K, "rademacher"), "flat"),
     "fwd-w-orth": (jg.forward(K, "gaussian", orthogonal=True), "flat"),
-    "fwd-w-anti": (jg.forward(K, "gaussian", antithetic=True), "flat"),
     "fwd-w-proj": (jg.forward(K, "gaussian", aggregation="projection"), "flat"),
     "fwd-act": (jg.forward(K, perturb="activations"), "flat"),
     "fwd-act-local": (jg.forward(K, perturb="activations", local_losses=True), "flat"),

@@ -65,6 +65,10 @@ class ForwardConfig(EstimatorConfig):
     def __post_init__(self):
         if self.num_tangents < 1:
             raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+        if self.antithetic:
+            from jaxstream.grad.tangents import ANTITHETIC
+
+            raise ValueError(ANTITHETIC)
 
     def build(self) -> Estimator:
         import jaxstream.grad as jg
@@ -101,6 +105,10 @@ class HybridConfig(EstimatorConfig):
             raise ValueError(f"micro_batches: must be >= 1, got {self.micro_batches}")
         if self.num_tangents < 1:
             raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+        if self.antithetic:
+            from jaxstream.grad.tangents import ANTITHETIC
+
+            raise ValueError(ANTITHETIC)
         check_correction(self.correction)
         if self.exact_indices is None:
             if not 1 <= self.num_exact <= self.micro_batches:

@@ -204,8 +204,8 @@ def _q(s: Stats, totals: dict) -> jax.Array:
 
 def _shrinkage(s: Stats, totals: dict) -> dict:
     n, k = _n_k(s)
-    return {"beta": cr.shrinkage(s.counts, s.spread, cr.segment_sizes(s.like), _q(s, totals), n,
-                                 k, total_size=s.total_size)}
+    return {"beta": cr.shrinkage(s.counts, cr.segment_sizes(s.like), n, k,
+                                 total_size=s.total_size)}
 
 
 def _weighted(s: Stats, totals: dict) -> Any:
@@ -235,7 +235,8 @@ CONTROL_VARIATE = register(Rule("control_variate", _control_variate, _residual_p
 REPLACE = register(Rule("replace", _replace,
                         doc="exact where known, forward elsewhere: unbiased"))
 WEIGHTED = register(Rule("weighted", _weighted, _residual_partials, cross=True, stale_ok=True,
-                         doc="control variate, residual shrunk by a spread-based β: biased",
+                         doc="control variate, residual shrunk by a fixed β: unbiased with a random "
+                             "selection, biased with a fixed one",
                          diagnostics=_shrinkage))
 STEIN = register(Rule("stein", _stein, _residual_partials, cross=True, stale_ok=True,
                       doc="control variate, residual shrunk by a James–Stein β: biased"))

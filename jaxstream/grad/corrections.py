@@ -122,43 +122,39 @@ def outside_rows(masks: dict, idx: jax.Array, n: int) -> dict:
             else 1.0 - jnp.einsum("kl,kn->ln", m, onehot) for name, m in masks.items()}
 
 
-def shrinkage(counts: dict, spread: dict, sizes: dict, q: jax.Array, n: int, k: int,
+def shrinkage(counts: dict, sizes: dict, n: int, k: int,
               total_size: float | None = None) -> dict:
     """β per segment for the ``weighted`` correction: β = a / (a + b) minimises the expected
     squared error of h + β·r, where r = (1/N) Σ_{n∉G} r̂_n is the forward residual estimate.
 
-    a ≈ E‖ḡ − h‖² = σ̂² (1/|G| − 1/N) N/(N−1), with σ̂² the sample spread of the group's exact
-    gradients; b ≈ Var r = (N − |G|) P q / (N² K), with P the segment's size and q = mean
-    (d − c)² over the micro-batches outside the group. With the whole batch exact, a = 0 and
-    β = 0; with an empty group (h = 0) β = 1, the plain forward estimate.
+    * a = E‖h − ḡ‖² = S² (1/|G| − 1/N) for |G| of the N micro-batches drawn without
+      replacement, S² the spread of the N micro-batch gradients (divided by N − 1);
+    * b = Var r ≈ (N − |G|) P q / (N² K), with P the segment's size and q = mean (d − c)² over
+      the micro-batches outside the group;
+    * S² is taken from the same residual scalars, not from the selected gradients' spread:
+      E q = E_{n∉G} ‖g_n − h‖² = S²_model (1 + 1/|G|), shared among segments in proportion to
+      their size, S² ≈ q |G| / (|G| + 1) · P / P_total.
 
-    With a single exact gradient there is no spread to measure, so σ̂² comes from the residual
-    scalars instead: E(d_nk − c_nk)² = ‖g_n − g_sel‖² ≈ 2σ² for n ≠ sel, so the whole model's
-    σ̂² ≈ q N / (2(N − 1)), shared among segments in proportion to their size. Then
-    β = a / (a + b) with a = N / (2(N − 1) P_total) and b = (N − 1) / (N² K) per parameter: the
-    same for every segment (q cancels). ``total_size`` is P_total, the whole model's parameter
-    count (default: the sum of ``sizes``, right unless ``sizes`` covers only a pipeline stage).
-
-    Bias: h comes from the selected micro-batches; only the tangent part corrects it towards
-    the batch mean, so shrinking that part (β < 1) keeps a share (1 − β) of h's deviation. With
-    a random selection that deviation averages out over steps; with a fixed selection
-    (``exact_indices``, a pipeline's static table) it does not: ``weighted`` is then biased
-    towards the selected micro-batches (see docs/quality.md for a measurement).
+    So q cancels and β = a' / (a' + b') with a' = |G| / (|G| + 1) · (1/|G| − 1/N) / P_total
+    and b' = (N − |G|) / (N² K): a number fixed by N, |G|, K and the model's size P_total
+    (``total_size``; default the sum of ``sizes``, right unless ``sizes`` covers only a pipeline
+    stage). A β estimated from the selected micro-batches moves with h − ḡ and biases the
+    estimate even under a random selection; this one does not: with a random selection
+    E[h + β r] = E[h + β(ḡ − h)] = ḡ. With a *fixed* selection (``exact_indices``, a pipeline's
+    static table) a share (1 − β) of h's systematic deviation stays: ``weighted`` is then biased
+    towards the selected micro-batches (docs/engines.md measures it). With the whole batch
+    exact β = 0; with an empty group (h = 0) β = 1, the plain forward estimate.
     """
     if total_size is None:
         total_size = sum(jnp.sum(v) for v in sizes.values())
-    if n > 1:
-        a1 = n / (2.0 * (n - 1) * total_size)
-        beta1 = a1 / (a1 + (n - 1.0) / (n * n * k))
-    else:
-        beta1 = jnp.float32(0.0)
     out = {}
     for name, c in counts.items():
-        sigma2 = spread[name] / jnp.maximum(c - 1.0, 1.0)
-        a = sigma2 * (1.0 / jnp.maximum(c, 1.0) - 1.0 / n) * n / max(n - 1, 1)
-        b = sizes[name] * q * (n - c) / (n * n * k)
+        c = jnp.asarray(c, jnp.float32)
+        cc = jnp.maximum(c, 1.0)
+        a = cc / (cc + 1.0) * (1.0 / cc - 1.0 / n) / total_size
+        b = (n - c) / (n * n * k)
         beta = jnp.where(a + b > 0, a / jnp.maximum(a + b, 1e-30), 0.0)
-        out[name] = jnp.where(c >= 2, beta, jnp.where(c == 1, beta1, 1.0))
+        out[name] = jnp.where(c >= 1, beta, 1.0)
     return out
 
 
@@ -183,8 +179,10 @@ def stein_beta(resid: Any, variance: dict, counts: dict, like: Any) -> dict:
 
     ‖r‖² − b estimates ‖E r‖² = ‖ḡ − h‖² from the residual itself, whatever made h deviate (a
     random or a *fixed* selection), so where the exact mean is systematically off β stays near
-    1 — less bias than :func:`shrinkage`'s spread-based weight, which assumes a random
-    selection. An empty group (h = 0) keeps β = 1 (the plain forward estimate).
+    1 — less bias than :func:`shrinkage`'s fixed weight when that deviation stands out of the
+    tangent noise. But ‖r‖² moves with h − ḡ, so with a random selection β and h − ḡ are
+    correlated and ``stein`` keeps a small bias that ``weighted`` does not (docs/engines.md
+    measures both). An empty group (h = 0) keeps β = 1 (the plain forward estimate).
     """
     sq = _segment_sq(resid, like)
     out = {}

@@ -85,9 +85,6 @@ class Forward:
             raise ValueError("aggregation='projection' needs perturb='weights'")
         if self.local_losses and self.perturb != "activations":
             raise ValueError("local_losses=True needs perturb='activations'")
-        if self.spec.antithetic and self.aggregation == "projection":
-            raise ValueError("antithetic=True with aggregation='projection': the ±v pairs make "
-                             "the tangents' Gram matrix singular; use aggregation='mean'")
 
     @property
     def plan(self) -> Plan:

@@ -28,6 +28,9 @@ from jax.random import fold_in
 from jaxstream.grad.threefry import random_words, tied, vmap_exact
 from jaxstream.models.stack import is_stack_params
 
+ANTITHETIC = ("antithetic: refused for jvp estimates: (∇L·(−v))(−v) = (∇L·v)v, so an antithetic "
+              "pair is one tangent counted twice at twice the compute (K antithetic tangents "
+              "give the estimate of K/2 plain ones); use num_tangents=K/2")
 Distribution = Literal["rademacher", "gaussian"]
 DISTRIBUTIONS = ("rademacher", "gaussian")
 EMBED, BLOCKS, HEAD = 0, 1, 2
@@ -41,8 +44,11 @@ class TangentSpec:
       num: tangents per micro-batch (K >= 1).
       distribution: ``"rademacher"`` (±1) or ``"gaussian"``.
       orthogonal: orthogonalise the K tangents within each leaf holding at least K entries
-        (rescaled so each stays on the sphere of radius √n; still E[v vᵀ] = I).
-      antithetic: pair tangent 2j+1 with −(tangent 2j); needs an even ``num``.
+        (rescaled so each stays on the sphere of radius √n; still E[v vᵀ] = I at every leaf
+        size: rows a small leaf's sign vectors leave linearly dependent are redrawn, see
+        :func:`_orthogonalise`).
+      antithetic: refused (kept so that a caller asking for it is told why): every estimate
+        here is a jvp, and (∇L·(−v))(−v) = (∇L·v)v, so a ±v pair adds only compute.
     """
 
     num: int = 1
@@ -57,26 +63,46 @@ class TangentSpec:
             raise ValueError(
                 f"distribution must be one of {DISTRIBUTIONS}, got {self.distribution!r}"
             )
-        if self.antithetic and self.num % 2:
-            raise ValueError(f"antithetic tangents need an even num_tangents, got {self.num}")
+        if self.antithetic:
+            raise ValueError(ANTITHETIC)
 
     def sample(self, key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
         """``num`` tangents of one leaf, shape ``(num, *shape)``."""
-        draws = self.num // 2 if self.antithetic else self.num
+        draws = self.num
         size = math.prod(shape)
         if self.distribution == "rademacher":
             v = vmap_exact(lambda k: rademacher_bits(k, draws, size), key)
         else:
             v = vmap_exact(lambda k: jax.random.normal(k, (draws, size), jnp.float32), key)
         if self.orthogonal and draws > 1 and size >= draws:
-            q, r = jnp.linalg.qr(v.T)
-            # Fix QR's sign convention so Q is Haar-distributed (zero-mean columns): without it
-            # independent leaves' tangents share a mean and the estimate is biased.
-            q = q * jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0)
-            v = q.T * jnp.sqrt(jnp.float32(size))
-        if self.antithetic:
-            v = jnp.stack([v, -v], axis=1).reshape(self.num, size)
+            v = _orthogonalise(v, jax.random.fold_in(key, 1))
         return v.reshape((self.num, *shape)).astype(dtype)
+
+
+def _orthogonalise(v: jax.Array, spare: jax.Array) -> jax.Array:
+    """The rows of ``v`` (draws, size) Gram–Schmidt orthogonalised (QR), each rescaled to norm
+    √size, so E[v vᵀ] = I still holds.
+
+    The draws' distribution is invariant under signed permutations of the entries (and the
+    Gaussian's under every rotation), and QR is equivariant under them, so the result keeps that
+    invariance — unless some rows are linearly dependent (sign vectors of a small leaf often
+    are: two equal rows, or ±1 patterns that add up), where QR completes the basis with fixed
+    directions and the tangents become biased. Those rows (|r_kk| ≈ 0) are redrawn as Gaussian
+    rows from ``spare`` before a second QR: a Gaussian row is independent of the others almost
+    surely and rotation-invariant, so the completion is invariant too. QR's sign convention is
+    fixed (r_kk > 0) so Q is Haar-distributed: zero-mean rows.
+    """
+    def qr(m):
+        q, r = jnp.linalg.qr(m.T)
+        d = jnp.diagonal(r)
+        return q.T * jnp.where(d < 0, -1.0, 1.0)[:, None], jnp.abs(d)
+
+    size = v.shape[1]
+    q, d = qr(v)
+    deficient = d < 1e-3 * jnp.sqrt(jnp.float32(size))  # a sign row's norm is √size
+    redrawn = jnp.where(deficient[:, None], jax.random.normal(spare, v.shape, jnp.float32), v)
+    q = jnp.where(jnp.any(deficient), qr(redrawn)[0], q)
+    return q * jnp.sqrt(jnp.float32(size))
 
 
 def rademacher_bits(key: jax.Array, draws: int, size: int) -> jax.Array:

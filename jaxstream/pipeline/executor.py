@@ -195,9 +195,6 @@ def _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic
         raise ValueError(f"perturb={perturb!r}; allowed: ('weights', 'activations')")
     if aggregation not in ("mean", "projection"):
         raise ValueError(f"aggregation={aggregation!r}; allowed: ('mean', 'projection')")
-    if aggregation == "projection" and antithetic:
-        raise ValueError("antithetic=True with aggregation='projection': the Gram matrix is "
-                         "singular; use aggregation='mean'")
     spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
     if correction != "none":
         if perturb != "weights" or aggregation != "mean" or local_losses:

@@ -30,6 +30,8 @@ CASES = [
      r"tangents; got HybridActivity"),
     (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
+    (QUICKSTART, ["arms.0.estimator={type: forward, num_tangents: 2, antithetic: true}"],
+     r"arms.0.estimator.antithetic: refused for jvp estimates"),
 ]
 
 

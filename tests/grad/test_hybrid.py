@@ -37,6 +37,39 @@ def test_unbiased_corrections(correction):
     assert abs(np.mean(z**2) - 1.0) < 5 * np.sqrt(2.0 / z.size)
 
 
+def test_weighted_beta_does_not_move_with_the_selection():
+    """``weighted``'s β is fixed by N, |G|, K and the model's size: the same for every key and
+    every selection of the same size, so with a random selection E[h + β r] = ḡ (a β estimated
+    from the selected gradients' spread moved with h − ḡ and biased the estimate); and the
+    estimate is h + β (control variate − h) with that β, per segment."""
+    stack, params, _, micro = tiny_problem(n_micro=6)
+    betas = []
+    for sel in [(0, 1), (2, 5)]:
+        weighted = jg.hybrid(exact_indices=sel, correction="weighted", num_tangents=2)
+        weighted = jax.jit(lambda k, e=weighted: e(stack, params, micro, k, diagnostics=True))
+        cv = jg.hybrid(exact_indices=sel, correction="control_variate", num_tangents=2)
+        cv = jax.jit(lambda k, e=cv: e(stack, params, micro, k)[1])
+        for key in (jax.random.key(1), jax.random.key(2)):
+            _, g, diag = weighted(key)
+            betas.append(jax.tree.map(np.asarray, diag["beta"]))
+            h = jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(
+                jax.tree.map(lambda a: a[np.asarray(sel)], micro))))(params)
+            b = diag["beta"]
+            c = cv(key)
+            want = {"embed": jax.tree.map(lambda hh, c: hh + b["embed"] * (c - hh),
+                                          h["embed"], c["embed"]),
+                    "head": jax.tree.map(lambda hh, c: hh + b["head"] * (c - hh),
+                                         h["head"], c["head"])}
+            chex.assert_trees_all_close({"embed": g["embed"], "head": g["head"]}, want,
+                                        rtol=2e-4, atol=1e-6)
+    for other in betas[1:]:
+        chex.assert_trees_all_close(other, betas[0], rtol=1e-6)
+    n, k, c = 6, 2, 2.0
+    size = sum(np.size(a) for a in jax.tree.leaves(params))
+    a = c / (c + 1) * (1 / c - 1 / n) / size  # the docstring's formula, by hand
+    np.testing.assert_allclose(betas[0]["head"], a / (a + (n - c) / (n * n * k)), rtol=1e-5)
+
+
 def _correlated_problem():
     """Micro-batches that share most of their gradient: same inputs up to small noise."""
     stack = mlp(in_dim=5, width=8, depth=2, num_classes=3)
