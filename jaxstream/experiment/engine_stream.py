@@ -233,6 +233,11 @@ class StreamEngine:
             "host_update_time": m["host_update_s"], "write_wait_time": m["wait_write_s"],
             **{k: float(v) for k, v in m.items() if k in ("ticks", "fill_ratio")}}
 
+    def warm_up(self, state: StreamState, batch: dict, key: jax.Array) -> None:
+        """Compiles the step's kernels (its sweeps and the host updates) on ``batch`` without
+        committing: the store keeps its step (see :meth:`StreamedExecutor.warm_up`)."""
+        self._executor().warm_up(self._micro(batch), key, step=int(state.step))
+
     def estimate(self, state: StreamState, batch: dict, key: jax.Array):
         ex = self._executor()
         loss, grads = ex.estimate(self._micro(batch), key, step=int(state.step))

@@ -47,6 +47,11 @@ class Engine(Protocol):
     step would use (without updating); the runner then logs its cosine to the exact gradient. If
     it accepts ``diagnostics=True`` and then returns ``(loss, grads, diag)``, the scalar entries of
     ``diag`` are logged too (as ``diag_<name>``).
+
+    Optional: ``warm_up(state, batch, key) -> None`` compiles what a step runs without changing
+    the state or anything the engine has written (for an engine whose step is not one jitted
+    function: the streamed engines); the runner times it as ``compile_time`` before the step
+    clock starts. A jitted ``step`` is compiled by calling it once instead.
     """
 
     def init(self, params: Any, key: jax.Array) -> Any:

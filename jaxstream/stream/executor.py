@@ -252,6 +252,21 @@ class StreamedExecutor:
                  "blocks": jax.tree.map(lambda *xs: np.stack(xs), *blocks)}
         return float(loss), grads
 
+    def warm_up(self, batch: dict, key: jax.Array, step: int = 0) -> None:
+        """Compiles what :meth:`step` runs, writing nothing: the step's sweeps (as
+        :meth:`estimate`, whose staged writes are dropped) and the host optimizer update of each
+        unit shape (on zero gradients, result discarded). So a run's first step is timed
+        without compilation (a lazy update's first application still compiles then)."""
+        self.estimate(batch, key, step)
+        layers = self.layers(step)
+        for u in ["embed", "head", *layers[:1]]:
+            params = self.store.read(u).result()
+            opt = self.store.read_opt(u).result()
+            with jax.default_device(self.host):
+                zeros = jax.tree.map(lambda a: np.zeros(np.shape(a), np.float32), params)
+                jax.block_until_ready(K.optax_step(self.optimizer, _f32(zeros, self.host), opt,
+                                                   params))
+
     def forward(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The streamed forward sweep alone (no update): per micro-batch losses (N,) and
         directional derivatives (N, K) of the estimator's tangents for ``key``. Nothing it
