@@ -157,7 +157,8 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
                 "staleness_per_stage": [0] * s, "layers_read": m["layers_read"],
                 "layer_reads_per_layer": m["layers_read"] / layers,
                 "layers_read_model": model.layer_reads, "first_call_s": first_s,
-                "step_s": step_s})
+                "step_s": step_s, **{f"idle_{k}": m[k] for k in
+                                     ("stall_s", "host_update_s", "wait_write_s")}})
             print(f"  {d}x{s} {name:16s} err {rows[-1]['max_rel_err']:.2e} ticks {m['ticks']} "
                   f"(model {model.ticks}, chunked {rows[-1]['ticks_chunked']}) fill "
                   f"{m['fill_ratio']:.3f}", flush=True)
