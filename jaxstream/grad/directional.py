@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxstream.grad import segments as sg
 from jaxstream.grad.tangents import TangentSpec, tangents
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import Stack, loss_dtype
 
 ACTIVITY = sg.ACTIVITY
 
@@ -87,7 +87,7 @@ def stack_activity(
 def _activity_local(stack, spec, params, batch, key):
     """One pass: each module output's tangent reaches only that output's local loss (the
     head's: the global loss)."""
-    example = lambda lg: stack.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
     local_loss = lambda h: example(stack.head(params["head"], h))  # noqa: E731
 
     def kernel(fn, p, seg):

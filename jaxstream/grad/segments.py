@@ -33,7 +33,7 @@ from jax.random import fold_in
 
 from jaxstream.grad.tangents import EMBED, HEAD, TangentSpec, block_key, leaf_tangents
 from jaxstream.grad.threefry import tied
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import Stack, loss_dtype
 
 ACTIVITY = 3  # key segment of activation tangents
 
@@ -52,7 +52,8 @@ def segment_key(key: jax.Array, segment: Any) -> jax.Array:
 
 
 def _mean_loss(stack: Stack, batch: dict) -> Callable:
-    return lambda logits: jnp.mean(stack.example_loss(logits.astype(jnp.float32), batch))
+    return lambda logits: jnp.mean(stack.example_loss(
+        logits.astype(loss_dtype(logits.dtype)), batch))
 
 
 # ----------------------------------------------------------------------- weight perturbation
@@ -166,7 +167,7 @@ def head_act(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Arra
     over every segment output m."""
     logits, dlogits = jvp_k(lambda hh: stack.head(p, hh), (h,), (dh.astype(h.dtype),))
     dlogits = dlogits + _u(spec, key, "head", logits)
-    example = lambda lg: stack.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
     return jvp_k(example, (logits,), (dlogits,))
 
 
@@ -175,7 +176,8 @@ def act_cotangent(spec: TangentSpec, key: jax.Array, segment: Any, out: jax.Arra
     """(1/(K·B_total)) Σ_k d[k, b] · u_k[b]: the estimate of ∂(mean loss)/∂out of a segment."""
     u = _u(spec, key, segment, out)
     k = d.shape[0]
-    cot = jnp.einsum("kb...,kb->b...", u.astype(jnp.float32), d.astype(jnp.float32))
+    acc = jnp.promote_types(loss_dtype(u.dtype), d.dtype)
+    cot = jnp.einsum("kb...,kb->b...", u.astype(acc), d.astype(acc))
     return (cot / (k * num_examples)).astype(out.dtype)
 
 
@@ -206,8 +208,9 @@ def local_weight_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, s
     v = leaf_tangents(spec, segment_key(key, segment), p)
     out, dout = jvp_k(fn, (p,), (v,))
     _, d = jvp_k(lambda o: jnp.mean(local_loss(o)), (out,), (dout,))
-    d = d.astype(jnp.float32)
-    return out, jax.tree.map(lambda t: (jnp.tensordot(d, t.astype(jnp.float32), axes=1)
+    acc = jnp.promote_types(loss_dtype(jax.tree.leaves(p)[0].dtype), d.dtype)
+    d = d.astype(acc)
+    return out, jax.tree.map(lambda t: (jnp.tensordot(d, t.astype(acc), axes=1)
                                         / spec.num).astype(t.dtype), v)
 
 

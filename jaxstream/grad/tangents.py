@@ -200,7 +200,8 @@ def combine(
       rows: optional per-segment weights of the N micro-batches (``{"embed": (N,), "blocks":
         (L, N), "head": (N,)}`` or ``{"tree": (N,)}``), multiplying ``coeffs`` in that segment.
     Returns:
-      A pytree shaped like ``like``, in its dtypes (the sum is accumulated in float32).
+      A pytree shaped like ``like``, in its dtypes (the sum is accumulated in at least
+      float32: bf16 leaves in float32, float64 leaves in float64).
     """
 
     # The keys wait for the coefficients: XLA would otherwise draw the tangents of segments
@@ -213,14 +214,20 @@ def combine(
         def body(acc, kc):
             k, c = kc
             v = leaf_tangents(spec, k, jax.tree.map(_f32_like, tree))
-            return jax.tree.map(lambda a, vv: a + jnp.tensordot(c, vv, axes=1), acc, v), None
+            return jax.tree.map(lambda a, vv: a + jnp.tensordot(
+                c.astype(a.dtype), vv.astype(a.dtype), axes=1), acc, v), None
 
-        zero = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
-        acc = jax.lax.scan(body, zero, (seg_keys, c_all.astype(jnp.float32)))[0]
+        zero = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), _acc_dtype(x)), tree)
+        acc = jax.lax.scan(body, zero, (seg_keys, c_all.astype(_acc_dtype(c_all))))[0]
         return jax.tree.map(lambda a, x: a.astype(jnp.result_type(x)), acc, tree)
 
     out = _segment_apply(seg, keys, like, first_layer, rows)
     return out["tree"] if not is_stack_params(like) else out
+
+
+def _acc_dtype(x) -> Any:
+    """The accumulation dtype of a leaf: its own promoted to at least float32."""
+    return jnp.promote_types(jnp.result_type(x), jnp.float32)
 
 
 def _f32_like(x):

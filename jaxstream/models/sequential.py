@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxstream.models.stack import Batch, cross_entropy
+from jaxstream.models.stack import Batch, cross_entropy, loss_dtype
 
 DROPOUT = 5  # key segment of dropout masks
 
@@ -51,7 +51,7 @@ LOSSES: dict[str, Callable[[jax.Array, Batch], jax.Array]] = {"cross_entropy": c
 
 def mean_squared_error(out: jax.Array, batch: Batch) -> jax.Array:
     """Per-example mean squared error against float targets ``batch["y"]``."""
-    err = (out - batch["y"].reshape(out.shape)).astype(jnp.float32) ** 2
+    err = (out - batch["y"].reshape(out.shape)).astype(loss_dtype(out.dtype)) ** 2
     return err.reshape(err.shape[0], -1).mean(axis=1)
 
 

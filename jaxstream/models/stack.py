@@ -101,11 +101,18 @@ def slice_blocks(params: Params, start: int, stop: int) -> Params:
     }
 
 
+def loss_dtype(dtype: Any) -> Any:
+    """The dtype a loss is computed in: ``dtype`` promoted to at least float32."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
     """Per-example softmax cross-entropy with integer labels ``batch["y"]``.
 
-    For sequence logits (B, T, V) the loss is averaged over T, giving (B,).
+    For sequence logits (B, T, V) the loss is averaged over T, giving (B,). Computed in at least
+    float32 (bf16 / fp16 logits are upcast; float64 logits stay float64, so float64 references
+    check every engine at float64 precision).
     """
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(logits.astype(loss_dtype(logits.dtype)), axis=-1)
     nll = -jnp.take_along_axis(logp, batch["y"][..., None].astype(jnp.int32), axis=-1)[..., 0]
     return nll.reshape(nll.shape[0], -1).mean(axis=1)

@@ -35,7 +35,7 @@ from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import Stack, loss_dtype
 from jaxstream.pipeline.lowering import Lowered, Row, lower
 from jaxstream.pipeline.stage_ops import StageOps
 from jaxstream.pipeline.table import BW, FBW, IDLE, B, F, Schedule, W
@@ -275,9 +275,10 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
         def fn(x):
             h_in, t_in, c_in, bj, kj, sbj, sh = x
             hz = jnp.zeros_like(h_in)
+            acc = _acc(params)
             out = {"h": hz, "t": jnp.zeros_like(t_in), "c": hz,
                    "g": jax.tree.map(jnp.zeros_like, params),
-                   "loss": jnp.zeros((), jnp.float32), "d": jnp.zeros(dshape, jnp.float32)}
+                   "loss": jnp.zeros((), acc), "d": jnp.zeros(dshape, acc)}
             inp = bj["x"] if pos in ("first", "only") else h_in
             if kind in (F, FBW) and direction is not None:
                 a, b = ops.along_forward(pos, params, direction, inp, t_in, bj)
@@ -313,8 +314,8 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
                 if gi is not None and pos != "first":
                     out["c"] = gi.astype(hz.dtype)
                 out["g"] = gp
-            out["loss"] = jnp.asarray(out["loss"], jnp.float32)
-            out["d"] = jnp.asarray(out["d"], jnp.float32)
+            out["loss"] = jnp.asarray(out["loss"], acc)
+            out["d"] = jnp.asarray(out["d"], acc)
             return out["h"], out["t"], out["c"], out["g"], out["loss"], out["d"]
 
         return fn
@@ -490,7 +491,7 @@ def _build(pipe: Pipeline):
             grads = jax.tree.map(lambda a: a.sum(0) / n, jax.lax.map(
                 lambda xs: ops.activity_grads(params, xs[0], xs[1], xs[2], xs[3], first, last),
                 (batch["x"], out.inputs[:n], keys, d)))
-            d = jnp.zeros((n, kt), jnp.float32)  # the per-example scalars stay inside
+            d = jnp.zeros((n, kt), _acc(params))  # the per-example scalars stay inside
         else:
             grads, h = _estimate(pipe, params, out.g, groups[0], d, keys, s * per, carry.valid,
                                  owned, u, has_dir)
@@ -506,6 +507,11 @@ def _build(pipe: Pipeline):
     return jax.jit(step, static_argnames="impl")
 
 
+def _acc(params) -> Any:
+    """The dtype of losses and scalars d: the parameters' promoted to at least float32."""
+    return loss_dtype(jax.tree.leaves(params)[0].dtype)
+
+
 def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple,
              num_inputs: int) -> TickCarry:
     """The initial :class:`TickCarry` (``num_inputs``: N for activity perturbation, else 0)."""
@@ -515,7 +521,7 @@ def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple,
         z(low.h_slots + 1, *hshape), z(low.t_slots + 1, kt, *hshape), z(low.c_slots + 1, *hshape),
         z(len(low.prev_selected) + 1, *hshape), z(num_inputs + 1, *hshape),
         jax.tree.map(lambda a: jnp.zeros((len(low.selected) + 1, *a.shape), a.dtype), params),
-        jnp.zeros((n + 1, *dshape), jnp.float32), jnp.zeros((n + 1,), jnp.float32),
+        jnp.zeros((n + 1, *dshape), _acc(params)), jnp.zeros((n + 1,), _acc(params)),
         z(*hshape), z(kt, *hshape), z(*hshape),
     )
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxstream.grad import segments as sg
 from jaxstream.grad.tangents import TangentSpec
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import Stack, loss_dtype
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,7 +93,7 @@ class StageOps:
         on the segments' outputs (activity), or with ``weights`` on their weights (LG-FG-W)."""
         st, spec = self.stack, self.spec
         seg_kernel = sg.local_weight_grad if weights else sg.local_act_grad
-        example = lambda lg: st.example_loss(lg.astype(jnp.float32), batch)  # noqa: E731
+        example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
         local = lambda h: example(st.head(p["head"], h))  # noqa: E731
 
         def kernel(fn, pp, seg):
@@ -140,20 +140,20 @@ class StageOps:
         The first stage's input is data: its input cotangent is zeros. On the last stage the
         cotangent comes from the loss (1 for the micro-batch's mean loss) and ``cot`` is ignored.
         """
-        if position in ("last", "only"):
-            cot = jnp.ones((), jnp.float32)
+        last = position in ("last", "only")
         zeros_p = jax.tree.map(jnp.zeros_like, p)
+
+        def pull(fn, *args):
+            out, vjp = jax.vjp(fn, *args)  # the loss's own dtype on the last stage (float64 too)
+            return vjp(jnp.ones_like(out) if last else cot.astype(out.dtype))
+
         if position in ("first", "only"):
             if not want_weights:
                 return jnp.zeros_like(cot) if position == "first" else None, zeros_p
-            _, pull = jax.vjp(lambda pp: self.primal(position, pp, inp, batch), p)
-            return None, pull(cot)[0]
+            return None, pull(lambda pp: self.primal(position, pp, inp, batch), p)[0]
         if want_weights and want_input:
-            _, pull = jax.vjp(lambda pp, hh: self.primal(position, pp, hh, batch), p, inp)
-            gp, gi = pull(cot)
+            gp, gi = pull(lambda pp, hh: self.primal(position, pp, hh, batch), p, inp)
             return gi, gp
         if want_input:
-            _, pull = jax.vjp(lambda hh: self.primal(position, p, hh, batch), inp)
-            return pull(cot)[0], zeros_p
-        _, pull = jax.vjp(lambda pp: self.primal(position, pp, inp, batch), p)
-        return jnp.zeros_like(inp), pull(cot)[0]
+            return pull(lambda hh: self.primal(position, p, hh, batch), inp)[0], zeros_p
+        return jnp.zeros_like(inp), pull(lambda pp: self.primal(position, pp, inp, batch), p)[0]

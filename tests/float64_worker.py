@@ -1,0 +1,83 @@
+"""Runs every in-memory engine in float64 (``jax_enable_x64``, float64 parameters and data) and
+prints, as JSON, each engine's largest relative error against a float64 reference: for backprop
+the gradient of a loss written here (the stack's forward, a float64 log-softmax of our own), for
+the estimators the in-memory estimator for the same key. Run by tests/test_float64.py in a
+process of its own (the x64 flag is global)."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jaxstream.grad as jg  # noqa: E402
+from jaxstream.comm import data_parallel  # noqa: E402
+from jaxstream.models import mlp  # noqa: E402
+from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward  # noqa: E402
+from jaxstream.pipeline.executor import pipeline  # noqa: E402
+
+M, N = 4, 4
+
+
+def rel(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))) / np.max(np.abs(np.asarray(y))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def f64(tree) -> bool:
+    return all(a.dtype == jnp.float64 for a in jax.tree.leaves(tree))
+
+
+def main() -> dict:
+    stack = mlp(5, 6, M, 3)
+    params = jax.tree.map(lambda a: a.astype(jnp.float64), stack.init(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, 2, 5))
+    y = rng.integers(0, 3, (N, 2)).astype(np.int32)
+    micro = {"x": jnp.asarray(x), "y": jnp.asarray(y)}
+    flat = {"x": jnp.asarray(x.reshape(-1, 5)), "y": jnp.asarray(y.reshape(-1))}
+
+    def own_loss(p):  # the model's forward; the loss in float64, written here
+        h = stack.embed(p["embed"], flat["x"])
+        for layer in range(M):
+            h = stack.block(jax.tree.map(lambda a, i=layer: a[i], p["blocks"]), h)
+        logits = stack.head(p["head"], h)
+        logp = logits - jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+        return -jnp.mean(logp[jnp.arange(len(flat["y"])), flat["y"]])
+
+    ref = jax.grad(own_loss)(params)
+    key = jax.random.key(3)
+    out = {"reference_is_float64": f64(ref)}
+    _, g = jax.jit(lambda p: jg.backprop()(stack, p, flat))(params)
+    out["in_memory_backprop"] = (rel(g, ref), f64(g))
+    _, g, _ = pipeline(stack, gpipe_backprop(M, N), jg.backprop())(params, micro, key)
+    out["pipeline_backprop"] = (rel(g, ref), f64(g))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    _, g = data_parallel(jg.backprop(), mesh)(stack, params, flat, key)
+    out["dataparallel_backprop"] = (rel(g, ref), f64(g))
+    fwd = jg.forward(2, "gaussian")
+    _, g_mem = jax.jit(lambda p: fwd(stack, p, flat, key))(params)
+    _, g = data_parallel(fwd, mesh, tangents="shared")(stack, params, flat, key)
+    out["dataparallel_forward"] = (rel(g, g_mem), f64(g))
+    hyb = jg.hybrid(exact_indices=(0, 1), num_tangents=2)
+    _, g_mem = jax.jit(lambda p: hyb(stack, p, micro, key))(params)
+    _, g, _ = pipeline(stack, complete(M, N, (0, 1)), hyb)(params, micro, key)
+    out["pipeline_hybrid_cv"] = (rel(g, g_mem), f64(g))
+    _, g, _ = pipeline(stack, gpipe_forward(M, N), num_tangents=2, distribution="gaussian",
+                       correction="none")(params, micro, key)
+    out["pipeline_forward_is_float64"] = f64(g)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
+    sys.exit(0)
