@@ -37,33 +37,51 @@ def flat(tree) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
 
 
+def problem(name: str) -> tuple:
+    """(stack, micro-batched batch, K, a phrase saying what it is)."""
+    if name == "digits":
+        n, per = 8, 16
+        train = load_digits(seed=0).train
+        micro = {"x": jnp.asarray(train["x"][: n * per]).reshape(n, per, -1),
+                 "y": jnp.asarray(train["y"][: n * per], jnp.int32).reshape(n, per)}
+        return (mlp(in_dim=64, width=4, depth=1, num_classes=10), micro, 8,
+                "digits, MLP 64-4-10, N = 8 micro-batches, K = 8")
+    n, per = 6, 4
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, per, 5)).astype(np.float32)
+    x[0] *= 6.0  # one outlying micro-batch: whether it is selected moves h and the spread
+    micro = {"x": jnp.asarray(x), "y": jnp.asarray(rng.integers(0, 3, (n, per)), jnp.int32)}
+    return (mlp(in_dim=5, width=4, depth=1, num_classes=3), micro, 4,
+            "Gaussian inputs with micro-batch 0 scaled by 6, MLP 5-4-3, N = 6 micro-batches, K = 4")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer keys (R = 4096 instead of 32768)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--problem", choices=("digits", "outlier"), default="digits",
+                    help="digits: an MLP 64-4-10 on digits, N = 8; outlier: an MLP 5-4-3 on "
+                         "Gaussian inputs, N = 6, micro-batch 0's inputs scaled by 6 (a spread "
+                         "that moves with the selection)")
     ap.add_argument("--corrections", nargs="+", default=list(CORRECTIONS), choices=CORRECTIONS,
                     help="corrections to measure (default: all)")
     ap.add_argument("--doc", type=str, default=None,
                     help="rewrite this Markdown file's <!-- benchmark: weighted_bias.py bias --> block")
     args = ap.parse_args(argv)
     r = 4096 if args.quick else 32768
-    n, per = 8, 16
-    train = load_digits(seed=0).train
-    x, y = train["x"], train["y"]
-    stack = mlp(in_dim=64, width=4, depth=1, num_classes=10)
+    stack, micro, k, setting = problem(args.problem)
+    n = micro["y"].shape[0]
     params = stack.init(jax.random.key(0))
-    micro = {"x": jnp.asarray(x[: n * per]).reshape(n, per, -1),
-             "y": jnp.asarray(y[: n * per], jnp.int32).reshape(n, per)}
-    flat_batch = jax.tree.map(lambda a: a.reshape(n * per, *a.shape[2:]), micro)
+    flat_batch = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), micro)
     g = flat(jax.grad(stack)(params, flat_batch))
-    keys = jax.random.split(jax.random.key(1), r)
+    keys = jax.random.split(jax.random.key(1 if args.problem == "digits" else 11), r)
     rows = []
     for correction in args.corrections:
         for selection, exact, est in (
-                ("fixed", 2, jg.hybrid(exact_indices=(0, 1), correction=correction, num_tangents=8)),
-                ("random", 2, jg.hybrid(num_exact=2, correction=correction, num_tangents=8)),
-                ("fixed", 1, jg.hybrid(exact_indices=(0,), correction=correction, num_tangents=8)),
-                ("random", 1, jg.hybrid(num_exact=1, correction=correction, num_tangents=8))):
+                ("fixed", 2, jg.hybrid(exact_indices=(0, 1), correction=correction, num_tangents=k)),
+                ("random", 2, jg.hybrid(num_exact=2, correction=correction, num_tangents=k)),
+                ("fixed", 1, jg.hybrid(exact_indices=(0,), correction=correction, num_tangents=k)),
+                ("random", 1, jg.hybrid(num_exact=1, correction=correction, num_tangents=k))):
             samples = jax.jit(lambda ks, est=est: jax.lax.map(
                 lambda k: flat(est(stack, params, micro, k)[1]), ks))(keys)
             mean, std = samples.mean(0), samples.std(0)
@@ -78,14 +96,16 @@ def main(argv=None) -> dict:
           "|---|---|---|---|---|---|"]
     md += [f"| {r['correction']} | {r['selection']} | {r['exact']} | {r['relative_bias']:.4f} | "
            f"{r['noise_floor']:.4f} | {r['bias_over_floor']:.1f} |" for r in rows]
-    md.append(f"\nR = {rows[0]['keys']} keys per row; digits, MLP 64-4-10, N = 8 micro-batches, "
-              "K = 8. The noise floor is ‖std‖ / (√R ‖g‖): a bias near it is not resolved; "
+    md.append(f"\nR = {rows[0]['keys']} keys per row; {setting}. The noise floor is ‖std‖ / (√R ‖g‖): a bias near it is not resolved; "
               "about 4 floors and more is.")
     if args.doc:
         from docblocks import write_blocks
 
         cmd = "python benchmarks/weighted_bias.py" + (" --quick" if args.quick else "")
-        write_blocks(args.doc, "weighted_bias.py", {"bias": "\n".join(md)}, f"{cmd} --doc {args.doc}")
+        block = "bias" if args.problem == "digits" else "bias_outlier"
+        cmd += f" --problem {args.problem}"
+        write_blocks(args.doc, "weighted_bias.py", {block: "\n".join(md)},
+                     f"{cmd} --doc {args.doc}", keep=("bias", "bias_outlier"))
     out = {"rows": rows, "machine": f"{jax.devices()[0].platform}"}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

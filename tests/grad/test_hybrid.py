@@ -102,11 +102,12 @@ def test_control_variate_and_weighted_lower_the_error_on_correlated_micro_batche
 
 
 def test_weighted_with_one_exact_gradient_shrinks_by_the_size_formula():
-    """One exact micro-batch: β = a/(a+b), a = N/(2(N−1)P), b = (N−1)/(N²K) (the N − 1
-    residuals still estimated), in every segment."""
+    """One exact micro-batch: β = a/(a+b), a = (N−1)/(2NP) (E q = 2 S², and
+    E‖h − ḡ‖² = S² (1 − 1/N); it used to overcount by (N/(N−1))²), b = (N−1)/(N²K) (the
+    N − 1 residuals still estimated), in every segment."""
     stack, params, micro = _correlated_problem()
     n, k = 8, 1
-    a = n / (2 * (n - 1) * flat(params).size)
+    a = (n - 1) / (2 * n * flat(params).size)
     est = jg.hybrid(num_exact=1, correction="weighted")
     _, _, diag = est(stack, params, micro, jax.random.key(0), diagnostics=True)
     for b in jax.tree.leaves(diag["beta"]):
