@@ -369,7 +369,8 @@ def scale(width: int, depths=(192, 384), steps: int = 1, mesh=(2, 4), repeats: i
 # ---------------------------------------------------------------------------- output
 COLS = ("data", "stage", "policy", "estimator", "streamed", "max_rel_err", "ticks", "ticks_model",
         "ticks_chunked", "added_ticks", "fill_ratio", "layer_reads_per_layer",
-        "coverage_per_stage", "staleness_per_stage")
+        "coverage_per_stage", "staleness_per_stage", "step_s", "idle_stall_s",
+        "idle_host_update_s", "idle_wait_write_s")
 DEEP = ("selected", "ticks", "ticks_model", "ticks_chunked", "bubble_fraction",
         "bubble_fraction_chunked", "forward_ticks", "forward_bubble_fraction",
         "maxtext_forward_bubble", "layers_read", "executed")
