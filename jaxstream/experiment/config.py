@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -220,14 +221,19 @@ def _convert(tp: Any, value: Any, path: str, default: Any = _MISSING) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{_where(path)}: expected float, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{_where(path)}: expected float, got {value!r}")
+        if number is None:
+            raise ConfigError(f"{_where(path)}: expected float, got {value!r}")
+        if not math.isfinite(number):  # no field of a run means anything at NaN or ±inf
+            raise ConfigError(f"{_where(path)}: expected a finite number, got {value!r}")
+        return number
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -36,6 +36,8 @@ class DigitsDataConfig(DataConfig):
     def __post_init__(self):
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"test_fraction: must be in (0, 1), got {self.test_fraction}")
+        if self.split_seed is not None and self.split_seed < 0:
+            raise ValueError(f"split_seed: must be >= 0 or null, got {self.split_seed}")
 
     def load(self, seed: int) -> Dataset:
         split = seed if self.split_seed is None else self.split_seed

@@ -102,6 +102,22 @@ def _check_option_type(field: str, value: Any, default: Any) -> None:
         return
     if not ok:
         raise ValueError(f"{field}: expected {want} (the default is {default!r}), got {value!r}")
+    name = field.rsplit(".", 1)[-1]
+    if name in RANGES and not isinstance(value, bool):
+        lo, hi, text = RANGES[name]
+        if not (lo(value) and hi(value)):
+            raise ValueError(f"{field}: must be {text}, got {value!r}")
+
+
+#: Allowed ranges of the common optimizer options (the optax meaning of each name).
+RANGES: dict[str, tuple[Any, Any, str]] = {
+    "b1": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
+    "b2": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
+    "momentum": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
+    "eps": (lambda v: v > 0, lambda v: True, "> 0"),
+    "eps_root": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, lambda v: True, ">= 0"),
+}
 
 
 def build_optimizer(

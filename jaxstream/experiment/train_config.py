@@ -86,8 +86,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.seed < 0:
             raise ValueError(f"seed: must be >= 0, got {self.seed}")
-        if not 0.0 <= self.target_accuracy <= 1.0:
-            raise ValueError(f"target_accuracy: must be in [0, 1], got {self.target_accuracy}")
+        if not 0.0 < self.target_accuracy <= 1.0:  # 0 is reached before the first step
+            raise ValueError(f"target_accuracy: must be in (0, 1], got {self.target_accuracy}")
         for name in ("steps", "batch_size", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

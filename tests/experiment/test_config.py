@@ -73,6 +73,9 @@ def test_override_list_items_by_index():
         (["inner.count=many"], r"^inner\.count: expected int, got 'many'"),
         (["inner.count=true"], r"^inner\.count: expected int"),
         (["scale=abc"], r"^scale: expected float"),
+        (["scale=.inf"], r"^scale: expected a finite number, got inf"),
+        (["scale=-.inf"], r"^scale: expected a finite number"),
+        (["scale=.nan"], r"^scale: expected a finite number, got nan"),
         (["shape.type=star"], r"^shape\.type: 'star' is not registered; choose one of \['box', 'circle'\]"),
         (["shape.sides=[1, 2, 3]"], r"^shape\.sides: expected 2 items, got 3"),
         (["limit=1.5"], r"^limit: expected int"),
@@ -124,6 +127,7 @@ def test_dump_and_reload_round_trip():
         (["model.activation=swish"], r"^model\.activation: 'swish' is not allowed"),
         (["arms.1.name=a"], r"^arms\.1\.name: 'a' is used twice"),
         (["steps=0"], r"^steps: must be >= 1"),
+        (["arms.0.lr=.inf"], r"^arms\.0\.lr: expected a finite number"),
     ],
 )
 def test_train_config_errors(overrides, pattern):

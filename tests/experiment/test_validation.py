@@ -30,6 +30,11 @@ CASES = [
      r"tangents; got HybridActivity"),
     (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
+    (QUICKSTART, ["arms.0.lr=.inf"], r"arms.0.lr: expected a finite number"),
+    (QUICKSTART, ["optimizer.options={b1: 1.5}"], r"optimizer.options.b1: must be in \[0, 1\)"),
+    (QUICKSTART, ["optimizer.options={eps: -1e-8}"], r"optimizer.options.eps: must be > 0"),
+    (QUICKSTART, ["target_accuracy=0"], r"target_accuracy: must be in \(0, 1\]"),
+    (QUICKSTART, ["data.split_seed=-1"], r"data.split_seed: must be >= 0 or null"),
     (QUICKSTART, ["arms.0.estimator={type: forward, num_tangents: 2, antithetic: true}"],
      r"arms.0.estimator.antithetic: refused for jvp estimates"),
 ]
