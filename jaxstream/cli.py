@@ -12,6 +12,7 @@ value, unusable ``--out``) prints one line ``error: ...`` and exits with status 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,6 +81,9 @@ def check_run_args(args: argparse.Namespace) -> None:
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is a file; give a directory (new or empty, or the run "
                         "to --resume)")
+    if args.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise UserError("--tensorboard needs the tensorboardX package: pip install tensorboardX "
+                        "(or pip install 'jaxstream[tensorboard]'); nothing was run")
 
 
 def main_run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from run directories; TensorBoard events hold the logged scalars."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -56,6 +57,11 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert "--read-bandwidth must be > 0" in _error(capsys, ["plan", "--read-bandwidth", "0"])
     assert "--probe-dir /nonexistent" in _error(capsys, ["plan", "--probe-dir", "/nonexistent"])
     assert "not a run directory" in _error(capsys, ["compare", str(tmp_path)])
+    real = importlib.util.find_spec  # an optional dependency missing is named before the run
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+    assert "--tensorboard needs the tensorboardX package" in _error(
+        capsys, ["run", str(QUICKSTART), "--tensorboard", "--out", "tb"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "broken.yaml", "unsafe.yaml"]
 
 
