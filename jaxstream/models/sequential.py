@@ -195,12 +195,43 @@ def _check_batch(model: Sequential, params: Any, batch: Any) -> None:
                         f"{jnp.result_type(batch['y'])}")
 
 
+def _check_unshared(elements: list) -> None:
+    """Refuses a parameter used by two layers (tied embedding and head, a module placed twice):
+    each layer's parameters are copied separately, so the tie would be undone silently — two
+    copies, each trained by its own use's gradient."""
+    owner: dict[int, tuple[int, str]] = {}
+    for i, element in enumerate(elements):
+        if not isinstance(element, nnx.Module):
+            continue
+        for path, node in nnx.iter_graph(element):
+            if not isinstance(node, nnx.Param):
+                continue
+            where = "/".join(map(str, path))
+            first = owner.setdefault(id(node), (i, where))
+            if first[0] != i:
+                raise ValueError(
+                    f"model: layer {i} ({type(element).__name__}, parameter {where!r}) shares its "
+                    f"parameter with layer {first[0]} ({first[1]!r}) — tied weights or a module "
+                    f"used twice. Each layer's parameters are kept separately here, so the tie "
+                    f"would be undone silently: untie them (give each layer its own parameters) "
+                    f"or train the tied model with plain nnx")
+
+
 def _split_layer(element: Any, i: int) -> tuple[_Layer, Any, Any]:
     if not isinstance(element, nnx.Module):
         if not callable(element):
             raise TypeError(f"layer {i}: expected an nnx module or a callable, got "
                             f"{type(element).__name__}")
         return _Layer(fn=element), {}, {}
+    for path, m in nnx.iter_graph(element):
+        rate = getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0
+        if not isinstance(m, nnx.Dropout) and isinstance(rate, (int, float)) and rate > 0:
+            where = "/".join(map(str, path)) or "the layer"
+            raise ValueError(
+                f"layer {i}: {type(m).__name__} at {where!r} has dropout_rate={rate}; its mask "
+                f"comes from the module's own RNG state, which the estimators do not drive with "
+                f"the step key (under jit flax cannot update it; outside jit the mask ignores the "
+                f"key): set dropout_rate=0 and put an nnx.Dropout layer in the sequence instead")
     graphdef, params, stats, other = nnx.split(element, nnx.Param, nnx.BatchStat, ...)
     has_dropout = any(isinstance(m, nnx.Dropout) for _, m in nnx.iter_graph(element))
     layer = _Layer(graphdef=graphdef, other=other, has_params=bool(jax.tree.leaves(params)),
@@ -239,5 +270,6 @@ def from_sequential(
             raise ValueError(f"loss: {loss!r} is not known; choose one of {sorted(LOSSES)} or "
                              "pass a function (outputs, batch) -> per-example losses")
         loss = LOSSES[loss]
+    _check_unshared(elements)
     layers, params, stats = zip(*(_split_layer(e, i) for i, e in enumerate(elements)))
     return Sequential(tuple(layers), tuple(params), tuple(stats), loss, None, name)

@@ -141,3 +141,43 @@ def test_tutorial_cnn_trains_on_digits(estimator, lr, floor):
     after = float(accuracy(params, test))
     assert np.isfinite(float(loss))
     assert before < 0.2 and after > floor, (before, after)
+
+
+class _TiedHead(nnx.Module):
+    """An output head that reuses an embedding table (a tied GPT's head)."""
+
+    def __init__(self, embed: nnx.Embed):
+        self.embed = embed
+
+    def __call__(self, h):
+        return h @ self.embed.embedding.value.T
+
+
+def test_shared_parameters_are_refused_by_name():
+    """A tied head, or a module placed twice, would become two independently trained copies:
+    refused, naming both layers and the parameter. Untied, the same shapes are accepted."""
+    rngs = nnx.Rngs(0)
+    emb = nnx.Embed(10, 4, rngs=rngs)
+    pool = lambda h: h.mean(axis=1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"layer 3 \(_TiedHead, parameter 'embed/embedding'\) "
+                                         r"shares its parameter with layer 0 \('embedding'\)"):
+        from_sequential([emb, pool, nnx.Linear(4, 4, rngs=rngs), _TiedHead(emb)])
+    lin = nnx.Linear(4, 4, rngs=rngs)
+    with pytest.raises(ValueError, match=r"layer 2 .*shares its parameter with layer 0"):
+        from_sequential([lin, nnx.relu, lin])
+    model = from_sequential([emb, pool, nnx.Linear(4, 4, rngs=rngs),
+                             _TiedHead(nnx.Embed(10, 4, rngs=rngs))])
+    assert len(jax.tree.leaves(model.init(jax.random.key(0)))) == 4
+
+
+def test_attention_dropout_is_refused_by_name():
+    """A module's own dropout_rate draws masks from its RNG state, not the step key: refused
+    (nnx.Dropout layers are driven by the key and stay accepted)."""
+    rngs = nnx.Rngs(0)
+    att = nnx.MultiHeadAttention(num_heads=1, in_features=4, dropout_rate=0.1, decode=False,
+                                 rngs=rngs)
+    with pytest.raises(ValueError, match=r"layer 0: MultiHeadAttention .* dropout_rate=0.1"):
+        from_sequential([att, lambda h: h.mean(axis=(1, 2))])
+    ok = nnx.MultiHeadAttention(num_heads=1, in_features=4, dropout_rate=0.0, decode=False,
+                                rngs=rngs)
+    from_sequential([ok, nnx.Dropout(0.1, rngs=rngs), lambda h: h.mean(axis=1)])
