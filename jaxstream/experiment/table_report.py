@@ -130,6 +130,33 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
     return out
 
 
+def lr_edge(row: dict) -> str | None:
+    """``"largest"`` / ``"smallest"`` when the picked rate is the edge of a sweep of two or
+    more rates (the best rate may lie outside it), else None."""
+    lrs = [float(x) for x in row.get("lrs") or []]
+    if len(lrs) < 2:
+        return None
+    if row["lr"] >= max(lrs):
+        return "largest"
+    return "smallest" if row["lr"] <= min(lrs) else None
+
+
+def _lr(row: dict) -> str:
+    mark = {"largest": " ↑", "smallest": " ↓", None: ""}[lr_edge(row)]
+    return f"{row['lr']:.0e}{mark}"
+
+
+def _edges(rows: list[dict], dataset: str) -> str:
+    """One sentence: how many picks sit at the edge of their sweep."""
+    mine = [r for r in rows if r["dataset"] == dataset and len(r.get("lrs") or []) >= 2]
+    edge = [r["arm"] for r in mine if lr_edge(r)]
+    if not edge:
+        return f"Every swept arm's rate lies inside its sweep ({len(mine)} swept arms)."
+    return (f"**{len(edge)} of {len(mine)} swept arms picked the edge of their sweep** (↑ the "
+            f"largest rate tried, ↓ the smallest): {', '.join(edge)}. Their best rate may lie "
+            f"outside the sweep, and their rows may overstate their error.")
+
+
 def loss_table(rows: list[dict], dataset: str) -> str:
     """A markdown table for a ``metric: loss`` data set (no published rows beside it)."""
     lines = [("| arm | lr | test loss | train loss | test token error % | steps to target loss "
@@ -137,7 +164,7 @@ def loss_table(rows: list[dict], dataset: str) -> str:
              "rel. sq. error at init |"), "|" + "---|" * 11]
     for r in (x for x in rows if x["dataset"] == dataset):
         lines.append(
-            f"| {r['arm']} | {r['lr']:.0e} | {r['test_loss_mean']:.3f} ± "
+            f"| {r['arm']} | {_lr(r)} | {r['test_loss_mean']:.3f} ± "
             f"{r.get('test_loss_sd', 0.0):.3f} | {r['train_loss_mean']:.3f} ± "
             f"{r.get('train_loss_sd', 0.0):.3f} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
@@ -158,7 +185,7 @@ def table(rows: list[dict], dataset: str) -> str:
     for r in (x for x in rows if x["dataset"] == dataset):
         ren = REN_MNIST.get(r["arm"], {})
         lines.append(
-            f"| {r['arm']} | {r['lr']:.0e} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
+            f"| {r['arm']} | {_lr(r)} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
             f"{_pm(r['train_error_mean'], r.get('train_error_sd', 0.0))} | "
             f"{r.get('test_loss_mean', float('nan')):.3f} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
@@ -228,6 +255,7 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
                   else f"target test accuracy {100 * r0['target_accuracy']:.0f} %")
         parts += ["", f"## {ds}", "",
                   f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
+                  _edges(rows, ds), "",
                   f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}):",
                   ""]
         parts += [f"- {line}" for line in ordering(rows, ds)]

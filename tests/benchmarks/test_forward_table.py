@@ -153,3 +153,19 @@ def test_report_judges_loss_data_sets_by_test_loss():
     assert "best forward arm LG-FG-A 2.005 ± 0.010" in verdict[0]
     assert "better than exact-subset (-0.100" in verdict[1]
     assert verdict[1].endswith("does not beat both")  # LG-FG-A (2.005) is better
+
+
+def test_picks_at_the_edge_of_their_sweep_are_marked():
+    """A rate picked at the edge of its sweep is marked (↑ largest, ↓ smallest) and counted:
+    the best rate may lie outside what was tried."""
+    from jaxstream.experiment.table_report import lr_edge, markdown
+
+    rows = [_row("BP", 0.03), _row("FG-W", 0.20), _row("FG-A", 0.05)]
+    rows[0].update(lr=1e-2, lrs=[1e-3, 3e-3, 1e-2])   # largest tried
+    rows[1].update(lr=1e-3, lrs=[1e-3, 3e-3])         # smallest tried
+    rows[2].update(lr=3e-3, lrs=[1e-3, 3e-3, 1e-2])   # inside
+    assert [lr_edge(r) for r in rows] == ["largest", "smallest", None]
+    assert lr_edge({**rows[0], "lrs": [1e-2]}) is None  # one rate: no sweep to be at the edge of
+    text = markdown({"rows": rows, "command": "c", "machine": "m"})
+    assert "| BP | 1e-02 ↑ |" in text and "| FG-W | 1e-03 ↓ |" in text and "| FG-A | 3e-03 |" in text
+    assert "2 of 3 swept arms picked the edge of their sweep" in text and "BP, FG-W" in text
