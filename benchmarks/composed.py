@@ -68,7 +68,7 @@ import optax
 import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, chunk_cost, make_mesh
 from jaxstream.models import mlp
-from jaxstream.stream import DepthPolicy, LayerStore, StreamConfig
+from jaxstream.stream import DepthPolicy, LayerStore, StreamConfig, StreamedExecutor
 
 HERE = Path(__file__).resolve().parent
 MiB = 2**20
@@ -158,7 +158,8 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
                 "layer_reads_per_layer": m["layers_read"] / layers,
                 "layers_read_model": model.layer_reads, "first_call_s": first_s,
                 "step_s": step_s, **{f"idle_{k}": m[k] for k in
-                                     ("stall_s", "host_update_s", "wait_write_s")}})
+                                     ("stall_s", "host_update_s", "wait_update_s",
+                                      "wait_write_s")}})
             print(f"  {d}x{s} {name:16s} err {rows[-1]['max_rel_err']:.2e} ticks {m['ticks']} "
                   f"(model {model.ticks}, chunked {rows[-1]['ticks_chunked']}) fill "
                   f"{m['fill_ratio']:.3f}", flush=True)
@@ -201,6 +202,39 @@ def deep_rows(layers: int = 64, stages: int = 8, n: int = 16, selections=(1, 2, 
               f"{out[-1]['ticks_chunked']}), bubble {out[-1]['bubble_fraction']:.3f}, forward "
               f"bubble {out[-1]['forward_bubble_fraction']:.4f} (MaxText "
               f"{out[-1]['maxtext_forward_bubble']:.4f})", flush=True)
+    return out
+
+
+def overlap_rows(steps: int = 6, layers: int = 16, width: int = 256) -> list[dict]:
+    """The host optimizer beside the sweeps against in line, in the same run: median step time
+    of a control-variate hybrid (Adam) on the one-device streamed executor and on a 2 × 4 mesh,
+    and the time the step waited for the host update."""
+    stack = mlp(width, width, layers, 10)
+    params = stack.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    micro = {"x": rng.standard_normal((N, 8, width), dtype=np.float32),
+             "y": rng.integers(0, 10, (N, 8), dtype=np.int32)}
+    est, out = jg.hybrid(num_exact=SEL, num_tangents=K), []
+    for mesh in (None, (2, 4)):
+        for overlap in (False, True):
+            cfg = dataclasses.replace(FP32, overlap_update=overlap)
+            with tempfile.TemporaryDirectory() as tmp:
+                store = LayerStore.create(Path(tmp) / "s", params, optimizer=optax.adam(1e-3))
+                ex = (StreamedExecutor(stack, est, optax.adam(1e-3), store, cfg) if mesh is None
+                      else ComposedExecutor(stack, est, optax.adam(1e-3), store, cfg,
+                                            mesh=make_mesh(*mesh)))
+                ms = [ex.step(micro, jax.random.key(i)) for i in range(steps + 1)][1:]
+            out.append({"engine": "stream" if mesh is None else f"composed {mesh[0]}x{mesh[1]}",
+                        "overlap_update": overlap,
+                        "step_s": float(np.median([m["step_time_s"] for m in ms])),
+                        "wait_update_s": float(np.median([m["wait_update_s"] for m in ms])),
+                        "host_update_s": float(np.median([m["host_update_s"] for m in ms]))})
+            print(f"  {out[-1]['engine']:14s} overlap={overlap!s:5s} step "
+                  f"{out[-1]['step_s']:.3f} s, waited for updates {out[-1]['wait_update_s']:.3f}"
+                  f" s of {out[-1]['host_update_s']:.3f} s", flush=True)
+    for r in out:
+        base = next(x for x in out if x["engine"] == r["engine"] and not x["overlap_update"])
+        r["step_ratio_to_in_line"] = r["step_s"] / base["step_s"]
     return out
 
 
@@ -370,7 +404,9 @@ def scale(width: int, depths=(192, 384), steps: int = 1, mesh=(2, 4), repeats: i
 COLS = ("data", "stage", "policy", "estimator", "streamed", "max_rel_err", "ticks", "ticks_model",
         "ticks_chunked", "added_ticks", "fill_ratio", "layer_reads_per_layer",
         "coverage_per_stage", "staleness_per_stage", "step_s", "idle_stall_s",
-        "idle_host_update_s", "idle_wait_write_s")
+        "idle_wait_update_s", "idle_wait_write_s")
+OVERLAP = ("engine", "overlap_update", "step_s", "step_ratio_to_in_line", "wait_update_s",
+           "host_update_s")
 DEEP = ("selected", "ticks", "ticks_model", "ticks_chunked", "bubble_fraction",
         "bubble_fraction_chunked", "forward_ticks", "forward_bubble_fraction",
         "maxtext_forward_bubble", "layers_read", "executed")
@@ -392,13 +428,19 @@ def _table(rows: list[dict], cols) -> str:
 
 
 def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str,
-             machine: str | None = None, cpus: int | None = None) -> str:
+             machine: str | None = None, cpus: int | None = None,
+             overlap: list[dict] | None = None) -> str:
     x = deep[0]
     deep_md = (f"\nThe control-variate hybrid at L = {x['layers']}, M = {x['stages']}, "
                f"N = {x['micro_batches']} for each S (executed on a narrow model; `ticks` and "
                "`bubble_fraction` counted by its passes, `ticks_chunked` and "
                "`bubble_fraction_chunked` the chunked schedule's formula):\n\n"
                + _table(deep, DEEP))
+    if overlap:
+        deep_md += ("\nThe host optimizer beside the sweeps (`overlap_update`, the default) against "
+                    "in line, same run: median step time, its ratio, and the time the step "
+                    "waited for the host updates (control-variate hybrid, Adam, 16 layers of "
+                    "width 256):\n\n" + _table(overlap, OVERLAP))
     mib = lambda x: round(x / MiB, 2)
     s = (f"\nscale (mesh {sc['mesh'][0]} × {sc['mesh'][1]}, width {sc['width']}): resident "
          f"budget {sc['budget_bytes'] / MiB:.2f} MiB per device "
@@ -450,7 +492,8 @@ def main(argv=None) -> int:
         run = json.loads(args.doc_from.read_text())
         write_doc(args.doc, markdown(run["rows"], run["deep"], run["scale"],
                                      f"{run['command']} --json {args.doc_from.name}",
-                                     machine=run["machine"], cpus=run["cpus"]))
+                                     machine=run["machine"], cpus=run["cpus"],
+                                     overlap=run.get("overlap")))
         print(f"wrote {args.doc} from {args.doc_from}")
         return 0
     layers = 8
@@ -463,6 +506,8 @@ def main(argv=None) -> int:
     rows = streamed_rows(meshes, layers, names)
     print("deep (L = 64, M = 8, N = 16, control variate):", flush=True)
     deep = deep_rows()
+    print("host update beside the sweeps, against in line:", flush=True)
+    overlap = overlap_rows()
     print("in-memory pipeline (stage axis):", flush=True)
     rows += in_memory_rows(4, layers, args.quick)
     print("scale:", flush=True)
@@ -472,13 +517,15 @@ def main(argv=None) -> int:
     print(json.dumps(sc, indent=1))
     command = "python benchmarks/composed.py" + (" --quick" if args.quick else "")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "deep": deep, "scale": sc,
+        args.json.write_text(json.dumps({"rows": rows, "deep": deep, "overlap": overlap,
+                                         "scale": sc,
                                          "command": command,
                                          "machine": platform.node(), "cpus": os.cpu_count()},
                                         indent=1))
         print(f"wrote {args.json}")
     if args.doc:
-        write_doc(args.doc, markdown(rows, deep, sc, command + f" --doc {args.doc}"))
+        write_doc(args.doc, markdown(rows, deep, sc, command + f" --doc {args.doc}",
+                                     overlap=overlap))
         print(f"wrote {args.doc}")
     return 0
 

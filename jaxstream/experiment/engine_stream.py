@@ -230,7 +230,8 @@ class StreamEngine:
             return state, {"loss": float("nan"), "nonfinite_refused": 1.0}
         return StreamState(jnp.asarray(s + 1, jnp.int32)), {
             "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"]),
-            "host_update_time": m["host_update_s"], "write_wait_time": m["wait_write_s"],
+            "host_update_time": m["host_update_s"], "update_wait_time": m["wait_update_s"],
+            "write_wait_time": m["wait_write_s"],
             **{k: float(v) for k, v in m.items() if k in ("ticks", "fill_ratio")}}
 
     def warm_up(self, state: StreamState, batch: dict, key: jax.Array) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,12 +57,15 @@ class StreamConfig:
       update: "eager" (update sweep after the step) or "lazy" (forward estimator only: apply
         each layer's (key, scalars) when it is next read).
       depth: which layers each step runs (:class:`DepthPolicy`).
+      overlap_update: run each unit's host update and write beside the next unit's compute
+        (one update in flight); False runs it in line (the same values, for comparison).
     """
 
     prefetch: int = 2
     compute_dtype: str = "bfloat16"
     update: str = "eager"
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
+    overlap_update: bool = True
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -123,7 +127,9 @@ class StreamedExecutor:
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
                                                 device or jax.local_devices()[0])
         self.events: list[Event] = []
-        self.clock = {"host_update_s": 0.0, "wait_write_s": 0.0}  # the last step's, per cause
+        self.clock = _clock()  # the last step's time per cause
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxstream-host-update")
+        self._inflight: list[Future] = []
         self._pending: dict = dict(store.extra.get("pending", {}))
         self._applied: set = set()
 
@@ -173,6 +179,36 @@ class StreamedExecutor:
 
     # ------------------------------------------------------------------ updates
     def _update(self, unit: Any, grads: Any, params: Any = None, opt: Any = None) -> None:
+        """Hands one unit's update to the host worker and returns: the update and its write
+        overlap the next unit's compute. At most one update is in flight (the previous one is
+        waited for first), so host memory holds one unit's update more, whatever the depth."""
+        if not self.cfg.overlap_update:
+            t0 = time.perf_counter()
+            self._apply_update(unit, grads, params, opt)
+            self.clock["wait_update_s"] += time.perf_counter() - t0
+            return
+        self._wait_updates()
+        self._inflight.append(self._worker.submit(self._apply_update, unit, grads, params, opt))
+
+    def _wait_updates(self) -> None:
+        """Waits for the updates in flight (their errors raise here), timed as
+        ``wait_update_s``."""
+        t0 = time.perf_counter()
+        try:
+            while self._inflight:
+                self._inflight[0].result()
+                self._inflight.pop(0)
+        finally:
+            self.clock["wait_update_s"] += time.perf_counter() - t0
+
+    def _drop_updates(self) -> None:
+        """After a failure: lets every update in flight finish (nothing is written after the
+        step is aborted), ignoring their errors."""
+        for f in self._inflight:
+            f.exception()
+        self._inflight = []
+
+    def _apply_update(self, unit: Any, grads: Any, params: Any = None, opt: Any = None) -> None:
         """fp32 optax update of one unit on the host, then staged into the store."""
         if params is None:
             params = self.store.read(unit, staged=True).result()
@@ -205,25 +241,28 @@ class StreamedExecutor:
             function of the step's loss returning it.
 
         Returns:
-          metrics: loss, ``step_time_s``, and the step's time on its critical path per cause:
-          ``stall_s`` (waiting for a layer's read), ``host_update_s`` (the host optimizer),
+          metrics: loss, ``step_time_s``, and where the step's time went: ``stall_s``
+          (waiting for a layer's read), ``wait_update_s`` (waiting for the host optimizer, which
+          runs beside the sweeps: ``host_update_s`` is its total, mostly overlapped),
           ``wait_write_s`` (staged writes past ``max_write_bytes``, and the commit's wait for
           every write); ``layers_read``; a placement's own (ticks).
         """
         step = self.store.step if step is None else int(step)
         t0 = time.perf_counter()
         self.events = []
-        self.clock = {"host_update_s": 0.0, "wait_write_s": 0.0}
+        self.clock = _clock()
         self.placement.begin_step()
         pending = {k: list(v) for k, v in self._pending.items()}
         try:
             loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
             if callable(extra):
                 extra = extra(float(loss))
+            self._wait_updates()
             tc = time.perf_counter()
             self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
             self.clock["wait_write_s"] += time.perf_counter() - tc
         except BaseException:
+            self._drop_updates()
             self._pending = pending  # a failed step leaves no trace: a retry redoes it exactly
             self.store.abort()
             raise
@@ -605,6 +644,10 @@ class StreamedExecutor:
             if host is not None:
                 hosts[u] = host
         return None, hosts, stash, x
+
+
+def _clock() -> dict:
+    return {"host_update_s": 0.0, "wait_update_s": 0.0, "wait_write_s": 0.0}
 
 
 def _f32(tree: Any, host: Any) -> Any:

@@ -132,6 +132,36 @@ def test_lazy_updates_equal_eager(tmp_path, data):
     assert max_rel_err(runs["eager"], params) > 1e-4
 
 
+def test_overlapped_host_updates_equal_in_line(tmp_path, data):
+    """The host update beside the next unit's compute writes exactly what the in-line update
+    writes (parameters and Adam state, bit for bit), and a failed update raises from the step
+    and leaves the store at its last commit."""
+    params, micro, _ = data
+    est = jg.hybrid(num_exact=2, num_tangents=2, correction="weighted")
+    stores = {}
+    for overlap in (False, True):
+        store = LayerStore.create(tmp_path / str(overlap), params, optimizer=ADAM)
+        ex = StreamedExecutor(STACK, est, ADAM, store,
+                              StreamConfig(compute_dtype="float32", overlap_update=overlap))
+        for t in range(2):
+            m = ex.step(micro, jax.random.key(300 + t))
+        assert m["wait_update_s"] >= 0.0 and m["host_update_s"] > 0.0
+        stores[overlap] = LayerStore.open(tmp_path / str(overlap), optimizer=ADAM)
+    assert max_rel_err(stores[True].read_params(), stores[False].read_params()) == 0.0
+    for u in ("embed", 0, 2, "head"):
+        a, b = stores[True].read_opt(u).result(), stores[False].read_opt(u).result()
+        assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    def broken(*_a, **_k):
+        raise OSError("disk gone")
+    ex._apply_update = broken  # the worker's failure surfaces in the step, nothing is committed
+    before = LayerStore.open(tmp_path / "True").read_params()
+    with pytest.raises(OSError, match="disk gone"):
+        ex.step(micro, jax.random.key(302))
+    after = LayerStore.open(tmp_path / "True")
+    assert after.step == 2 and max_rel_err(after.read_params(), before) == 0.0
+
+
 def test_bf16_compute_close_to_fp32(tmp_path, data):
     params, micro, flat = data
     store = LayerStore.create(tmp_path / "s", params)
