@@ -176,7 +176,7 @@ def act_cotangent(spec: TangentSpec, key: jax.Array, segment: Any, out: jax.Arra
     """(1/(K·B_total)) Σ_k d[k, b] · u_k[b]: the estimate of ∂(mean loss)/∂out of a segment."""
     u = _u(spec, key, segment, out)
     k = d.shape[0]
-    acc = jnp.promote_types(loss_dtype(u.dtype), d.dtype)
+    acc = loss_dtype(u.dtype, d.dtype)
     cot = jnp.einsum("kb...,kb->b...", u.astype(acc), d.astype(acc))
     return (cot / (k * num_examples)).astype(out.dtype)
 
@@ -208,7 +208,7 @@ def local_weight_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, s
     v = leaf_tangents(spec, segment_key(key, segment), p)
     out, dout = jvp_k(fn, (p,), (v,))
     _, d = jvp_k(lambda o: jnp.mean(local_loss(o)), (out,), (dout,))
-    acc = jnp.promote_types(loss_dtype(jax.tree.leaves(p)[0].dtype), d.dtype)
+    acc = loss_dtype(jax.tree.leaves(p)[0].dtype, d.dtype)
     d = d.astype(acc)
     return out, jax.tree.map(lambda t: (jnp.tensordot(d, t.astype(acc), axes=1)
                                         / spec.num).astype(t.dtype), v)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.random import fold_in
 
 from jaxstream.grad.threefry import random_words, tied, vmap_exact
-from jaxstream.models.stack import is_stack_params
+from jaxstream.models.stack import is_stack_params, loss_dtype
 
 ANTITHETIC = ("antithetic: refused for jvp estimates: (∇L·(−v))(−v) = (∇L·v)v, so an antithetic "
               "pair is one tangent counted twice at twice the compute (K antithetic tangents "
@@ -227,7 +227,7 @@ def combine(
 
 def _acc_dtype(x) -> Any:
     """The accumulation dtype of a leaf: its own promoted to at least float32."""
-    return jnp.promote_types(jnp.result_type(x), jnp.float32)
+    return loss_dtype(jnp.result_type(x))
 
 
 def _f32_like(x):

@@ -101,9 +101,12 @@ def slice_blocks(params: Params, start: int, stop: int) -> Params:
     }
 
 
-def loss_dtype(dtype: Any) -> Any:
-    """The dtype a loss is computed in: ``dtype`` promoted to at least float32."""
-    return jnp.promote_types(dtype, jnp.float32)
+def loss_dtype(*dtypes: Any) -> Any:
+    """The dtype a loss (or a sum of scalars) is computed in: the widest floating dtype of
+    ``dtypes`` and float32 (bf16 / fp16 -> float32, float64 stays), chosen by width so that it
+    holds under strict dtype promotion too."""
+    floats = [jnp.dtype(d) for d in dtypes if jnp.issubdtype(d, jnp.floating)]
+    return max([jnp.dtype(jnp.float32), *floats], key=lambda d: d.itemsize)
 
 
 def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
