@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import platform
+import shutil
 import sys
+import warnings
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
@@ -108,24 +110,47 @@ class MetricsLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.damaged: list[int] = []  # line numbers (1-based) the last read could not parse
 
     def read(self) -> list[dict[str, Any]]:
-        """All records (an incomplete last line, left by a crash, is dropped)."""
+        """All records. An incomplete last line (a crash mid-write) is dropped quietly; a
+        damaged line elsewhere is skipped with a warning naming it, and every valid record
+        after it is kept (:attr:`damaged` lists those lines)."""
+        self.damaged = []
         if not self.path.exists():
             return []
+        text = self.path.read_text()
+        lines = text.split("\n")
         out = []
-        for line in self.path.read_text().splitlines():
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("not a record")
+                out.append(rec)
+            except ValueError:
+                if i == len(lines) and not text.endswith("\n"):
+                    continue  # the unfinished last line of a killed run
+                self.damaged.append(i)
+        if self.damaged:
+            warnings.warn(f"{self.path}: line(s) {self.damaged} are damaged and were skipped; "
+                          f"the {len(out)} valid records are kept", stacklevel=2)
         return out
+
+    def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
+        """Replaces the file atomically; a file with damaged lines is kept beside it first
+        (``metrics.jsonl.damaged``), so nothing is lost by the rewrite."""
+        if self.damaged and self.path.exists():
+            shutil.copyfile(self.path, self.path.with_suffix(".jsonl.damaged"))
+        self._rewrite(records)
 
     def append(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(_clean(record)) + "\n")
 
-    def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
+    def _rewrite(self, records: Iterable[dict[str, Any]]) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in records))
         tmp.replace(self.path)

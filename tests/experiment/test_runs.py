@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -110,3 +111,25 @@ def test_restored_checkpoint_is_placed_like_the_state(tmp_path):
     committed = jax.device_put(state, jax.devices()[0])  # a placed state stays placed
     assert all(a.committed for a in jax.tree.leaves(ckpt.restore(4, committed)[0]))
     ckpt.close()
+
+
+def test_damaged_metrics_line_keeps_every_valid_record(tmp_path):
+    """One damaged line in the middle: every valid record after it is kept, a warning names the
+    line, and a rewrite (as --resume does) keeps the damaged file beside it. The unfinished last
+    line of a killed run is dropped quietly."""
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"arm": "a", "step": s, "loss": 1.0 / (s + 1)} for s in range(6)]
+    lines = [json.dumps(r) for r in recs]
+    lines.insert(3, '{"arm": "a", "st')  # damaged line 4
+    path.write_text("\n".join(lines) + '\n{"arm": "a", "step": 6')  # + an unfinished last line
+    log = MetricsLog(path)
+    with pytest.warns(UserWarning, match=r"line\(s\) \[4\] are damaged .* 6 valid records"):
+        got = log.read()
+    assert got == recs and log.damaged == [4]
+    log.rewrite(got)
+    assert MetricsLog(path).read() == recs
+    assert '{"arm": "a", "st' in (tmp_path / "metrics.jsonl.damaged").read_text()
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"arm": "a"')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a crash's unfinished last line is not damage
+        assert MetricsLog(path).read() == recs
