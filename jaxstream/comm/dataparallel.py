@@ -68,7 +68,7 @@ class ShardRows(TangentSpec):
 
     ``sample(key, (b, ...))`` draws ``(num, b * shards, ...)`` exactly as the base spec draws a
     whole-batch tangent and returns rows ``[i*b, (i+1)*b)`` of replica i: the replicas' union
-    is the whole batch's draw (orthogonal and antithetic tangents included). The price: each
+    is the whole batch's draw (orthogonal tangents included). The price: each
     replica draws ``shards`` times the random numbers of its own rows.
 
     Example:
