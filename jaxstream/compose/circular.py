@@ -77,8 +77,6 @@ class Circular:
         self.period, _ = circular_ticks(chains, self.m, 1)
         self.tail_ticks = max(0, chains + self.m - 1 - self.period)
         self.num_slots, self.emit_sum, self.reverse = num_slots, emit_sum, reverse
-        self.specs = dict(state=state_specs, aux=aux_specs, stage_aux=stage_aux_specs,
-                          consts=const_specs, emit=emit_specs)
         carry = (_staged(state_specs), _staged(state_specs, 1), emit_specs)
         self.carry_specs = carry
         sm = functools.partial(shard_map, mesh=mesh, check_vma=False)

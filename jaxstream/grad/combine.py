@@ -16,8 +16,7 @@ its slice calls :func:`combine`. Engines read a rule's flags (``cross``, ``along
 ``stale_ok``), never its name, so a new rule is one :func:`register` call here plus its test.
 
 Example:
-  >>> stats = Stats(spec, keys, d, params, h=h, counts=counts, spread=spread, rows=rows,
-  ...               outside=outside)
+  >>> stats = Stats(spec, keys, d, params, h=h, counts=counts, rows=rows, outside=outside)
   >>> grads = combine("control_variate", stats)                      # in memory
   >>> grads = combine("control_variate", stats, lambda t: psum(t, "stage"))  # a stage
 """
@@ -48,7 +47,6 @@ class Stats(NamedTuple):
       first_layer: global index of the slice's first block.
       h: the exact-gradient mean of each segment's group (shaped like ``like``).
       counts: per segment, the size of its group.
-      spread: per segment, Σ_{s∈G} ‖g_s − h‖².
       rows: per segment, 1 for the micro-batches whose residual is still estimated by tangents.
       outside: (N,) 1 for the micro-batches outside the head's group (whose residual scalars
         measure the tangent noise).
@@ -67,7 +65,6 @@ class Stats(NamedTuple):
     first_layer: Any = 0
     h: Any = None
     counts: dict | None = None
-    spread: dict | None = None
     rows: dict | None = None
     outside: jax.Array | None = None
     total_size: Any = None
@@ -84,7 +81,7 @@ class Rule:
       name: what configs and estimators call it.
       estimate: ``(stats, totals) -> grads``.
       partials: ``stats -> dict`` of arrays summed over slices (default: none).
-      exact: whether the rule needs exact gradients (h, counts, spread, rows).
+      exact: whether the rule needs exact gradients (h, counts, rows).
       cross: whether ``estimate`` needs ``totals`` (a streamed engine then forms the estimates
         in a sweep after the exact gradients of every unit are known).
       along: the forward pass runs along ``stats.direction`` (one derivative per micro-batch)
@@ -143,11 +140,10 @@ def combine(rule: str | Rule, stats: Stats, reduce: Callable[[dict], dict] = lam
     return (grads, rule.diagnostics(stats, totals)) if diagnostics else grads
 
 
-def group_stats(exact: Any, masks: dict, like: Any) -> tuple[Any, dict, dict]:
-    """(h, counts, spread) of the exact gradients (leading axis: the selected micro-batches)
-    in each segment's group (:func:`jaxstream.grad.corrections.group_masks`)."""
-    h, counts = cr.group_mean(exact, masks, like)
-    return h, counts, cr.group_spread(exact, h, masks, like)
+def group_stats(exact: Any, masks: dict, like: Any) -> tuple[Any, dict]:
+    """(h, counts) of the exact gradients (leading axis: the selected micro-batches) in each
+    segment's group (:func:`jaxstream.grad.corrections.group_masks`)."""
+    return cr.group_mean(exact, masks, like)
 
 
 # ----------------------------------------------------------------------------- the rules

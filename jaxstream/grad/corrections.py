@@ -87,20 +87,6 @@ def group_mean(exact: Any, masks: dict, like: Any) -> tuple[Any, dict]:
     return h, counts
 
 
-def group_spread(exact: Any, h: Any, masks: dict, like: Any) -> dict:
-    """Σ_{s∈G} ‖g_s − h‖² per segment (for the weighted correction)."""
-    m_leaf = _per_leaf(masks, like)
-    per_leaf = jax.tree.map(
-        lambda g, hh, m: (_bcast(m, g.ndim) * (g - hh[None]) ** 2).reshape(
-            g.shape[: m.ndim] + (-1,)
-        ).sum(-1).sum(0),
-        exact,
-        h,
-        m_leaf,
-    )
-    return _segment_sum(per_leaf, like)
-
-
 def segment_sizes(like: Any) -> dict:
     """Number of parameters per segment (blocks: per layer)."""
     if not is_stack_params(like):

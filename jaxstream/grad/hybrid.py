@@ -110,9 +110,9 @@ class Hybrid:
         losses, d, exact = reduce((losses, d, exact))
         masks = cr.group_masks(params, depth)
         rows = cr.outside_rows(masks, idx, n)
-        h, counts, spread = cb.group_stats(exact, masks, params)
+        h, counts = cb.group_stats(exact, masks, params)
         diag: dict = {"directional": d, "exact_indices": idx}
-        stats = cb.Stats(spec, keys, d, params, h=h, counts=counts, spread=spread, rows=rows,
+        stats = cb.Stats(spec, keys, d, params, h=h, counts=counts, rows=rows,
                          outside=rows["head"] if "head" in rows else rows["tree"])
         if rule.along:  # differentiate along the direction instead of the tangents
             u = cb.unit_direction(h if guess is None else guess)
@@ -146,8 +146,9 @@ def hybrid(
       num_exact: a random subset of this many micro-batches gets exact gradients (default 1).
       correction: ``"replace"`` (exact where available; unbiased), ``"control_variate"``
         (ĝ = h + mean_n mean_k (d_nk − h·v_nk) v_nk with h the mean exact gradient; unbiased),
-        ``"weighted"`` (the control variate with its forward part shrunk by β ∈ [0, 1] estimated
-        from the exact gradients' spread and the residual scalars; slightly biased, lowest error)
+        ``"weighted"`` (the control variate with its forward part shrunk by a β ∈ [0, 1] fixed by
+        N, the group size, K and the model's size; unbiased with a random selection, biased with
+        a fixed one, lowest error)
         ``"stein"`` (the control variate with a positive-part James–Stein weight per segment,
         β = max(0, 1 − Var r / ‖r‖²): its ‖r‖² sees a fixed selection's systematic deviation,
         so it is less biased than ``weighted`` there)

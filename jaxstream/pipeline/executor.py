@@ -556,14 +556,14 @@ def _estimate(pipe: Pipeline, params, gacc, group_row, d, keys, first_layer, val
         num_local = jax.tree.leaves(params["blocks"])[0].shape[0]
         masks = {"embed": group_row, "head": group_row,
                  "blocks": jnp.broadcast_to(group_row[:, None], (n_sel, num_local))}
-        h, counts, spread = cb.group_stats(exact, masks, params)
+        h, counts = cb.group_stats(exact, masks, params)
         sel = jnp.array(low.selected, jnp.int32)
         # a stale exact gradient is of another step's micro-batch: every residual of this step
         # is still estimated by tangents
         member = jax.tree.map(jnp.zeros_like, masks) if low.stale else masks
         sizes = cr.segment_sizes(params)  # this stage's blocks; embed and head in full
         stats = stats._replace(
-            h=h, counts=counts, spread=spread, rows=cr.outside_rows(member, sel, n),
+            h=h, counts=counts, rows=cr.outside_rows(member, sel, n),
             outside=cr.outside_rows({"tree": _reached(low) * (0.0 if low.stale else 1.0)}, sel,
                                     n)["tree"],
             total_size=sizes["embed"] + sizes["head"] + sizes["blocks"][0] * pipe.stack.num_layers,

@@ -471,9 +471,8 @@ class StreamedExecutor:
         s = len(idx)
         h_in = self._to_device(stash["head"])
         later = mixes and (rule.cross or rule.along)  # estimates wait for every unit's share
-        spread: dict = {}  # Σ_{s∈G} ‖g_s − h_u‖² per unit: plain host numbers, not arrays that
-        partials: list = []  # pin their buffers; each unit's share of the rule's sums
-        sq: dict = {}  # ‖h_u‖² per unit (a direction's norm)
+        partials: list = []  # each unit's share of the rule's sums (host values)
+        sq: dict = {}  # ‖h_u‖² per unit (a direction's norm): plain host numbers
         scratch: list = []
         members = self._members(key, n, layers) if mixes else {}
         common = self._common_stats(idx, n, layers, hosts) if mixes else {}
@@ -485,14 +484,13 @@ class StreamedExecutor:
             with jax.default_device(self.host):
                 g, p_h = _f32(g, self.host), jax.device_put(p, self.host)
                 m = jnp.asarray(members[str(u)])
-                h_u, spread_u = K.unit_group(g, m, p_h)
-                st = {**common, "h": h_u, "member": m, "spread": spread_u}
+                h_u = K.unit_group(g, m, p_h)
+                st = {**common, "h": h_u, "member": m}
                 sk, dj = K.seg_keys(keys, u), jnp.asarray(d)
                 if not later:
                     return sink(u, K.unit_combine(rule, self.spec, sk, dj, p_h, st, {}), p)
                 if rule.cross:
                     partials.append(host_value(K.unit_partials(rule, self.spec, sk, dj, p_h, st)))
-                spread[str(u)] = float(spread_u)
                 sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
             scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
             for f in [f for f in scratch if f.done()]:  # keep only the writes in flight;
@@ -531,7 +529,7 @@ class StreamedExecutor:
                 scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
                 d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
             self._combine_sweep(layers, hosts, sink, t0, keys=keys, d=d, totals=totals,
-                                spread=spread, members=members, common=common, scale=scale)
+                                members=members, common=common, scale=scale)
         return float(np.mean(losses)), {}
 
     def _common_stats(self, idx, n: int, layers, hosts) -> dict:
@@ -545,7 +543,7 @@ class StreamedExecutor:
         return {"idx": jnp.asarray(idx, jnp.int32), "outside": jnp.asarray(outside),
                 "total_size": jnp.float32(total)}
 
-    def _combine_sweep(self, layers, hosts, sink, t0, *, keys, d, totals, spread, members,
+    def _combine_sweep(self, layers, hosts, sink, t0, *, keys, d, totals, members,
                        common, scale) -> None:
         """The update sweep of a rule that waits for every unit: each unit's estimate from its
         group mean h_u (the store's scratch), the scalars d and the rule's cross-unit
@@ -556,8 +554,7 @@ class StreamedExecutor:
             p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
             h_u = self.store.read_scratch(u).result()
             with jax.default_device(self.host):
-                st = {**common, "h": h_u, "member": jnp.asarray(members[str(u)]),
-                      "spread": jnp.float32(spread[str(u)])}
+                st = {**common, "h": h_u, "member": jnp.asarray(members[str(u)])}
                 if scale is not None:
                     st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(scale),
                                                    h_u)

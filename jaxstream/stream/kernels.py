@@ -220,18 +220,17 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
 # One unit is one segment of the core's combine (``{"tree": ...}``); ``member`` (S,) says which
 # selected micro-batches have this unit's exact gradient (nested per-layer groups).
 @jax.jit
-def unit_group(g_each: Any, member: jax.Array, like: Any) -> tuple[Any, jax.Array]:
-    """(h, spread): the group's mean exact gradient and Σ_{s∈G} ‖g_s − h‖² of one unit."""
-    h, _, spread = cb.group_stats(g_each, {"tree": member}, like)
-    return h, spread["tree"]
+def unit_group(g_each: Any, member: jax.Array, like: Any) -> Any:
+    """h: the group's mean exact gradient of one unit."""
+    return cb.group_stats(g_each, {"tree": member}, like)[0]
 
 
 def unit_stats(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, like: Any, *, h: Any,
-               member: jax.Array, idx: jax.Array, spread: jax.Array, outside: jax.Array,
+               member: jax.Array, idx: jax.Array, outside: jax.Array,
                total_size: jax.Array, direction: Any = None) -> cb.Stats:
     """The combine's statistics of one unit (one segment)."""
     return cb.Stats(spec, seg_keys, d, like, h=h, counts={"tree": member.sum()},
-                    spread={"tree": spread}, outside=outside, total_size=total_size,
+                    outside=outside, total_size=total_size,
                     rows=cr.outside_rows({"tree": member}, idx, d.shape[0]), direction=direction)
 
 
