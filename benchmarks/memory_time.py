@@ -16,10 +16,14 @@ the median of timed runs gives the step time. Modes:
 
 Prints a table with ratios vs backprop and vs inference, side by side, from the same run.
 
+``--parts`` adds where the hybrid's memory and time go, each part compiled alone with its
+alternatives (:mod:`hybrid_parts`). docs/results.md renders the ``--json`` rows
+(``forward_table.py --memory-json``).
+
 Usage:
   python benchmarks/memory_time.py                 # depths 8 16 32 64
   python benchmarks/memory_time.py --quick         # depths 8 32, fewer repeats (< 2 min)
-  python benchmarks/memory_time.py --json out.json
+  python benchmarks/memory_time.py --quick --parts --json docs/memory_time.json
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import sys
 import statistics
 import time
 from collections.abc import Callable
@@ -86,8 +92,10 @@ def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float]:
     return temp, statistics.median(times)
 
 
-def run(depths: list[int], width: int, batch: int, repeats: int) -> list[dict]:
-    """One row per depth: ``{"depth", "temp_bytes": {mode: int}, "step_ms": {mode: float}}``."""
+def run(depths: list[int], width: int, batch: int, repeats: int,
+        parts: bool = False) -> list[dict]:
+    """One row per depth: ``{"depth", "temp_bytes": {mode: int}, "step_ms": {mode: float}}``
+    (with ``parts``: ``"parts": {name: [temp, ms]}`` and ``"backprop": [temp, ms]``)."""
     rows = []
     for depth in depths:
         stack, params, data = make_problem(depth, width, batch)
@@ -97,6 +105,13 @@ def run(depths: list[int], width: int, batch: int, repeats: int) -> list[dict]:
             temp, ms = measure(fn, (params, data, key), repeats)
             row["temp_bytes"][mode] = temp
             row["step_ms"][mode] = ms
+        if parts:
+            from hybrid_parts import part_functions
+
+            micro = jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), data)
+            row["backprop"] = [row["temp_bytes"]["backprop"], row["step_ms"]["backprop"]]
+            row["parts"] = {name: list(measure(fn, (params, micro, key), repeats))
+                            for name, fn in part_functions(stack, NUM_MICRO).items()}
         rows.append(row)
         print(format_rows([row], header=len(rows) == 1), flush=True)
     return rows
@@ -136,6 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per step")
     parser.add_argument("--quick", action="store_true", help="depths 8 32, 3 repeats")
     parser.add_argument("--json", type=str, default=None, help="write the rows to this path")
+    parser.add_argument("--parts", action="store_true",
+                        help="also measure the hybrid's parts and their alternatives")
     args = parser.parse_args(argv)
     if args.batch % NUM_MICRO:
         parser.error(f"--batch must be a multiple of {NUM_MICRO} (hybrid micro-batches)")
@@ -146,16 +163,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"width={args.width} batch={args.batch} repeats={repeats} "
         f"hybrid={NUM_EXACT}/{NUM_MICRO} exact, control_variate"
     )
-    rows = run(depths, args.width, args.batch, repeats)
+    rows = run(depths, args.width, args.batch, repeats, parts=args.parts)
     print()
     print(format_rows(rows))
+    cmd = "python benchmarks/memory_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.parts:
+        from jaxstream.experiment.table_report import memory_parts_table
+
+        print()
+        print(memory_parts_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-        import platform
-        import sys
-
-        cmd = "python benchmarks/memory_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
         meta = {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPU threads, "
                 f"jax {jax.__version__} on {jax.devices()[0].device_kind}"}
         with open(args.json + ".meta", "w") as f:

@@ -211,6 +211,24 @@ def memory_table(memory: dict) -> str:
         for m in modes:
             vals += [f"{t[m] / max(t['backprop'], 1):.3f}", f"{s[m] / s['backprop']:.2f}"]
         lines.append("| " + " | ".join(vals) + " |")
+    rows = memory["rows"]
+    if all("parts" in r for r in rows):
+        lines += ["", "Where the hybrid's memory and time go: each part compiled alone, with "
+                  "its alternatives (`benchmarks/hybrid_parts.py` says what each is):", "",
+                  memory_parts_table(rows)]
+    return "\n".join(lines)
+
+
+def memory_parts_table(rows: list[dict]) -> str:
+    """Markdown: per depth and hybrid part, temp MiB and ms, and both as shares of
+    backprop's (``memory_time.py --parts`` rows)."""
+    lines = ["| depth | part | temp MiB | temp / bp | ms | time / bp |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        bp_t, bp_ms = r["backprop"]
+        for name, (t, ms) in r["parts"].items():
+            lines.append(f"| {r['depth']} | {name} | {t / 2**20:.2f} | {t / bp_t:.3f} | "
+                         f"{ms:.1f} | {ms / bp_ms:.2f} |")
     return "\n".join(lines)
 
 

@@ -25,7 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
+from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.hybrid import num_micro_batches
 from jaxstream.grad.plan import Plan
@@ -105,8 +107,9 @@ class ExactSubset:
         n = num_micro_batches(batch)
         idx = select_exact(key, n, self.num_exact)
         sub = jax.tree.map(lambda x: x[idx], batch)
-        losses, grads = jax.vmap(lambda b: jax.value_and_grad(loss_fn)(params, b))(sub)
-        grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)
+        # the hybrid's exact part: one rematerialised sweep, no per-micro-batch gradient trees
+        masks = cr.group_masks(params, jnp.zeros((self.num_exact,), jnp.int32))
+        grads, _, losses = group_exact_mean(loss_fn, params, sub, masks)
         return _finish(jnp.mean(losses), grads, {"exact_indices": idx}, diagnostics)
 
 

@@ -92,6 +92,9 @@ class Rule:
       coefficients: for a rule whose estimate is Σ_n Σ_k c_nk v_nk alone (no exact part),
         ``(stats, totals) -> c`` (N, K): an update fully described by its keys and these (a
         streamed lazy update, a data-parallel scalar exchange).
+      residual: ``partials`` are the residual scalars ``{"c": c_nk = h·v_nk}`` alone, which a
+        weight-perturbation forward pass can sum as it draws its tangents (given h before it)
+        and hand to :func:`combine` as ``totals``, saving a pass that draws them again.
     """
 
     name: str
@@ -104,6 +107,7 @@ class Rule:
     doc: str = ""
     diagnostics: Callable[[Stats, dict], dict] = lambda stats, totals: {}
     coefficients: Callable[[Stats, dict], jax.Array] | None = None
+    residual: bool = False
 
 
 RULES: dict[str, Rule] = {}
@@ -131,11 +135,13 @@ def corrections() -> tuple[str, ...]:
 
 
 def combine(rule: str | Rule, stats: Stats, reduce: Callable[[dict], dict] = lambda t: t,
-            *, diagnostics: bool = False) -> Any:
+            *, diagnostics: bool = False, totals: dict | None = None) -> Any:
     """The slice's estimate under ``rule``: ``estimate(stats, reduce(partials(stats)))``
-    (with ``diagnostics``: ``(estimate, the rule's diagnostics)``)."""
+    (with ``diagnostics``: ``(estimate, the rule's diagnostics)``; ``totals``: the reduced
+    partials, already summed elsewhere — a ``residual`` rule's c from the forward pass)."""
     rule = get(rule) if isinstance(rule, str) else rule
-    totals = reduce(rule.partials(stats)) if rule.cross else {}
+    if totals is None:
+        totals = reduce(rule.partials(stats)) if rule.cross else {}
     grads = rule.estimate(stats, totals)
     return (grads, rule.diagnostics(stats, totals)) if diagnostics else grads
 
@@ -178,10 +184,10 @@ def _tangent_rule(coeffs: Callable[[Stats, dict], jax.Array]) -> Callable[[Stats
 
 def _replace(s: Stats, _totals: dict) -> Any:
     n, k = _n_k(s)
-    plain = tangent_sum(s.spec, s.keys, s.d / (n * k), s.like, s.first_layer, rows=s.rows)
     c_leaf = cr._per_leaf(s.counts, s.like)
-    return jax.tree.map(lambda p, h, c: p + (cr._bcast(c, h.ndim) * h / n).astype(p.dtype),
-                        plain, s.h, c_leaf)
+    known = jax.tree.map(lambda h, c: cr._bcast(c, h.ndim).astype(h.dtype) * h / n, s.h, c_leaf)
+    return tangent_sum(s.spec, s.keys, s.d / (n * k), s.like, s.first_layer, rows=s.rows,
+                       init=known)
 
 
 def _residual_partials(s: Stats) -> dict:
@@ -226,15 +232,17 @@ PROJECTION = register(Rule("projection", _tangent_rule(_projection_coeffs), _gra
                            exact=False, cross=True, coefficients=_projection_coeffs,
                            doc="projection onto the tangents' span: biased, E ĝ ≈ (K/n) g"))
 CONTROL_VARIATE = register(Rule("control_variate", _control_variate, _residual_partials,
-                                cross=True, stale_ok=True,
+                                cross=True, stale_ok=True, residual=True,
                                 doc="h + tangent estimate of the residual: unbiased"))
 REPLACE = register(Rule("replace", _replace,
                         doc="exact where known, forward elsewhere: unbiased"))
 WEIGHTED = register(Rule("weighted", _weighted, _residual_partials, cross=True, stale_ok=True,
+                         residual=True,
                          doc="control variate, residual shrunk by a fixed β: unbiased with a random "
                              "selection, biased with a fixed one",
                          diagnostics=_shrinkage))
 STEIN = register(Rule("stein", _stein, _residual_partials, cross=True, stale_ok=True,
+                      residual=True,
                       doc="control variate, residual shrunk by a James–Stein β: biased"))
 GUESS = register(Rule("guess", _guess, along=True,
                       doc="(mean_n ∇L_n·u) u along u = h/‖h‖: biased, no tangent noise"))

@@ -192,16 +192,34 @@ def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0
     segments (β = 1: the unbiased control variate). A member n ∈ G of the segment's group needs
     no tangent: its residual g_n − h is known exactly and the members' residuals sum to zero, so
     ``rows`` (:func:`outside_rows`) drops them; with every micro-batch exact ĝ = h = backprop.
-    ``stein``: ``(variance, counts)`` per segment — β from :func:`stein_beta` instead."""
+    ``stein``: ``(variance, counts)`` per segment — β from :func:`stein_beta` instead.
+
+    A β known before the sum (``beta``, or none) scales the rows, and the sum is added into h's
+    own buffer (:func:`~jaxstream.grad.tangents.combine`'s ``init``): no residual tree is
+    materialised. ``stein`` needs ‖r‖², so its residual is formed first."""
     n = d.shape[0]
-    resid = combine(spec, keys, (d - c) / (n * spec.num), like, first_layer, rows=rows)
-    if stein is not None:
-        beta = stein_beta(resid, *stein, like)
-    if beta is None:
-        return jax.tree.map(jnp.add, h, resid)
+    coeffs = (d - c) / (n * spec.num)
+    if stein is None:
+        if beta is not None:
+            rows = _scaled_rows(rows, beta, n, like)
+        return combine(spec, keys, coeffs, like, first_layer, rows=rows, init=h)
+    resid = combine(spec, keys, coeffs, like, first_layer, rows=rows)
+    beta = stein_beta(resid, *stein, like)
     b_leaf = _per_leaf(beta, like)
     return jax.tree.map(lambda hh, r, b: hh + _bcast(b, r.ndim).astype(r.dtype) * r, h, resid,
                         b_leaf)
+
+
+def _scaled_rows(rows: dict | None, beta: dict, n: int, like: Any) -> dict:
+    """``rows`` (ones where None) times β per segment (blocks: per layer)."""
+    if rows is None:
+        ones = jnp.ones((n,), jnp.float32)
+        if not is_stack_params(like):
+            rows = {"tree": ones}
+        else:
+            num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
+            rows = {"embed": ones, "blocks": jnp.ones((num_layers, n), jnp.float32), "head": ones}
+    return {name: r * _bcast(jnp.asarray(beta[name], r.dtype), r.ndim) for name, r in rows.items()}
 
 
 def residual_scalars(spec: TangentSpec, keys, h, like_first_layer: int = 0) -> jax.Array:

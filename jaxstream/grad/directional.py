@@ -22,33 +22,53 @@ ACTIVITY = sg.ACTIVITY
 
 
 def stack_directional(
-    stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+    stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array,
+    probe: Any = None,
+) -> tuple[jax.Array, ...]:
     """Loss and the K directional derivatives along weight tangents of ``params``.
 
     Returns:
-      ``(loss, d)`` with ``d`` of shape (K,).
+      ``(loss, d)`` with ``d`` of shape (K,); with ``probe`` (a tree shaped like ``params``)
+      ``(loss, d, c)`` with c_k = probe·v_k, summed over the segments as their tangents are
+      drawn (a hybrid's control-variate scalars, without drawing the tangents again).
     """
-    h, dh = sg.embed_jvp(stack, spec, params["embed"], batch["x"], key)
-    h, dh = sg.blocks_jvp(stack, spec, params["blocks"], 0, h, dh, key)
-    return sg.head_jvp(stack, spec, params["head"], h, dh, key, batch)
+    if probe is None:
+        h, dh = sg.embed_jvp(stack, spec, params["embed"], batch["x"], key)
+        h, dh = sg.blocks_jvp(stack, spec, params["blocks"], 0, h, dh, key)
+        return sg.head_jvp(stack, spec, params["head"], h, dh, key, batch)
+    h, dh, c = sg.embed_jvp(stack, spec, params["embed"], batch["x"], key, probe["embed"])
+
+    def body(carry, xs):
+        p, pr, layer = xs
+        h, dh, cl = sg.block_jvp(stack, spec, p, layer, *carry, key, pr)
+        return (h, dh), cl
+
+    layers = jnp.arange(jax.tree.leaves(params["blocks"])[0].shape[0])
+    (h, dh), c_blocks = jax.lax.scan(body, (h, dh), (params["blocks"], probe["blocks"], layers))
+    loss, d, c_head = sg.head_jvp(stack, spec, params["head"], h, dh, key, batch, probe["head"])
+    # summed as :func:`~jaxstream.grad.tangents.project` sums them (the same rounding)
+    return loss, d, c + c_blocks.sum(axis=0) + c_head
 
 
 def generic_directional(
-    loss_fn: Callable, spec: TangentSpec, params: Any, batch: Any, key: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Loss and directional derivatives for any ``loss_fn`` (tangents materialised)."""
+    loss_fn: Callable, spec: TangentSpec, params: Any, batch: Any, key: jax.Array,
+    probe: Any = None,
+) -> tuple[jax.Array, ...]:
+    """Loss and directional derivatives for any ``loss_fn`` (tangents materialised); with
+    ``probe`` also c_k = probe·v_k."""
     v = tangents(spec, key, params)
-    return sg.jvp_k(lambda p: loss_fn(p, batch), (params,), (v,))
+    out = sg.jvp_k(lambda p: loss_fn(p, batch), (params,), (v,))
+    return out if probe is None else (*out, sg.probe_dot(v, probe))
 
 
 def directional(
-    loss_fn: Callable, spec: TangentSpec, params: Any, batch: Any, key: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+    loss_fn: Callable, spec: TangentSpec, params: Any, batch: Any, key: jax.Array,
+    probe: Any = None,
+) -> tuple[jax.Array, ...]:
     """Dispatch: layered pass for a :class:`Stack`, generic pass otherwise."""
     if isinstance(loss_fn, Stack):
-        return stack_directional(loss_fn, spec, params, batch, key)
-    return generic_directional(loss_fn, spec, params, batch, key)
+        return stack_directional(loss_fn, spec, params, batch, key, probe)
+    return generic_directional(loss_fn, spec, params, batch, key, probe)
 
 
 def stack_activity(

@@ -14,11 +14,15 @@ from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_key, check_labels, check_micro_batches
 from jaxstream.grad.directional import directional
 from jaxstream.grad.estimators import _finish
+from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 
 SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
+# Micro-batches whose forward passes run together (vmapped) in a hybrid step; the chunks run one
+# after another. benchmarks/memory_time.py --chunks measures the step time and memory per size.
+FORWARD_CHUNK = 4
 
 
 def num_micro_batches(batch: Any) -> int:
@@ -104,25 +108,37 @@ class Hybrid:
         idx, depth = self.selection(n, key, loss_fn.num_layers if isinstance(loss_fn, Stack) else None)
         spec, rule = self.spec, cb.get(self.correction)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
-        losses, d = jax.vmap(lambda b, k: directional(loss_fn, spec, params, b, k))(batch, keys)
-        sel_batch = jax.tree.map(lambda x: x[idx], batch)
-        exact = jax.vmap(lambda b: jax.grad(loss_fn)(params, b))(sel_batch)
-        losses, d, exact = reduce((losses, d, exact))
         masks = cr.group_masks(params, depth)
+        # The exact part first, at one rematerialised backprop's memory; h reduced (a linear
+        # mean over replicas) before the forward pass, which then sums the residual scalars
+        # c = h·v as it draws its tangents.
+        h, counts, _ = group_exact_mean(loss_fn, params, jax.tree.map(lambda x: x[idx], batch), masks)
+        h = reduce(h)
+        probe = h if rule.residual else None
+        out = forward_chunks(lambda b, k: directional(loss_fn, spec, params, b, k, probe),
+                             batch, keys)
+        losses, d = reduce(out[:2])
+        totals = {"c": out[2]} if rule.residual else None
         rows = cr.outside_rows(masks, idx, n)
-        h, counts = cb.group_stats(exact, masks, params)
         diag: dict = {"directional": d, "exact_indices": idx}
         stats = cb.Stats(spec, keys, d, params, h=h, counts=counts, rows=rows,
                          outside=rows["head"] if "head" in rows else rows["tree"])
         if rule.along:  # differentiate along the direction instead of the tangents
             u = cb.unit_direction(h if guess is None else guess)
-            dg = reduce(jax.vmap(lambda b: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1])(
-                batch))
+            dg = reduce(forward_chunks(
+                lambda b, _k: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1], batch, keys))
             stats = stats._replace(d=dg[:, None], direction=u)
             diag["guess_directional"] = dg
-        grads, chosen = cb.combine(rule, stats, diagnostics=True)
+        grads, chosen = cb.combine(rule, stats, diagnostics=True, totals=totals)
         diag.update(chosen)
         return _finish(jnp.mean(losses), grads, diag, diagnostics)
+
+
+def forward_chunks(fn: Callable, batch: Any, keys: jax.Array) -> Any:
+    """``fn(micro_batch, key)`` for every micro-batch: ``FORWARD_CHUNK`` of them at a time
+    under ``jax.vmap``, the chunks one after another (``lax.map``), so only that many
+    micro-batches' tangents are live (all N at once hold N tangents of the largest layer)."""
+    return jax.lax.map(lambda bk: fn(*bk), (batch, keys), batch_size=FORWARD_CHUNK)
 
 
 def hybrid(

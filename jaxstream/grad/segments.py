@@ -57,24 +57,50 @@ def _mean_loss(stack: Stack, batch: dict) -> Callable:
 
 
 # ----------------------------------------------------------------------- weight perturbation
-def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, key: jax.Array):
+def probe_dot(v: Any, probe: Any) -> jax.Array:
+    """(K,) ⟨probe, v_k⟩ of a segment's K tangents (leaves (K, *shape)) and a tree shaped like
+    the segment (a hybrid's h: the control variate's scalars c_k = h·v_k, formed while the
+    forward pass holds the tangents instead of redrawing them)."""
+    parts = [_dot(vv, pp.astype(vv.dtype)) for vv, pp in zip(jax.tree.leaves(v), jax.tree.leaves(probe))]
+    return sum(parts, 0.0)
+
+
+def _dot(v: jax.Array, p: jax.Array) -> jax.Array:
+    """(K,) Σ v_k ⊙ p summed in two stages (over the last axis, then the rest): XLA fuses a
+    dot with the tangent draw into one sequential reduction otherwise, whose rounding grows
+    with the leaf's size."""
+    prod = v * p[None]
+    if p.ndim >= 2:
+        prod = jnp.sum(prod, axis=-1)
+    return jnp.sum(prod.reshape(v.shape[0], -1), axis=-1)
+
+
+def _with_probe(out: tuple, v: Any, probe: Any) -> tuple:
+    return out if probe is None else (*out, probe_dot(v, probe))
+
+
+def embed_jvp(stack: Stack, spec: TangentSpec, p: Any, x: jax.Array, key: jax.Array,
+              probe: Any = None):
     """``(h, dh)``: the embed's output and its K tangents (embed weights perturbed). An embed
-    without parameters gives zero tangents."""
+    without parameters gives zero tangents. With ``probe`` (shaped like ``p``) also
+    :func:`probe_dot` of the tangents."""
     if not jax.tree.leaves(p):
         h = stack.embed(p, x)
-        return h, jnp.zeros((spec.num,) + h.shape, h.dtype)
+        out = (h, jnp.zeros((spec.num,) + h.shape, h.dtype))
+        return out if probe is None else (*out, jnp.zeros((spec.num,), loss_dtype(h.dtype)))
     v = leaf_tangents(spec, segment_key(key, "embed"), p)
-    return jvp_k(lambda pp: stack.embed(pp, x), (p,), (v,))
+    return _with_probe(jvp_k(lambda pp: stack.embed(pp, x), (p,), (v,)), v, probe)
 
 
 def block_jvp(stack: Stack, spec: TangentSpec, p: Any, layer: Any, h: jax.Array,
-              dh: jax.Array, key: jax.Array):
-    """``(h, dh)`` through block ``layer`` (global index), its weights perturbed."""
+              dh: jax.Array, key: jax.Array, probe: Any = None):
+    """``(h, dh)`` through block ``layer`` (global index), its weights perturbed (with
+    ``probe``: also :func:`probe_dot` of the block's tangents)."""
     # The tangent is drawn once the block's primal output exists (XLA merges this primal with
     # the jvp's own): drawn earlier, its words would be held through the jvp's peak.
     out = stack.block(p, h)
     v = leaf_tangents(spec, block_key(tied(key, out), layer), p)
-    return jvp_k(stack.block, (p, h), (v, dh.astype(h.dtype)))
+    return _with_probe(jvp_k(stack.block, (p, h), (v, dh.astype(h.dtype))), v, probe)
 
 
 def blocks_jvp(stack: Stack, spec: TangentSpec, blocks: Any, first_layer: Any, h: jax.Array,
@@ -122,14 +148,15 @@ def segment_sweep(stack: Stack, params: dict, x: jax.Array, kernel: Callable,
 
 
 def head_jvp(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Array,
-             key: jax.Array, batch: dict):
-    """``(loss, d)``: the micro-batch's mean loss and its K directional derivatives."""
+             key: jax.Array, batch: dict, probe: Any = None):
+    """``(loss, d)``: the micro-batch's mean loss and its K directional derivatives (with
+    ``probe``: also :func:`probe_dot` of the head's tangents)."""
     v = leaf_tangents(spec, segment_key(key, "head"), p)
     logits, dlogits = jvp_k(stack.head, (p, h), (v, dh.astype(h.dtype)))
     # The labels wait for h: XLA would otherwise build the loss's gather indices before the
     # scan over blocks and keep them through it.
     batch = tied(batch, h)
-    return jvp_k(_mean_loss(stack, batch), (logits,), (dlogits,))
+    return _with_probe(jvp_k(_mean_loss(stack, batch), (logits,), (dlogits,)), v, probe)
 
 
 # --------------------------------------------------------------------- activity perturbation

@@ -187,9 +187,10 @@ def _segment_apply(fn, keys: jax.Array, like: Any, first_layer: int = 0, rows: A
 
 def combine(
     spec: TangentSpec, keys: jax.Array, coeffs: jax.Array, like: Any, first_layer: int = 0,
-    rows: Any = None,
+    rows: Any = None, init: Any = None,
 ) -> Any:
-    """Σ_n Σ_k coeffs[n, k] · v_nk, tangents regenerated per segment (never all at once).
+    """``init`` + Σ_n Σ_k coeffs[n, k] · v_nk, tangents regenerated per segment (never all at
+    once).
 
     Args:
       spec: the tangent distribution.
@@ -199,6 +200,9 @@ def combine(
         ``first_layer`` is the global index of ``like["blocks"]``'s first layer.
       rows: optional per-segment weights of the N micro-batches (``{"embed": (N,), "blocks":
         (L, N), "head": (N,)}`` or ``{"tree": (N,)}``), multiplying ``coeffs`` in that segment.
+      init: a tree shaped like ``like`` the sum starts from (default zeros). The sum is added
+        into it block by block, so XLA updates its buffer in place: a hybrid's h and its
+        estimate share one params-sized buffer instead of two.
     Returns:
       A pytree shaped like ``like``, in its dtypes (the sum is accumulated in at least
       float32: bf16 leaves in float32, float64 leaves in float64).
@@ -207,22 +211,40 @@ def combine(
     # The keys wait for the coefficients: XLA would otherwise draw the tangents of segments
     # outside a scan (the embed) before the forward pass and keep them through it.
     keys = tied(keys, coeffs)
+    start = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), _acc_dtype(x)), like) if init is None \
+        else jax.tree.map(lambda a, x: a.astype(_acc_dtype(x)), init, like)
 
-    def seg(seg_keys, tree, seg_rows):
+    def seg(seg_keys, acc, seg_rows):
         c_all = coeffs if seg_rows is None else coeffs * seg_rows[:, None]
 
         def body(acc, kc):
             k, c = kc
-            v = leaf_tangents(spec, k, jax.tree.map(_f32_like, tree))
+            v = leaf_tangents(spec, k, jax.tree.map(_f32_like, acc))
             return jax.tree.map(lambda a, vv: a + jnp.tensordot(
                 c.astype(a.dtype), vv.astype(a.dtype), axes=1), acc, v), None
 
-        zero = jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), _acc_dtype(x)), tree)
-        acc = jax.lax.scan(body, zero, (seg_keys, c_all.astype(_acc_dtype(c_all))))[0]
-        return jax.tree.map(lambda a, x: a.astype(jnp.result_type(x)), acc, tree)
+        return jax.lax.scan(body, acc, (seg_keys, c_all.astype(_acc_dtype(c_all))))[0]
 
-    out = _segment_apply(seg, keys, like, first_layer, rows)
-    return out["tree"] if not is_stack_params(like) else out
+    cast = lambda acc, tree: jax.tree.map(  # noqa: E731
+        lambda a, x: a.astype(jnp.result_type(x)), acc, tree)
+    if not is_stack_params(like):
+        return cast(seg(keys, start, None if rows is None else rows["tree"]), like)
+    seg_keys = lambda s: jax.vmap(lambda kk: fold_in(kk, s))(keys)  # noqa: E731
+    get = lambda name: None if rows is None else rows[name]  # noqa: E731
+
+    def layer(l, blocks):
+        keys_l = jax.vmap(lambda kk: block_key(kk, first_layer + l))(keys)
+        acc_l = seg(keys_l, jax.tree.map(lambda a: a[l], blocks),
+                    None if rows is None else rows["blocks"][l])
+        return jax.tree.map(lambda a, x: a.at[l].set(x), blocks, acc_l)
+
+    num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
+    out = {
+        "embed": seg(seg_keys(EMBED), start["embed"], get("embed")),
+        "blocks": jax.lax.fori_loop(0, num_layers, layer, start["blocks"]),
+        "head": seg(seg_keys(HEAD), start["head"], get("head")),
+    }
+    return cast(out, like)
 
 
 def _acc_dtype(x) -> Any:
