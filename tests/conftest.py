@@ -9,3 +9,20 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# One compilation cache per test run, shared by the xdist workers and the subprocesses they
+# start (notebooks, multi-process and float64 runs compile programs another test already
+# compiled). Keyed by the run's id, removed when the run ends.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"solo-{os.getpid()}"
+_CACHE = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"jaxstream-test-jit-{_RUN}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The run's compilation cache goes with it (the xdist controller, or a run without
+    workers, removes it)."""
+    import shutil
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("JAX_COMPILATION_CACHE_DIR") == _CACHE:
+        shutil.rmtree(_CACHE, ignore_errors=True)

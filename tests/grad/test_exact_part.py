@@ -58,7 +58,8 @@ def test_group_exact_mean_is_the_masked_mean_of_per_micro_batch_grads(depth):
     depth = jnp.array(depth, jnp.int32)
     masks = cr.group_masks(params, depth)
     h, counts, losses = jax.jit(lambda p: group_exact_mean(stack, p, sel, masks))(params)
-    grads = [jax.grad(stack)(params, jax.tree.map(lambda a, i=i: a[i], sel)) for i in range(3)]
+    all_grads = jax.jit(jax.vmap(lambda b: jax.grad(stack)(params, b)))(sel)
+    grads = [jax.tree.map(lambda a, i=i: a[i], all_grads) for i in range(3)]
     m = {k: np.asarray(v, np.float64) for k, v in masks.items()}
 
     def want(seg, leaf, weight):  # weight (3,) or (3, L)
@@ -72,7 +73,7 @@ def test_group_exact_mean_is_the_masked_mean_of_per_micro_batch_grads(depth):
         np.testing.assert_allclose(h["blocks"][leaf], want("blocks", leaf, m["blocks"]),
                                    rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(counts["blocks"], m["blocks"].sum(0))
-    want_losses = [stack(params, jax.tree.map(lambda a, i=i: a[i], sel)) for i in range(3)]
+    want_losses = jax.vmap(lambda b: stack(params, b))(sel)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
 
 
@@ -104,7 +105,7 @@ def test_forward_scalars_equal_float64_dot_with_materialised_tangents():
     loss0, d0 = jax.jit(lambda p: directional(stack, spec, p, batch, key))(params)
     np.testing.assert_allclose(d, d0, rtol=1e-6)
     np.testing.assert_allclose(loss, loss0, rtol=1e-6)
-    v = tg.tangents(spec, key, params)
+    v = jax.jit(lambda p: tg.tangents(spec, key, p))(params)
     want = sum(np.tensordot(np.asarray(vv, np.float64).reshape(3, -1),
                             np.asarray(pp, np.float64).reshape(-1), axes=1)
                for vv, pp in zip(jax.tree.leaves(v), jax.tree.leaves(probe)))
@@ -136,15 +137,16 @@ def test_hybrid_equals_the_formula_with_materialised_tangents(correction):
     micro = _micro(n, 4, seed=9)
     key = jax.random.key(10)
     est = jg.hybrid(exact_indices=(1, 3), correction=correction, num_tangents=k)
-    _, got, diag = est(stack, params, micro, key, diagnostics=True)
+    _, got, diag = jax.jit(lambda p: est(stack, p, micro, key, diagnostics=True))(params)
     f64 = lambda t: [np.asarray(a, np.float64) for a in jax.tree.leaves(t)]  # noqa: E731
-    one = lambda i: jax.tree.map(lambda a: a[i], micro)  # noqa: E731
-    grads = [f64(jax.grad(stack)(params, one(i))) for i in range(n)]
+    all_grads = jax.jit(jax.vmap(lambda b: jax.grad(stack)(params, b)))(micro)
+    grads = [f64(jax.tree.map(lambda a, i=i: a[i], all_grads)) for i in range(n)]
+    all_v = jax.jit(jax.vmap(lambda i: tg.tangents(est.spec, tg.micro_key(key, i), params)))(
+        jnp.arange(n))
     h = [(grads[1][j] + grads[3][j]) / 2 for j in range(len(grads[0]))]
     out = [np.zeros_like(x) for x in h] if correction == "replace" else [x.copy() for x in h]
     for i in range(n):
-        kn = tg.micro_key(key, i)
-        vs = f64(tg.tangents(est.spec, kn, params))
+        vs = f64(jax.tree.map(lambda a, i=i: a[i], all_v))
         if i in (1, 3):
             if correction == "replace":
                 out = [o + g / n for o, g in zip(out, grads[i])]
