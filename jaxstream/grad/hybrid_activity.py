@@ -116,12 +116,14 @@ class HybridActivity:
         idx = select_exact(key, n, k)
         est = forward(num_tangents=self.num_tangents, perturb="activations")
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
-        losses, fwd = jax.vmap(lambda b, kk: est(loss_fn, params, b, kk))(batch, keys)
-        sub = jax.tree.map(lambda x: x[idx], batch)
-        exact = jax.vmap(lambda b: jax.grad(loss_fn)(params, b))(sub)
-        fwd_sel = jax.tree.map(lambda a: a[idx], fwd)
         unselected = jnp.ones((n,)).at[idx].set(0.0) / (n - k)
-        a_u = jax.tree.map(lambda a: jnp.tensordot(unselected, a, axes=1), fwd)
+        onehot = jax.nn.one_hot(idx, n, dtype=jnp.float32).T  # (N, k)
+        losses, a_u, fwd_sel = _forward_sums(
+            lambda b, kk: est(loss_fn, params, b, kk), batch, keys, unselected, onehot, params)
+        # The exact gradients one micro-batch after another (lax.map): k trees, not k
+        # micro-batches' activations at once.
+        exact = jax.lax.map(lambda b: jax.grad(loss_fn)(params, b),
+                            jax.tree.map(lambda x: x[idx], batch))
         h = jax.tree.map(lambda g: jnp.mean(g, axis=0), exact)
         if self.shrinkage == "none":
             alpha = {"embed": jnp.float32(1.0), "blocks": jnp.ones((loss_fn.num_layers,)),
@@ -133,6 +135,34 @@ class HybridActivity:
         grads = jax.tree.map(lambda hh, m: (k * hh + (n - k) * m) / n, h, mixed)
         diag = {"alpha": alpha, "exact_indices": idx}
         return (jnp.mean(losses), grads, diag) if diagnostics else (jnp.mean(losses), grads)
+
+
+def _forward_sums(fn: Callable, batch: Any, keys: jax.Array, unselected: jax.Array,
+                  onehot: jax.Array, like: Any) -> tuple[jax.Array, Any, Any]:
+    """The N forward estimates one after another, never all at once: (losses (N,),
+    Σ_n unselected[n] a_n, the k selected micro-batches' a_n stacked). Each estimate is a whole
+    gradient tree, so micro-batches run one by one (a chunk of them would hold a tree each)."""
+    n = keys.shape[0]
+    chunk = 1
+    split = lambda x: x.reshape((n // chunk, chunk) + x.shape[1:])  # noqa: E731
+    k = onehot.shape[1]
+
+    def body(carry, xs):
+        a_u, sel = carry
+        b, kk, w, oh = xs
+        losses, a = jax.vmap(fn)(b, kk)
+        a_u = jax.tree.map(lambda acc, x: acc + jnp.tensordot(w, x, axes=1).astype(acc.dtype),
+                           a_u, a)
+        sel = jax.tree.map(lambda acc, x: acc + jnp.tensordot(oh.T, x, axes=1).astype(acc.dtype),
+                           sel, a)
+        return (a_u, sel), losses
+
+    zero = jax.tree.map(jnp.zeros_like, like)
+    zero_sel = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape, x.dtype), like)
+    (a_u, sel), losses = jax.lax.scan(
+        body, (zero, zero_sel),
+        (jax.tree.map(split, batch), split(keys), split(unselected), split(onehot)))
+    return losses.reshape(n), a_u, sel
 
 
 def hybrid_activity(num_exact: int = 2, num_tangents: int = 1,

@@ -178,3 +178,23 @@ def test_hybrid_step_compiles_below_backprop_remat_memory():
     temp = {name: jax.jit(fns[name]).lower(params, data, jax.random.key(0)).compile()
             .memory_analysis().temp_size_in_bytes for name in ("backprop_remat", "hybrid")}
     assert temp["hybrid"] < 0.5 * temp["backprop_remat"], temp
+
+
+def test_exact_subset_and_hybrid_activity_compile_without_per_micro_batch_copies():
+    """exact_subset runs the sweep (below a tenth of backprop's temporary memory) and
+    hybrid_activity accumulates its forward estimates micro-batch by micro-batch (at most
+    backprop's; all N gradient trees at once were above 5x)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import memory_time as mt
+
+    stack, params, data = mt.make_problem(16, 128, 256)
+    micro = jax.tree.map(lambda a: a.reshape((16, -1) + a.shape[1:]), data)
+
+    def temp(f, *args):
+        return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    bp = temp(lambda p, b: jg.backprop()(stack, p, b), params, data)
+    key = jax.random.key(0)
+    subset, activity = jg.exact_subset(2), jg.hybrid_activity(2)
+    assert temp(lambda p, b: subset(stack, p, b, key), params, micro) < 0.1 * bp
+    assert temp(lambda p, b: activity(stack, p, b, key), params, micro) <= 1.05 * bp
