@@ -175,6 +175,12 @@ def hybrid(
         gradients for blocks ``>= exact_from[n]`` (0: all, including the embed; L: head only;
         L + 1: none). Needs a Stack.
 
+    Memory: the exact part is one rematerialised sweep over the selected micro-batches
+    (:func:`jaxstream.grad.exact.group_exact_mean`), the forward pass runs ``FORWARD_CHUNK``
+    micro-batches at a time and sums c = h·v as it draws its tangents, and the estimate is
+    added into h's buffer, so a step's temporary memory stays near that of a forward pass
+    (``benchmarks/memory_time.py --parts`` measures each part).
+
     Example:
       >>> est = hybrid(num_exact=2, correction="control_variate")
       >>> micro = jax.tree.map(lambda x: x.reshape(16, -1, *x.shape[1:]), batch)
