@@ -24,6 +24,9 @@ def batch_indices(n: int, batch_size: int, seed: int, step: int) -> np.ndarray:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
     if n < 1:
         raise ValueError("the data set is empty")
+    if batch_size > n:
+        raise ValueError(f"batch_size: {batch_size} exceeds the {n} examples of the data set (a "
+                         f"batch would hold some examples twice); allowed: 1..{n}")
     pos = step * batch_size + np.arange(batch_size)
     epochs = pos // n
     out = np.empty(batch_size, dtype=np.int64)

@@ -57,3 +57,15 @@ def test_chars_targets_are_next_characters():
     assert ds.train["x"].max() < ds.info["vocab_size"]
     again = load_chars(seed=0, seq_len=16, num_train=32, num_test=8)
     np.testing.assert_array_equal(ds.train["x"], again.train["x"])
+
+
+def test_a_batch_larger_than_the_data_set_is_refused_by_name():
+    """An epoch-wise batch larger than the data set would hold examples twice: refused, naming
+    the field and the allowed range (a batch the size of the data set is one whole epoch)."""
+    import re
+
+    from jaxstream.data.batches import batch_indices
+
+    with pytest.raises(ValueError, match=re.escape("batch_size: 11 exceeds the 10 examples")):
+        batch_indices(10, 11, seed=0, step=0)
+    assert sorted(batch_indices(10, 10, seed=0, step=3)) == list(range(10))
