@@ -51,7 +51,6 @@ import functools
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,7 @@ import optax
 
 import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, chunk_cost, make_mesh
+from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.models import mlp
 from jaxstream.stream import DepthPolicy, LayerStore, StreamConfig, StreamedExecutor
 
@@ -427,9 +427,9 @@ def _table(rows: list[dict], cols) -> str:
     return head + "".join("| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |\n" for r in rows)
 
 
-def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str,
-             machine: str | None = None, cpus: int | None = None,
+def markdown(rows: list[dict], deep: list[dict], sc: dict,
              overlap: list[dict] | None = None) -> str:
+    """The doc block's tables: the streamed rows, the deep hybrid, the overlap and the scale."""
     x = deep[0]
     deep_md = (f"\nThe control-variate hybrid at L = {x['layers']}, M = {x['stages']}, "
                f"N = {x['micro_batches']} for each S (executed on a narrow model; `ticks` and "
@@ -456,17 +456,7 @@ def markdown(rows: list[dict], deep: list[dict], sc: dict, command: str,
               f"summed over the devices + the activation stash "
               f"{x['activation_stash_bytes'] / MiB:.2f} MiB; constant "
               f"{_fmt([round(v / MiB) for v in x['baseline_rss_bytes']])} MiB)\n")
-    machine = machine or platform.node() or "this machine"
-    return (f"Written from `{command}` on {machine} "
-            f"({cpus or os.cpu_count()} CPU cores, simulated devices), jax {jax.__version__}.\n\n"
-            + _table(rows, COLS) + deep_md + s)
-
-
-def write_doc(path: Path, block: str) -> None:
-    begin, end = "<!-- composed-table:begin -->", "<!-- composed-table:end -->"
-    text = path.read_text()
-    i, j = text.index(begin) + len(begin), text.index(end)
-    path.write_text(text[:i] + "\n" + block + text[j:])
+    return _table(rows, COLS) + deep_md + s
 
 
 def main(argv=None) -> int:
@@ -490,10 +480,11 @@ def main(argv=None) -> int:
         if not args.doc:
             ap.error("--doc-from needs --doc")
         run = json.loads(args.doc_from.read_text())
-        write_doc(args.doc, markdown(run["rows"], run["deep"], run["scale"],
-                                     f"{run['command']} --json {args.doc_from.name}",
-                                     machine=run["machine"], cpus=run["cpus"],
-                                     overlap=run.get("overlap")))
+        write_tables(args.doc, "composed.py",
+                     {"table": markdown(run["rows"], run["deep"], run["scale"], run.get("overlap"))},
+                     f"{run['command']} --json {args.doc_from.name}",
+                     where=run["machine"] + (f" ({run['cpus']} CPU cores, simulated devices)"
+                                             if run.get("cpus") else ""))
         print(f"wrote {args.doc} from {args.doc_from}")
         return 0
     layers = 8
@@ -520,12 +511,12 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"rows": rows, "deep": deep, "overlap": overlap,
                                          "scale": sc,
                                          "command": command,
-                                         "machine": platform.node(), "cpus": os.cpu_count()},
+                                         "machine": machine()},
                                         indent=1))
         print(f"wrote {args.json}")
     if args.doc:
-        write_doc(args.doc, markdown(rows, deep, sc, command + f" --doc {args.doc}",
-                                     overlap=overlap))
+        write_tables(args.doc, "composed.py", {"table": markdown(rows, deep, sc, overlap)},
+                     command + f" --doc {args.doc}")
         print(f"wrote {args.doc}")
     return 0
 

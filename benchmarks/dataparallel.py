@@ -14,7 +14,7 @@ exchange_* (the dataparallel engine's steps, Max-AdaBelief with the gradient all
 per step, final loss and test accuracy on digits).
 Bytes are read from the compiled HLO (jaxstream.comm.traffic), times are medians.
 ``--doc`` rewrites the ``<!-- benchmark: dataparallel.py NAME -->`` blocks of a Markdown file
-with the tables of this run (see benchmarks/docblocks.py).
+with the tables of this run (see jaxstream/experiment/docblock.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from docblocks import write_blocks
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -47,6 +46,7 @@ from jaxstream.comm import (
 )
 from jaxstream.comm.dataparallel import data_parallel
 from jaxstream.data.digits import load_digits as load_digits_split
+from jaxstream.experiment.docblock import write_tables
 from jaxstream.experiment.engine_dataparallel import DataParallelEngine, MomentExchangeEngine
 from jaxstream.experiment.engines import LocalEngineConfig
 from jaxstream.grad import backprop, forward
@@ -427,7 +427,7 @@ def main() -> None:
             json.dump(out | {"tables": TABLES}, f, indent=1)
     if args.doc:
         command = "python benchmarks/dataparallel.py " + " ".join(sys.argv[1:])
-        names = write_blocks(args.doc, "dataparallel.py", TABLES, command)
+        names = write_tables(args.doc, "dataparallel.py", TABLES, command)
         print(f"{args.doc}: {len(names)} tables written ({', '.join(names)})", file=sys.stderr)
 
 

@@ -41,6 +41,7 @@ import optax
 import jaxstream.grad as jg
 from jaxstream.comm import data_parallel
 from jaxstream.compose import ComposedExecutor, make_mesh
+from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.grad.tangents import micro_key
 from jaxstream.models import mlp
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
@@ -186,12 +187,10 @@ def main(argv=None) -> dict:
             print(f"{engine:>12} {name:<14} {row['status']:<8} {err:>9} {cos:>7}", flush=True)
     table = _print_matrix(rows)
     if args.doc:
-        from docblocks import write_blocks
-
-        write_blocks(args.doc, "engines.py", {"matrix": table},
+        write_tables(args.doc, "engines.py", {"matrix": table},
                      "python benchmarks/engines.py --quick --doc " + args.doc)
     out = {"rows": rows, "model": {"depth": M, "width": 8, "micro_batches": N, "examples": B},
-           "machine": f"{jax.devices()[0].platform}, {os.cpu_count()} cores"}
+           "machine": machine()}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
+from jaxstream.experiment.docblock import machine
 from jaxstream.experiment.forward_table import ROW_KEYS, load_table_config, run_table
-from jaxstream.experiment.table_report import frontier_plot, machine, markdown
+from jaxstream.experiment.table_report import frontier_plot, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "experiments" / "forward_table_quick.yaml"

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxstream.grad as jg
+from jaxstream.experiment.docblock import machine
 from jaxstream.models import mlp
 
 MODES = ("inference", "backprop", "backprop_remat", "forward", "hybrid")
@@ -175,8 +174,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-        meta = {"command": cmd, "machine": f"{platform.machine()}, {os.cpu_count()} CPU threads, "
-                f"jax {jax.__version__} on {jax.devices()[0].device_kind}"}
+        meta = {"command": cmd, "machine": machine()}
         with open(args.json + ".meta", "w") as f:
             json.dump(meta, f, indent=1)
     return rows

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxstream.grad as jg
+from jaxstream.experiment.docblock import write_tables
 from jaxstream.grad.tangents import TangentSpec, combine, micro_key
 from jaxstream.models import mlp
 from jaxstream.pipeline import (
@@ -133,20 +132,6 @@ def coverage_markdown(rows) -> str:
                    f"{r['fill_ratio']:.3f} | {_per_stage(r['coverage_per_stage'])} | "
                    f"{_per_stage(r['staleness_per_stage'])} |")
     return "\n".join(out)
-
-
-def write_doc(path: Path, table: str, command: str) -> None:
-    """Replaces the block between the doc's markers with the table and its provenance."""
-    text = path.read_text()
-    mark = re.compile(r"(<!-- written by benchmarks/pipeline.py -->\n).*?(<!-- end written -->)",
-                      re.DOTALL)
-    if not mark.search(text):
-        raise ValueError(f"{path}: no '<!-- written by benchmarks/pipeline.py -->' ... "
-                         "'<!-- end written -->' block")
-    where = (f"\n\nWritten by `{command}` on {platform.machine()} {platform.system()}, "
-             f"{os.cpu_count()} CPU cores, Python {platform.python_version()}, "
-             f"JAX {jax.__version__} (the tables are NumPy only).\n")
-    path.write_text(mark.sub(lambda m: m.group(1) + table + where + m.group(2), text, count=1))
 
 
 def _flat(t):
@@ -262,7 +247,7 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t0:.1f} s")
     if args.doc:
         cmd = "python benchmarks/pipeline.py" + (" --quick" if args.quick else "")
-        write_doc(args.doc, table, cmd + f" --doc {args.doc}")
+        write_tables(args.doc, "pipeline.py", {"policies": table}, cmd + f" --doc {args.doc}")
         print(f"rewrote the per-stage table in {args.doc}")
     if args.json:
         args.json.write_text(json.dumps(rows + ex_rows, indent=1))

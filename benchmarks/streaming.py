@@ -577,13 +577,13 @@ def layout_markdown(lay: dict) -> str:
 def write_doc(doc: str, res: dict) -> None:
     """Rewrites the ``streaming.py`` blocks of ``doc`` this run measured (a partial run keeps
     the others as the last full run wrote them)."""
-    from docblocks import write_blocks
+    from jaxstream.experiment.docblock import write_tables
 
     command = "python benchmarks/streaming.py " + " ".join(sys.argv[1:])
     tables = {"overlap": overlap_markdown(res)}
     if "layout" in res:
         tables["layout"] = layout_markdown(res["layout"])
-    write_blocks(doc, "streaming.py", tables, command, keep=("layout",))
+    write_tables(doc, "streaming.py", tables, command, keep=("layout",))
 
 
 def report_partial(res: dict, json_path: str | None, doc: str | None = None) -> None:

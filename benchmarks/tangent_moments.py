@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from jaxstream.experiment.docblock import machine
 from jaxstream.grad.tangents import TangentSpec
 
 
@@ -47,8 +46,7 @@ def main(argv=None) -> list[dict]:
         print(f"| {r['distribution']} | {r['leaf_size']} | {r['max_abs_error']:.4f} | "
               f"{r['max_error_in_se']:.1f} |")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "machine": platform.node(),
-                                         "cpus": os.cpu_count(), "jax": jax.__version__},
+        args.json.write_text(json.dumps({"rows": rows, "machine": machine()},
                                         indent=1))
     return rows
 

@@ -27,8 +27,8 @@ import numpy as np
 
 import jaxstream.grad as jg
 from jaxstream.data.digits import load_digits
+from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.models import mlp
-
 
 CORRECTIONS = ("replace", "control_variate", "weighted", "stein", "guess")
 
@@ -70,7 +70,6 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     r = 4096 if args.quick else 32768
     stack, micro, k, setting = problem(args.problem)
-    n = micro["y"].shape[0]
     params = stack.init(jax.random.key(0))
     flat_batch = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), micro)
     g = flat(jax.grad(stack)(params, flat_batch))
@@ -99,14 +98,12 @@ def main(argv=None) -> dict:
     md.append(f"\nR = {rows[0]['keys']} keys per row; {setting}. The noise floor is ‖std‖ / (√R ‖g‖): a bias near it is not resolved; "
               "about 4 floors and more is.")
     if args.doc:
-        from docblocks import write_blocks
-
         cmd = "python benchmarks/weighted_bias.py" + (" --quick" if args.quick else "")
         block = "bias" if args.problem == "digits" else "bias_outlier"
         cmd += f" --problem {args.problem}"
-        write_blocks(args.doc, "weighted_bias.py", {block: "\n".join(md)},
+        write_tables(args.doc, "weighted_bias.py", {block: "\n".join(md)},
                      f"{cmd} --doc {args.doc}", keep=("bias", "bias_outlier"))
-    out = {"rows": rows, "machine": f"{jax.devices()[0].platform}"}
+    out = {"rows": rows, "machine": machine()}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

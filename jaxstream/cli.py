@@ -154,7 +154,6 @@ def user_error_line(e: BaseException) -> str | None:
     import yaml
 
     from jaxstream.experiment.config import ConfigError
-
     from jaxstream.stream.errors import StoreError
 
     if isinstance(e, (UserError, ConfigError)):

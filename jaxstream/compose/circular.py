@@ -39,7 +39,7 @@ from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxstream.compose.pipe import BY_STAGE, DATA, STAGE, WHOLE
+from jaxstream.compose.pipe import BY_STAGE, STAGE, WHOLE
 
 _is_spec = lambda x: isinstance(x, P)  # noqa: E731
 

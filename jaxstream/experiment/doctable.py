@@ -1,7 +1,7 @@
 """Result tables written from run directories, never by hand: for the terminal and for docs/.
 
 ``jaxstream compare RUN_DIR...`` prints the arms of train runs side by side and writes one plot.
-Docs mark each generated table with the command that writes it::
+Docs mark each generated table with the command that writes it (`docblock`)::
 
     <!-- generated: compare runs/quickstart -->
     ... (replaced) ...
@@ -9,8 +9,8 @@ Docs mark each generated table with the command that writes it::
 
 and ``python -m jaxstream.experiment.doctable docs/experiments.md`` rewrites every marked block
 from the run directories it names (``compare RUN...`` for train runs, ``sweep RUN`` for an
-``lr_sweep`` run, ``ticks RUN`` for a pipelined run's arms at equal pipeline ticks). Each table ends with a line naming the command, the run's config and the
-machine it ran on (from the run's ``env.json``).
+``lr_sweep`` run, ``ticks RUN`` for a pipelined run's arms at equal pipeline ticks). Each table ends with a
+line naming the command, the run's config and the machine it ran on (from its ``env.json``).
 
 Example:
     >>> print(compare_runs(["runs/quickstart"], plot=None))
@@ -19,17 +19,14 @@ Example:
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxstream.experiment.docblock import machine, rewrite
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.summary import format_table
-
-BLOCK = re.compile(r"(<!-- generated: (?P<cmd>[^>]*?) -->\n)(?P<body>.*?)(<!-- end generated -->)",
-                   re.DOTALL)
 
 
 def read_run(run_dir: str | Path) -> dict[str, Any]:
@@ -40,13 +37,6 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
         path = d / f"{name}.json"
         out[name] = json.loads(path.read_text()) if path.is_file() else {}
     return out
-
-
-def machine(env: dict[str, Any]) -> str:
-    """One phrase for the machine of a run, from its ``env.json``."""
-    v = env.get("versions", {})
-    return (f"{env.get('platform', '?')}, JAX {v.get('jax', '?')} on {env.get('backend', '?')} "
-            f"({env.get('device_count', '?')} x {env.get('device', '?')})")
 
 
 def provenance(run: dict[str, Any], command: str) -> str:
@@ -148,6 +138,9 @@ def compare_runs(run_dirs: Sequence[str | Path], plot: str | Path | None = "comp
     return text
 
 
+KINDS = ("compare", "sweep", "ticks")
+
+
 def generate(command: str, root: Path = Path(".")) -> str:
     """The Markdown written for one ``<!-- generated: COMMAND -->`` block."""
     words = command.split()
@@ -168,18 +161,8 @@ def generate(command: str, root: Path = Path(".")) -> str:
 
 
 def update_doc(path: str | Path, root: Path = Path(".")) -> int:
-    """Rewrite every generated block of a Markdown file; returns the number of blocks."""
-    path = Path(path)
-    text = path.read_text()
-    count = 0
-
-    def sub(m: re.Match) -> str:
-        nonlocal count
-        count += 1
-        return m.group(1) + generate(m.group("cmd"), root) + "\n" + m.group(4)
-
-    path.write_text(BLOCK.sub(sub, text))
-    return count
+    """Rewrite every run-table block of a Markdown file; returns the number of blocks."""
+    return len(rewrite(path, lambda key: generate(key, root) if key.split()[0] in KINDS else None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -44,12 +44,13 @@ import optax
 
 from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
+from jaxstream.experiment.docblock import machine
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
 from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
-from jaxstream.experiment.table_report import frontier_plot, machine, markdown
+from jaxstream.experiment.table_report import frontier_plot, markdown
 
 ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_mean", "seeds",
             "peak_temp_bytes", "cosine_mean")

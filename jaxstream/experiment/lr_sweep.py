@@ -30,8 +30,8 @@ import numpy as np
 import optax
 
 from jaxstream.data.batches import batch_at
-from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.compiled import evaluator_for
+from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import split_micro_batches
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig, describe
 from jaxstream.experiment.loop import StepInfo, TrainLoop

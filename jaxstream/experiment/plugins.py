@@ -40,9 +40,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jaxstream.experiment.data_configs import DataConfig
 from jaxstream.data.digits import Dataset
 from jaxstream.experiment.config import register_choice
+from jaxstream.experiment.data_configs import DataConfig
 from jaxstream.experiment.engines import Engine, EngineConfig, register_engine
 from jaxstream.experiment.model_configs import ModelConfig
 from jaxstream.experiment.optimizers import register_optimizer

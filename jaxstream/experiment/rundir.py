@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shutil
 import sys
@@ -77,6 +78,7 @@ def environment() -> dict[str, Any]:
                                                "orbax-checkpoint", "numpy", "tensorstore")},
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpus": os.cpu_count(),
         "backend": jax.default_backend(),
         "device_count": len(devices),
         "device": str(devices[0].device_kind) if devices else None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 from typing import Any
 
 # Ren, Kornblith, Liao, Hinton: "Scaling forward gradient with local losses", ICLR 2023 —
@@ -22,16 +21,6 @@ REN_MNIST = {
     "LG-FG-A": {"MLP": 3.24, "M/1/16": 2.55},
 }
 FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A")
-
-
-def machine() -> str:
-    """A one-line description of where the run happened."""
-    import jax
-
-    dev = jax.devices()[0]
-    return (f"{platform.node() or 'host'}: {platform.machine()} {platform.processor() or ''} "
-            f"{os.cpu_count()} CPU threads, jax {jax.__version__} on {dev.platform} "
-            f"({dev.device_kind}), Python {platform.python_version()}").replace("  ", " ")
 
 
 def _pm(mean: float, sd: float, scale: float = 100.0) -> str:

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 
 from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
-from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.checks import check_local_losses
+from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.hybrid import num_micro_batches
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jaxstream.grad.tangents import TangentSpec, combine, project
 from jaxstream.models.stack import is_stack_params
 
+
 def _bcast(v: jax.Array, ndim: int) -> jax.Array:
     return v.reshape(v.shape + (1,) * (ndim - v.ndim))
 

@@ -30,8 +30,7 @@ from jaxstream.grad.baselines import select_exact
 from jaxstream.grad.estimators import forward
 from jaxstream.grad.hybrid import num_micro_batches
 from jaxstream.grad.plan import Plan
-from jaxstream.grad.tangents import TangentSpec
-from jaxstream.grad.tangents import micro_key
+from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 
 Shrinkage = Literal["per_layer", "global", "none"]

@@ -22,7 +22,6 @@ from jaxstream.pipeline.table import BW, COT_OPS, FBW, IDLE, B, F, Schedule, W
 from jaxstream.pipeline.validate import forward_ticks, validate
 
 
-
 class Row(NamedTuple):
     """The integer fields of one (tick, stage) cell of a lowered table. Slots index the stage's
     ring buffers; the last slot of every buffer is scratch (written to, never read).

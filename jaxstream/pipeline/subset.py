@@ -12,11 +12,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
-
-from collections.abc import Callable
 
 from jaxstream.grad.checks import check_micro_batches
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -37,8 +37,8 @@ from jaxstream.models.stack import Stack
 from jaxstream.stream import kernels as K
 from jaxstream.stream import lazy
 from jaxstream.stream.depth import DepthPolicy
-from jaxstream.stream.prefetch import Event, Prefetcher
 from jaxstream.stream.placement import OneDevice, Placement
+from jaxstream.stream.prefetch import Event, Prefetcher
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.values import host_value
 
