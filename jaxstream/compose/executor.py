@@ -38,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxstream.comm.dataparallel import ShardRows
 from jaxstream.compose.circular import Circular
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
@@ -310,9 +311,8 @@ class StageChunks(Placement):
                         self._slots(d.shape[0], None)[0], _handed)
 
     def local_grad(self, dev, u, keys, state, head_dev, x, weights: bool):
-        n, b = jax.tree.leaves(x)[0].shape[:2]
-        kw = {"num_micro": int(n), "num_examples": int(b), "emit_sum": True, "weights": weights,
-              "impl": _impl(keys)}
+        n = jax.tree.leaves(x)[0].shape[0]
+        kw = {"num_micro": int(n), "emit_sum": True, "weights": weights, "impl": _impl(keys)}
         return self._go("local", kw, dev, u, self._layers(u), state, (_kd(keys), x), head_dev,
                         self._slots(n, None)[0], _handed)
 
@@ -409,54 +409,43 @@ def _jvp(stack, spec, num_slots=0, impl=DEFAULT_IMPL):
     return fn, {"state_specs": (ACT, TAN), "aux_specs": P(), "emit_specs": STASH}
 
 
-def _u(spec, key, segment, out):
-    """This replica's slice of the activation tangents of ``segment``, drawn for the whole
-    batch (as the in-memory estimator draws them; every replica draws all, keeps its rows)."""
-    b, d = out.shape[0], jax.lax.axis_index(DATA)
-    full = spec.sample(sg.segment_key(sg.activity_key(key), segment),
-                       (b * jax.lax.axis_size(DATA),) + out.shape[1:], out.dtype)
-    return jax.lax.dynamic_slice_in_dim(full, d * b, b, axis=1)
-
-
-def _cotangent(u, d, num_examples):
-    """(1/(K·B_total)) Σ_k d[k, b] u_k[b] (:func:`jaxstream.grad.segments.act_cotangent`)."""
-    cot = jnp.einsum("kb...,kb->b...", u.astype(jnp.float32), d.astype(jnp.float32))
-    return cot / (u.shape[0] * num_examples)
+def _rows(spec):
+    """Activation tangents drawn for the whole batch, of which this replica keeps its rows (as
+    the in-memory estimator draws them): the segment kernels run with this sampler."""
+    return ShardRows.of(spec, DATA, jax.lax.axis_size(DATA))
 
 
 def _act(stack, spec, impl=DEFAULT_IMPL):
     def fn(p, layer, _, state, kd):
         h, dh = state
-        h2, dh2 = sg.jvp_k(lambda hh: stack.block(p, hh), (h,), (dh.astype(h.dtype),))
-        return (h2, dh2 + _u(spec, jax.random.wrap_key_data(kd, impl=impl), layer, h2)), ()
+        key = jax.random.wrap_key_data(kd, impl=impl)
+        return sg.block_act(stack, _rows(spec), p, layer, h, dh, key), ()
     return fn, {"state_specs": (ACT, TAN), "aux_specs": P(), "emit_specs": ()}
 
 
 def _act_grad(stack, spec, num_examples, emit_sum=True, impl=DEFAULT_IMPL):
     def fn(p, layer, _, state, aux):
         (h,), (kd, d) = state, aux
-        out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
-        u = _u(spec, jax.random.wrap_key_data(kd, impl=impl), layer, out)
-        (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
+        key = jax.random.wrap_key_data(kd, impl=impl)
+        out, g = sg.act_grad(lambda pp: stack.block(pp, h), p, _rows(spec), key, layer, d,
+                             num_examples)
         return (out,), jax.lax.psum(g, DATA)
     return fn, {"state_specs": (ACT,), "aux_specs": (P(), TAN), "emit_specs": P(STAGE)}
 
 
-def _local(stack, spec, num_micro, num_examples, emit_sum=True, weights=False,
-           impl=DEFAULT_IMPL):
+def _local(stack, spec, num_micro, emit_sum=True, weights=False, impl=DEFAULT_IMPL):
+    """The shard's estimate of its mean local loss (activity, or LG-FG-W with ``weights``),
+    averaged over the replicas and summed over the micro-batches."""
     def fn(p, layer, head, state, aux):
         (h,), (kd, b) = state, aux
-        if weights:  # LG-FG-W: the shard's estimate of its mean local loss, averaged
-            loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
-            out, g = sg.local_weight_grad(lambda pp: stack.block(pp, h), p, spec,
-                                          jax.random.wrap_key_data(kd, impl=impl), layer, loss)
-            return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
-        out, pull = jax.vjp(lambda pp: stack.block(pp, h), p)
-        u = _u(spec, jax.random.wrap_key_data(kd, impl=impl), layer, out)
+        key = jax.random.wrap_key_data(kd, impl=impl)
         loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
-        _, d = sg.jvp_k(loss, (out,), (u,))
-        (g,) = pull(_cotangent(u, d, num_examples).astype(out.dtype))
-        return (out,), jax.lax.psum(jax.tree.map(lambda a: a / num_micro, g), DATA)
+        block = lambda pp: stack.block(pp, h)
+        if weights:
+            out, g = sg.local_weight_grad(block, p, spec, key, layer, loss)
+        else:
+            out, g = sg.local_act_grad(block, p, _rows(spec), key, layer, loss)
+        return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
     return fn, {"state_specs": (ACT,), "aux_specs": (P(), ACT), "emit_specs": P(STAGE)}
 
 
