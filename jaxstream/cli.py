@@ -153,13 +153,14 @@ def user_error_line(e: BaseException) -> str | None:
     """One line for the errors a user makes (None for anything else: a bug, with traceback)."""
     import yaml
 
+    from jaxstream.experiment.checkpoints import CheckpointError
     from jaxstream.experiment.config import ConfigError
     from jaxstream.stream.errors import StoreError
 
     if isinstance(e, (UserError, ConfigError)):
         return str(e)
-    if isinstance(e, StoreError):  # a store the run was pointed at: locked, corrupt, missing
-        return f"{type(e).__name__}: {e}"
+    if isinstance(e, (StoreError, CheckpointError)):  # a store or checkpoint that is damaged,
+        return f"{type(e).__name__}: {e}"  # locked or missing
     if isinstance(e, yaml.YAMLError):
         mark = getattr(e, "problem_mark", None)
         where = f"{mark.name}:{mark.line + 1}: " if mark is not None else ""

@@ -3,6 +3,11 @@
 Saving is synchronous: a checkpoint that exists is complete (orbax writes to a temporary
 directory and renames it), so a run killed mid-save still resumes from the previous one.
 
+Every checkpoint carries a checksum of each array (in its JSON metadata, saved in the same
+atomic step), and a restore recomputes them: a damaged array file, or damaged metadata, is
+refused with one line naming the checkpoint and the way back (:class:`CheckpointError`), never
+restored as other numbers.
+
 Example:
     >>> ckpt = ArmCheckpointer(run_dir / "checkpoints" / "backprop")
     >>> ckpt.save(100, state, {"train_time": 1.2})
@@ -11,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +24,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be restored as it was saved (damaged data or metadata)."""
+
+
+def checksums(state: Any) -> dict[str, str | None]:
+    """A digest of each array of ``state`` (dtype, shape and bytes; PRNG keys by their data),
+    keyed by its tree path. An array spread over several processes is not digested here (None):
+    no process holds all of it."""
+    out: dict[str, str | None] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            out[jax.tree_util.keystr(path)] = None
+            continue
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h = hashlib.blake2b(f"{a.dtype.str}{a.shape}".encode(), digest_size=16)
+        h.update(a.tobytes())
+        out[jax.tree_util.keystr(path)] = h.hexdigest()
+    return out
 
 
 class ArmCheckpointer:
@@ -37,8 +65,9 @@ class ArmCheckpointer:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict[str, Any] | None = None) -> None:
-        """Save ``state`` (a pytree of arrays) and JSON ``meta`` as ``step``."""
-        meta = dict(meta or {}, step=int(step))
+        """Save ``state`` (a pytree of arrays) and JSON ``meta`` as ``step``, with the arrays'
+        checksums."""
+        meta = dict(meta or {}, step=int(step), checksums=checksums(state))
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -48,14 +77,45 @@ class ArmCheckpointer:
         self.manager.wait_until_finished()
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
-        """Restore ``step`` into the structure, shapes and dtypes of ``like``."""
+        """Restore ``step`` into the structure, shapes and dtypes of ``like``.
+
+        Raises:
+          CheckpointError: the checkpoint's files cannot be read, or an array differs from the
+            checksum saved with it.
+        """
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-        out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                    meta=ocp.args.JsonRestore()),
-        )
-        return jax.tree.map(_placed_like, out["state"], like), dict(out["meta"])
+        try:
+            out = self.manager.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                        meta=ocp.args.JsonRestore()),
+            )
+            meta = dict(out["meta"])
+        except Exception as e:  # orbax, tensorstore and JSON errors of a damaged checkpoint
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(f"{self._where(step)} cannot be read ({type(e).__name__}: "
+                                  f"{first}); {self._way_back(step)}") from e
+        saved = meta.pop("checksums", None)
+        if saved is not None:  # checkpoints written before checksums existed carry none
+            got = checksums(out["state"])
+            bad = [k for k in sorted(set(saved) | set(got))
+                   if saved.get(k) is not None and saved.get(k) != got.get(k)]
+            if bad:
+                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+                raise CheckpointError(f"{self._where(step)}: array {bad[0]}{more} differs from "
+                                      f"the checksum saved with it (the file is damaged); "
+                                      f"{self._way_back(step)}")
+        return jax.tree.map(_placed_like, out["state"], like), meta
+
+    def _where(self, step: int) -> str:
+        return f"checkpoint {self.directory / str(step)}"
+
+    def _way_back(self, step: int) -> str:
+        earlier = [s for s in self.manager.all_steps() if s < step]
+        if earlier:
+            return (f"remove {self.directory / str(step)} to resume from step {max(earlier)}, "
+                    "or start a new run")
+        return "start the run again without --resume (or with another --out)"
 
     def restore_latest(self, like: Any) -> tuple[int | None, Any, dict[str, Any]]:
         """``(step, state, meta)`` of the latest checkpoint, or ``(None, like, {})``."""
