@@ -76,8 +76,14 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise UserError(f"config file {args.config} {what}")
     import yaml
 
+    from jaxstream.experiment.config import check_file
+
+    check_file(path)
     with path.open() as fh:  # a stream, so YAML errors carry the file name and line
-        yaml.safe_load(fh)
+        try:
+            yaml.safe_load(fh)
+        except RecursionError:
+            raise UserError(f"{path}: nested deeper than YAML can read") from None
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UserError(f"--out {args.out} is a file; give a directory (new or empty, or the run "
                         "to --resume)")

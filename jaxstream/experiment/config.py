@@ -81,6 +81,46 @@ def choice_name(base: type, value: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- overrides
+MAX_CONFIG_BYTES = 1 << 20  # an experiment file is a few KiB
+MAX_VALUES = 100_000  # values of a config with its YAML aliases expanded
+MAX_DEPTH = 32  # nesting levels
+
+
+def check_file(path: str | Path) -> None:
+    """Refuse a config file larger than ``MAX_CONFIG_BYTES`` before it is parsed."""
+    size = Path(path).stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {size} bytes; an experiment file is at most "
+                          f"{MAX_CONFIG_BYTES} bytes")
+
+
+def check_size(data: Any, where: str) -> None:
+    """Refuse data that expands to more than ``MAX_VALUES`` values or nests deeper than
+    ``MAX_DEPTH`` levels, before anything copies it: YAML aliases share one node, so a small
+    file can stand for billions of values (each level of aliases multiplies them)."""
+    sizes: dict[int, int] = {}
+
+    def size(x: Any, depth: int) -> int:
+        if not isinstance(x, (dict, list, tuple)):
+            return 1
+        if depth >= MAX_DEPTH:
+            raise ConfigError(f"{where}: nested deeper than {MAX_DEPTH} levels (or a YAML alias "
+                              "that contains itself)")
+        if id(x) not in sizes:
+            n = 1
+            for v in (x.values() if isinstance(x, dict) else x):
+                n += size(v, depth + 1)
+                if n > MAX_VALUES:
+                    raise ConfigError(f"{where}: more than {MAX_VALUES} values once its YAML "
+                                      "aliases are expanded; a config holds at most that many")
+            sizes[id(x)] = n
+        return sizes[id(x)]
+
+    if size(data, 0) > MAX_VALUES:
+        raise ConfigError(f"{where}: more than {MAX_VALUES} values once its YAML aliases are "
+                          "expanded; a config holds at most that many")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"a.b.c=value"`` into (["a", "b", "c"], value parsed as a YAML scalar)."""
     if "=" not in text:
@@ -89,7 +129,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = key.strip().split(".")
     if not all(path):
         raise ConfigError(f"override {text!r}: empty key component")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except RecursionError:
+        raise ConfigError(f"override {key.strip()}: nested deeper than YAML can read") from None
+    check_size(value, f"override {key.strip()}")
     return path, value
 
 
@@ -98,6 +142,7 @@ def apply_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[s
 
     Missing intermediate sections are created; list items are addressed by index (``arms.0.lr``).
     """
+    check_size(data, "config")
     out = _deepcopy(dict(data))
     for text in overrides:
         path, value = parse_override(text)
@@ -298,6 +343,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
         )
     hints = _hints(cls)
     kwargs = {}
+    _check_seeds(value, fields, path)
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
         fdefault = _MISSING
@@ -323,6 +369,21 @@ def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
         elif not (path and msg.startswith(path)) and head not in fields:
             msg = f"{_where(path)}: {msg}"
         raise ConfigError(msg) from e
+
+
+SEED_RANGE = (0, 2**32 - 1)  # what both JAX keys and NumPy generators take
+
+
+def _check_seeds(value: Mapping, fields: Mapping, path: str) -> None:
+    """Every field named ``seed`` or ``*_seed`` is a seed: an integer in ``SEED_RANGE``
+    (checked before any run directory or compute, whichever config declares it)."""
+    lo, hi = SEED_RANGE
+    for name in fields:
+        v = value.get(name)
+        if (name == "seed" or name.endswith("_seed")) and isinstance(v, int) \
+                and not isinstance(v, bool) and not lo <= v <= hi:
+            sub = f"{path}.{name}" if path else name
+            raise ConfigError(f"{sub}: a seed must be an integer in {lo}..{hi}, got {v}")
 
 
 # ----------------------------------------------------------------------------- dataclass -> dict
@@ -366,6 +427,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     refuses (``!!python/...``) is a :class:`ConfigError` naming the file.
     """
     try:
+        check_file(path)
         text = Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
@@ -373,6 +435,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read the config file ({e})") from None
     try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: nested deeper than YAML can read (a config nests at most "
+                          f"{MAX_DEPTH} levels)") from None
     except yaml.constructor.ConstructorError as e:
         mark = e.problem_mark
         at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""

@@ -7,19 +7,24 @@ from pathlib import Path
 
 import pytest
 
+from jaxstream.cli import main as cli_main
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 STREAM = ROOT / "experiments" / "stream_mlp.yaml"
+LR_SWEEP = ROOT / "experiments" / "lr_sweep_digits.yaml"
 
 CASES = [
     (QUICKSTART, ["optimizer.clip_norm=-1"], r"optimizer.clip_norm: must be > 0"),
     (QUICKSTART, ["optimizer.clip_norm=0"], r"optimizer.clip_norm: must be > 0"),
     (QUICKSTART, ["model.width=0"], r"model.width: must be an integer >= 1"),
     (QUICKSTART, ["model.depth=-2"], r"model.depth: must be an integer >= 1"),
-    (QUICKSTART, ["seed=-1"], r"seed: must be >= 0"),
+    (QUICKSTART, ["seed=-1"], r"seed: a seed must be an integer in 0..4294967295, got -1"),
+    (QUICKSTART, ["seed=4294967296"], r"seed: a seed must be an integer in 0..4294967295"),
+    (LR_SWEEP, ["seed=-1"], r"seed: a seed must be an integer in 0..4294967295, got -1"),
+    (LR_SWEEP, ["data.split_seed=-3"], r"data.split_seed: a seed must be an integer in 0.."),
     (QUICKSTART, ["batch_size=0"], r"batch_size: must be >= 1"),
     (QUICKSTART, ["optimizer.options={b1: hello}"], r"optimizer.options.b1: expected a number"),
     (QUICKSTART, ["optimizer.options={nesterov: 1}", "optimizer.name=sgd"],
@@ -34,7 +39,7 @@ CASES = [
     (QUICKSTART, ["optimizer.options={b1: 1.5}"], r"optimizer.options.b1: must be in \[0, 1\)"),
     (QUICKSTART, ["optimizer.options={eps: -1e-8}"], r"optimizer.options.eps: must be > 0"),
     (QUICKSTART, ["target_accuracy=0"], r"target_accuracy: must be in \(0, 1\]"),
-    (QUICKSTART, ["data.split_seed=-1"], r"data.split_seed: must be >= 0 or null"),
+    (QUICKSTART, ["data.split_seed=-1"], r"data.split_seed: a seed must be an integer in 0.."),
     (QUICKSTART, ["arms.0.estimator={type: forward, num_tangents: 2, antithetic: true}"],
      r"arms.0.estimator.antithetic: refused for jvp estimates"),
 ]
@@ -67,3 +72,42 @@ def test_config_file_errors_name_the_file_and_line(tmp_path, text, match):
     with pytest.raises(ConfigError, match=f"{path}:? .*{match}|{path}: {match}"):
         run_experiment(path, out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def _laughs(levels: int) -> str:
+    """A billion-laughs file: each level an alias list of 9 copies of the level below."""
+    lines = ["kind: train", "x0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for i in range(1, levels):
+        lines.append(f"x{i}: &x{i} [" + ", ".join([f"*x{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def _laughs_override(levels: int) -> str:
+    """The same bomb in one command-line override (flow style)."""
+    items = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    for i in range(1, levels):
+        items.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "seed=[" + ", ".join(items) + "]"
+
+
+@pytest.mark.parametrize("text, overrides, match", [
+    (_laughs(9), [], r"more than 100000 values once its YAML aliases are expanded"),
+    ("kind: train\nseed: " + "[" * 5000 + "]" * 5000 + "\n", [], r"nested deeper than YAML"),
+    ("kind: train\nseed: " + "[" * 40 + "]" * 40 + "\n", [], r"nested deeper than 32 levels"),
+    ("kind: train\na: &a [1, *a]\n", [], r"nested deeper than 32 levels .* contains itself"),
+    ("# padding\n" * 200_000, [], r"bytes; an experiment file is at most 1048576 bytes"),
+    ("kind: train\n", ["seed=" + "[" * 40 + "]" * 40], r"override seed: nested deeper than 32"),
+    ("kind: train\n", [_laughs_override(8)], r"override seed: more than 100000 values"),
+])
+def test_hostile_config_files_are_refused_with_one_line(tmp_path, capsys, text, overrides, match):
+    """Alias bombs, deep nesting and huge files: refused by name before any copy or compute,
+    through the library and through the command line, and nothing is written."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=match):
+        run_experiment(path, overrides, out=out)
+    assert cli_main(["run", str(path), *overrides, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    assert not out.exists()
