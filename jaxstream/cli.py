@@ -176,9 +176,9 @@ def user_error_line(e: BaseException) -> str | None:
             return (f"{where}{tag}: tags that build "
                     "Python objects are not allowed in experiment files (plain YAML only)")
         return f"{where}YAML syntax error: {problem}"
-    if isinstance(e, (FileNotFoundError, NotADirectoryError, IsADirectoryError,
-                      PermissionError)):
-        return f"{e.strerror}: {e.filename}"
+    if isinstance(e, OSError) and e.errno is not None:  # the machine's, not a bug: a full
+        where = f": {e.filename}" if e.filename else ""  # disk, a read-only or missing path
+        return f"{e.strerror or type(e).__name__}{where}"
     return None
 
 

@@ -9,10 +9,13 @@ Layout::
       summary.json     what the experiment returned
       *.png            plots
       checkpoints/     orbax checkpoints (one sub-directory per arm)
+      run.lock         held (``flock``) by the one process that runs or resumes here
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -20,7 +23,7 @@ import platform
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -156,3 +159,64 @@ class MetricsLog:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in records))
         tmp.replace(self.path)
+
+
+LOCK_FILE = "run.lock"
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """One process at a time in a run directory: an exclusive, non-blocking ``flock`` on
+    ``run.lock`` for the whole run (the kernel drops it when the process dies, so a killed run
+    leaves no stale lock). A second process gets a ``ConfigError`` naming the holder's pid."""
+    from jaxstream.experiment.config import ConfigError
+
+    path = Path(run_dir) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{run_dir} is in use by another process (pid {holder} holds {path});"
+                          " one run or --resume at a time") from None
+    try:
+        with contextlib.suppress(OSError):  # a full disk: the lock holds, only the pid is missing
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def has_results(run_dir: Path) -> bool:
+    """Whether a run directory holds anything a run computed (metrics, a checkpoint, a
+    summary), as opposed to only its config, environment and lock."""
+    d = Path(run_dir)
+    metrics = d / "metrics.jsonl"
+    steps = [s for s in (d / "checkpoints").glob("*/*") if s.name.isdigit()]
+    return (metrics.is_file() and metrics.stat().st_size > 0) or bool(steps) \
+        or (d / "summary.json").exists()
+
+
+@contextlib.contextmanager
+def undo_on_refusal(run_dir: Path, refusals: tuple[type[BaseException], ...], *, new: bool,
+                    made: bool) -> Iterator[None]:
+    """A run refused (one of ``refusals``) before it computed anything leaves the directory as
+    it found it: a new run's directory emptied (removed if this run ``made`` it), a resumed
+    run's ``config.yaml`` and ``env.json`` put back. Results are never removed."""
+    d = Path(run_dir)
+    saved = {n: (d / n).read_bytes() for n in ("config.yaml", "env.json") if (d / n).is_file()}
+    try:
+        yield
+    except refusals:
+        if new and not has_results(d):
+            for child in d.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            if made:
+                d.rmdir()
+        elif not new:
+            for name, data in saved.items():
+                (d / name).write_bytes(data)
+        raise

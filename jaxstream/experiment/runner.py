@@ -13,7 +13,14 @@ from typing import Any
 
 from jaxstream.experiment.config import ConfigError, diff_configs, dump_yaml
 from jaxstream.experiment.registry import get_experiment, load_experiment
-from jaxstream.experiment.rundir import environment, latest_run_dir, new_run_dir, write_json
+from jaxstream.experiment.rundir import (
+    environment,
+    latest_run_dir,
+    new_run_dir,
+    run_lock,
+    undo_on_refusal,
+    write_json,
+)
 
 #: Fields that may change between a run and its ``--resume`` (they do not change any metric).
 RESUMABLE_CHANGES = ("max_steps", "progress", "plots")
@@ -27,6 +34,9 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
     be empty or absent unless resuming.
     """
     base = Path(out) if out is not None else Path("runs") / Path(config_path).stem
+    if base.is_symlink() and not base.exists():
+        raise ConfigError(f"--out: {base} is a symbolic link to {base.readlink()}, which does "
+                          "not exist; create its target or choose another directory")
     if resume:
         found = base if (base / "config.yaml").exists() else (
             latest_run_dir(base) if out is None else None)
@@ -62,24 +72,40 @@ def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
             raise
         except ValueError as err:
             raise ConfigError(str(err)) from err
-    run_dir = resolve_run_dir(config_path, out, resume)
-    if resume:
-        saved_kind, saved = load_experiment(run_dir / "config.yaml")
-        if saved_kind != kind:
-            raise ConfigError(f"--resume: kind {kind!r} differs from {saved_kind!r} in "
-                             f"{run_dir / 'config.yaml'}")
-        diff = diff_configs(saved, cfg, ignore=RESUMABLE_CHANGES)
-        if diff:
-            raise ConfigError(f"--resume: the config differs from {run_dir / 'config.yaml'} in "
-                             f"{', '.join(diff)}; only {', '.join(RESUMABLE_CHANGES)} may change")
-    (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
-    write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
-                                      "overrides": overrides, "resume": resume})
     kwargs: dict[str, Any] = {}
     if "resume" in inspect.signature(exp.run).parameters:
         kwargs["resume"] = resume
     elif resume:
         raise ConfigError(f"--resume: experiments of kind {kind!r} cannot be resumed")
-    summary = exp.run(cfg, run_dir, **kwargs)
-    write_json(run_dir / "summary.json", summary)
+    made = not (out is not None and Path(out).exists())
+    run_dir = resolve_run_dir(config_path, out, resume)
+    with run_lock(run_dir), undo_on_refusal(run_dir, _refusals(), new=not resume, made=made):
+        if resume:
+            _check_resume(run_dir, kind, cfg)
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
+        write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
+                                          "overrides": overrides, "resume": resume})
+        summary = exp.run(cfg, run_dir, **kwargs)
+        write_json(run_dir / "summary.json", summary)
     return run_dir, summary
+
+
+def _check_resume(run_dir: Path, kind: str, cfg: Any) -> None:
+    """A ``--resume`` continues the same experiment: same kind, same config but for
+    ``RESUMABLE_CHANGES``."""
+    saved_kind, saved = load_experiment(run_dir / "config.yaml")
+    if saved_kind != kind:
+        raise ConfigError(f"--resume: kind {kind!r} differs from {saved_kind!r} in "
+                         f"{run_dir / 'config.yaml'}")
+    diff = diff_configs(saved, cfg, ignore=RESUMABLE_CHANGES)
+    if diff:
+        raise ConfigError(f"--resume: the config differs from {run_dir / 'config.yaml'} in "
+                         f"{', '.join(diff)}; only {', '.join(RESUMABLE_CHANGES)} may change")
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """The errors that refuse a run (a config, store or checkpoint it cannot honour)."""
+    from jaxstream.experiment.checkpoints import CheckpointError
+    from jaxstream.stream.errors import StoreError
+
+    return (ConfigError, StoreError, CheckpointError)

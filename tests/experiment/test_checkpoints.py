@@ -109,7 +109,10 @@ def test_a_damaged_checkpoint_stops_resume_with_one_line(tmp_path, capsys, monke
     last = out / "checkpoints" / "backprop" / "4"
     data = sorted((last / "state").rglob("d/*"), key=lambda p: -p.stat().st_size)[0]
     _flip(data, data.stat().st_size // 2, 3)
+    before = {n: (out / n).read_bytes() for n in ("config.yaml", "env.json")}
     assert cli_main(["run", str(QUICKSTART), *cfg, "--out", str(out), "--resume"]) == 2
+    # The refused resume (its config differs in max_steps) left the run directory as it was.
+    assert {n: (out / n).read_bytes() for n in ("config.yaml", "env.json")} == before
     errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
     assert len(errors) == 1, errors
     err = errors[0]
