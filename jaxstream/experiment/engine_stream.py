@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
+from jaxstream.experiment.rundir import read_run_id
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import StoreError, StoreNonFiniteError, StoreNotFoundError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
@@ -143,6 +144,8 @@ class StreamEngine:
         self.model_config["arm"] = self.arm  # a store belongs to one arm
         self.executor: StreamedExecutor | None = None
         self._init_params: Any = None
+        self.run_id: str | None = None  # the run that owns the store (set by resume_at)
+        self._stamp: dict = {}  # committed with every step: the run, and a hand-over
 
     def _open(self) -> LayerStore | None:
         if self.location is None:
@@ -187,6 +190,8 @@ class StreamEngine:
         """
         if self.cfg.store is None:
             self.location = self.cfg.location(self.arm, run_dir)
+        self.run_id = read_run_id(run_dir)
+        self._stamp = {"run": self.run_id} if self.run_id else {}
         may_exist = resume or self.cfg.continue_store
         ckpt = int(state.step)
         store = self._open()
@@ -206,10 +211,27 @@ class StreamEngine:
                              f"(step {store.step}); pass --resume to continue that run, set "
                              "engine.continue_store=true to train on from it, or choose "
                              "another path")
+        self._check_owner(store, resume)
         self.executor = self._new_executor(store)
         if store.step > ckpt:
             return StreamState(jnp.asarray(store.step, jnp.int32)), store.step
         return state, start
+
+    def _check_owner(self, store: LayerStore, resume: bool) -> None:
+        """A resumed run continues only a store it wrote last; a new run that continues
+        another's store (``continue_store``) records the hand-over in it."""
+        owner = store.extra.get("run")
+        if self.run_id is None or owner == self.run_id or (resume and owner is None):
+            return  # not run by the runner, its own store, or one from before stores kept it
+        if resume:
+            raise StoreError(
+                f"--resume: the layer store at {self.location} (step {store.step}) was last "
+                f"written by another run ({owner}), not this one ({self.run_id}): its steps are "
+                "not this run's. Point engine.store at this run's store, or start a new run "
+                "with engine.continue_store=true to train on from it deliberately")
+        handovers = [*store.extra.get("handovers", []),
+                     {"from_run": owner, "to_run": self.run_id, "step": store.step}]
+        self._stamp = {"run": self.run_id, "handovers": handovers}
 
     def _micro(self, batch: dict) -> dict:
         micro = split_micro_batches(batch, self.micro_batches)
@@ -225,7 +247,7 @@ class StreamEngine:
                              f"run at step {s}: another process wrote it, or it is not this run's "
                              "store")
         try:
-            m = ex.step(self._micro(batch), key, step=s)
+            m = ex.step(self._micro(batch), key, step=s, extra=self._stamp)
         except StoreNonFiniteError:
             return state, {"loss": float("nan"), "nonfinite_refused": 1.0}
         return StreamState(jnp.asarray(s + 1, jnp.int32)), {

@@ -220,3 +220,11 @@ def undo_on_refusal(run_dir: Path, refusals: tuple[type[BaseException], ...], *,
             for name, data in saved.items():
                 (d / name).write_bytes(data)
         raise
+
+
+def read_run_id(run_dir: str | Path | None) -> str | None:
+    """The identity a run directory's ``env.json`` records (None without one)."""
+    env = Path(run_dir) / "env.json" if run_dir is not None else None
+    if env is None or not env.is_file():
+        return None
+    return json.loads(env.read_text()).get("run_id")

@@ -7,6 +7,8 @@ Example:
 from __future__ import annotations
 
 import inspect
+import json
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -84,10 +86,22 @@ def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
             _check_resume(run_dir, kind, cfg)
         (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
         write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
-                                          "overrides": overrides, "resume": resume})
+                                          "overrides": overrides, "resume": resume,
+                                          "run_id": _run_id(run_dir, resume)})
         summary = exp.run(cfg, run_dir, **kwargs)
         write_json(run_dir / "summary.json", summary)
     return run_dir, summary
+
+
+def _run_id(run_dir: Path, resume: bool) -> str:
+    """The run's identity: made when the run is new, kept by every ``--resume`` (a store or a
+    checkpoint that another run has written is told apart by it)."""
+    env = run_dir / "env.json"
+    if resume and env.is_file():
+        saved = json.loads(env.read_text()).get("run_id")
+        if saved:
+            return saved
+    return uuid.uuid4().hex
 
 
 def _check_resume(run_dir: Path, kind: str, cfg: Any) -> None:

@@ -1,0 +1,47 @@
+"""A layer store knows the run that wrote it last: a ``--resume`` refuses a store another run
+has trained on (or one copied in), and a run that continues another's store on purpose
+(``engine.continue_store``) records the hand-over in it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxstream.experiment.runner import run_experiment
+from jaxstream.stream.errors import StoreError
+from jaxstream.stream.store import LayerStore
+
+ROOT = Path(__file__).resolve().parents[2]
+STREAM = ROOT / "experiments" / "stream_mlp.yaml"
+TINY = ["steps=4", "eval_every=2", "diag_every=0", "checkpoint_every=1", "model.width=8",
+        "model.depth=2", "batch_size=16", "plots=false", "progress=false",
+        "arms=[{name: bp, estimator: {type: backprop}, lr: 0.003}]"]
+
+
+def _run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "env.json").read_text())["run_id"]
+
+
+def test_resume_refuses_a_store_another_run_has_trained(tmp_path):
+    store = tmp_path / "stores" / "{arm}"
+    a, _ = run_experiment(STREAM, [*TINY, f"engine.store={store}", "max_steps=2"],
+                          out=tmp_path / "a")
+    b, summary = run_experiment(STREAM, [*TINY, f"engine.store={store}", "arms.0.lr=0.1",
+                                         "engine.continue_store=true"], out=tmp_path / "b")
+    assert summary["finished"] and _run_id(a) != _run_id(b)
+    opened = LayerStore.open(str(tmp_path / "stores" / "bp"))
+    assert opened.step == 4 and opened.extra["run"] == _run_id(b)
+    assert opened.extra["handovers"] == [{"from_run": _run_id(a), "to_run": _run_id(b),
+                                          "step": 2}]
+    opened.close()
+    config = (a / "config.yaml").read_bytes()
+    with pytest.raises(StoreError, match=rf"last written by another run \({_run_id(b)}\), not "
+                                         rf"this one \({_run_id(a)}\).*continue_store=true"):
+        run_experiment(STREAM, [*TINY, f"engine.store={store}"], out=a, resume=True)
+    assert (a / "config.yaml").read_bytes() == config
+    # The run that wrote the store last resumes it (a resume keeps the run's identity).
+    _, again = run_experiment(STREAM, [*TINY, f"engine.store={store}", "arms.0.lr=0.1",
+                                       "engine.continue_store=true"], out=b, resume=True)
+    assert again["finished"] and _run_id(b) == opened.extra["run"]
