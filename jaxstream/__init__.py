@@ -13,8 +13,8 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
@@ -48,11 +48,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; not executed
     from jaxstream.training import train_step
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in SUBPACKAGES:
-        module = importlib.import_module(f"jaxstream.{name}")
+        module = _importlib.import_module(f"jaxstream.{name}")
     elif name in _NAMES:
-        module = getattr(importlib.import_module(_NAMES[name]), name)
+        module = getattr(_importlib.import_module(_NAMES[name]), name)
     else:
         raise AttributeError(f"module 'jaxstream' has no attribute {name!r}")
     globals()[name] = module
@@ -60,4 +60,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names only (``__all__``): what ``dir(js)`` and tab completion show."""
+    return sorted(__all__)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 RUN_USAGE = ("jaxstream run CONFIG [key=value ...] [--out DIR] [--resume] [--plugin MODULE] "
-             "[--tensorboard]")
+             "[--tensorboard] [--print-config]")
 
 
 class UserError(Exception):
@@ -45,6 +45,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                         "'jaxstream.plugins' instead")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to RUN_DIR/tensorboard")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every default filled in, overrides applied) "
+                        "as YAML and exit: nothing is run or written")
     p.set_defaults(func=main_run, intermixed=True)
     return p
 
@@ -99,6 +102,13 @@ def main_run(args: argparse.Namespace) -> int:
     from jaxstream.experiment.runner import run_experiment
 
     load_plugins(extra=args.plugin)
+    if args.print_config:
+        from jaxstream.experiment.config import dump_yaml
+        from jaxstream.experiment.registry import load_experiment
+
+        kind, cfg = load_experiment(args.config, args.overrides)
+        print(dump_yaml(cfg, {"kind": kind}), end="")
+        return 0
     run_dir, _ = run_experiment(args.config, args.overrides, out=args.out, resume=args.resume)
     headline = Path(run_dir) / "headline.txt"
     if headline.is_file():
@@ -128,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jaxstream",
         description="jaxstream: forward-gradient training experiments. "
                     "Example: jaxstream run experiments/quickstart.yaml steps=100")
+    from jaxstream import __version__
+
+    parser.add_argument("--version", action="version", version=f"jaxstream {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{run,compare,plan}")
     add_run_parser(sub)
     add_compare_parser(sub)

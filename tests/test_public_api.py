@@ -42,3 +42,42 @@ def test_train_step_matches_a_hand_written_update():
                                                               atol=1e-7), new, params, g)
     with pytest.raises(TypeError, match="optimizer: expected an optax"):
         js.train_step(js.grad.backprop(), 0.1, stack)
+
+
+def test_the_namespace_shows_only_public_names():
+    assert dir(js) == sorted(js.__all__)
+    assert not {"Any", "TYPE_CHECKING", "importlib", "annotations"} & set(dir(js))
+
+
+def test_every_store_error_is_exported():
+    import inspect
+
+    from jaxstream.stream import errors
+
+    classes = {n for n, c in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(c, errors.StoreError)}
+    assert len(classes) >= 9 and classes <= set(js.stream.__all__)
+    assert all(getattr(js.stream, n) is getattr(errors, n) for n in classes)
+
+
+def test_version_and_print_config(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    import yaml
+
+    from jaxstream.cli import main
+    from jaxstream.experiment.config import dump_yaml
+    from jaxstream.experiment.registry import load_experiment
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"jaxstream {js.__version__}"
+    monkeypatch.chdir(tmp_path)
+    cfg = Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml"
+    assert main(["run", str(cfg), "steps=7", "--print-config"]) == 0
+    text = capsys.readouterr().out
+    data = yaml.safe_load(text)
+    assert data["kind"] == "train" and data["steps"] == 7 and "optimizer" in data
+    kind, loaded = load_experiment(cfg, ["steps=7"])
+    assert text == dump_yaml(loaded, {"kind": kind})  # what the run would write as config.yaml
+    assert list(tmp_path.iterdir()) == []  # nothing run, nothing written

@@ -3,9 +3,14 @@
 from jaxstream.stream.data_store import DataStore
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import (
+    StoreCorruptError,
     StoreError,
+    StoreLockedError,
     StoreMismatchError,
+    StoreNonFiniteError,
     StoreNotFoundError,
+    StoreReadError,
+    StoreStaleError,
     StoreWriteError,
 )
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
@@ -21,9 +26,14 @@ __all__ = [
     "OneDevice",
     "Placement",
     "Plan",
+    "StoreCorruptError",
     "StoreError",
+    "StoreLockedError",
     "StoreMismatchError",
+    "StoreNonFiniteError",
     "StoreNotFoundError",
+    "StoreReadError",
+    "StoreStaleError",
     "StoreWriteError",
     "StreamConfig",
     "StreamedExecutor",
