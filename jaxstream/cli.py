@@ -109,14 +109,24 @@ def main_run(args: argparse.Namespace) -> int:
         kind, cfg = load_experiment(args.config, args.overrides)
         print(dump_yaml(cfg, {"kind": kind}), end="")
         return 0
-    run_dir, _ = run_experiment(args.config, args.overrides, out=args.out, resume=args.resume)
+    live: list = []
+
+    def follow(run_dir: Path) -> None:  # --tensorboard: events written while the run trains
+        from jaxstream.experiment.tensorboard import LiveEvents
+
+        live.append(LiveEvents(run_dir).start())
+        print(f"tensorboard: tensorboard --logdir {live[0].out}", flush=True)
+
+    try:
+        run_dir, _ = run_experiment(args.config, args.overrides, out=args.out,
+                                    resume=args.resume,
+                                    on_start=follow if args.tensorboard else None)
+    finally:
+        for events in live:  # also when the run fails: its curves so far are kept
+            events.close()
     headline = Path(run_dir) / "headline.txt"
     if headline.is_file():
         print(headline.read_text().rstrip())
-    if args.tensorboard:
-        from jaxstream.experiment.tensorboard import write_events
-
-        print(f"tensorboard: {write_events(run_dir)}")
     print(f"run directory: {run_dir}")
     return 0
 

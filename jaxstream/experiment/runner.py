@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -57,11 +57,13 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
 
 
 def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
-                   out: str | Path | None = None, resume: bool = False) -> tuple[Path, dict]:
+                   out: str | Path | None = None, resume: bool = False,
+                   on_start: Callable[[Path], None] | None = None) -> tuple[Path, dict]:
     """Load ``config_path`` + overrides, check them, run, and write the run directory.
 
     Returns ``(run_dir, summary)``. Config errors (ValueError naming the field) are raised
-    before anything is written or computed.
+    before anything is written or computed. ``on_start(run_dir)`` is called once the run
+    directory holds its config, before the experiment runs (e.g. to follow its metrics live).
     """
     overrides = list(overrides)
     kind, cfg = load_experiment(config_path, overrides)
@@ -88,6 +90,8 @@ def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
         write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
                                           "overrides": overrides, "resume": resume,
                                           "run_id": _run_id(run_dir, resume)})
+        if on_start is not None:
+            on_start(run_dir)
         summary = exp.run(cfg, run_dir, **kwargs)
         write_json(run_dir / "summary.json", summary)
     return run_dir, summary

@@ -149,3 +149,57 @@ def test_store_errors_are_one_line_user_errors():
     assert user_error_line(StoreLockedError("held by pid 7")) == "StoreLockedError: held by pid 7"
     assert user_error_line(StoreCorruptError("w layer 2")).startswith("StoreCorruptError")
     assert user_error_line(RuntimeError("a bug")) is None
+
+
+def _scalars(out: Path) -> dict:
+    from tensorboardX.proto.event_pb2 import Event
+
+    got = {}
+    for events in sorted(out.rglob("events.out.tfevents.*")):
+        for rec in _tfrecords(events):
+            ev = Event.FromString(rec)
+            for v in ev.summary.value:
+                got[(events.parent.name, v.tag, ev.step)] = v.simple_value
+    return got
+
+
+def test_tensorboard_events_are_written_while_the_run_trains(tmp_path):
+    """Records appear as events before the run ends (a crashed run keeps its curves); a log
+    rewritten by --resume is followed from its start again; an unfinished line waits."""
+    pytest.importorskip("tensorboardX")
+    import time
+
+    from jaxstream.experiment.rundir import MetricsLog
+    from jaxstream.experiment.tensorboard import LiveEvents
+
+    run = tmp_path / "run"
+    run.mkdir()
+    log = MetricsLog(run / "metrics.jsonl")
+    live = LiveEvents(run, interval=0.05).start()
+    for s in range(3):
+        log.append({"arm": "fwd", "step": s, "loss": 1.0 / (s + 1)})
+    deadline = time.monotonic() + 60
+    while len(_scalars(live.out)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _scalars(live.out) == {("fwd", "loss", s): pytest.approx(1.0 / (s + 1))
+                                  for s in range(3)}  # before close: written live
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"arm": "fwd", "step": 3, "lo')  # a record being written
+    assert live.poll() == 0
+    log.rewrite([{"arm": "fwd", "step": 0, "loss": 1.0}, {"arm": "fwd", "step": 1, "loss": 0.25}])
+    assert live.poll() == 2
+    out = live.close()
+    assert _scalars(out)[("fwd", "loss", 1)] == pytest.approx(0.25)  # the rewritten value
+
+
+def test_run_with_tensorboard_prints_where_and_writes_events(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("tensorboardX")
+    monkeypatch.chdir(tmp_path)
+    args = ["run", str(QUICKSTART), "steps=2", "eval_every=1", "diag_every=0", "model.width=8",
+            "model.depth=1", "batch_size=16", "plots=false", "progress=false",
+            "arms=[{name: bp, estimator: {type: backprop}, lr: 0.01}]", "--out", "r",
+            "--tensorboard"]
+    assert main(args) == 0
+    assert "tensorboard: tensorboard --logdir" in capsys.readouterr().out
+    got = _scalars(tmp_path / "r" / "tensorboard")
+    assert {("bp", "test_accuracy", s) for s in range(3)} <= set(got)
