@@ -19,7 +19,8 @@ is a test loss (``target_loss``), and the report shows test and train loss (mean
 
 Batches are drawn with replacement from the train set (seeded per seed and step), the same for
 every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
-``frontier.png``.
+``frontier.png``, rewritten after every (data set, arm) row, so a killed run keeps its rows and
+``jaxstream run ... --resume`` runs only the rows it lacks.
 
 Example (YAML):
     kind: forward_table
@@ -33,7 +34,9 @@ Example (YAML):
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -279,11 +282,21 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
 
 
 def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
-              arms: list[str] | None = None) -> list[dict]:
-    """All rows of the table (optionally a subset of data sets / arms by name)."""
+              arms: list[str] | None = None, done: list[dict] | None = None,
+              on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+    """All rows of the table (optionally a subset of data sets / arms by name).
+
+    ``done``: rows of an earlier session, kept and not run again (a row is a pure function of
+    the config, its data set and its arm); ``on_row(rows)`` is called after each new row.
+    """
+    kept = {(r["dataset"], r["arm"]): r for r in done or []}
     rows = []
     for dcfg in cfg.datasets:
         if datasets and dcfg.name not in datasets:
+            continue
+        names = [a.name for a in cfg.arms if not arms or a.name in arms]
+        if all((dcfg.name, a) in kept for a in names):
+            rows += [kept[(dcfg.name, a)] for a in names]
             continue
         ds = dcfg.data.load(cfg.seed)
         stack = dcfg.model.build(ds.info)
@@ -291,9 +304,14 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
         for arm in cfg.arms:
             if arms and arm.name not in arms:
                 continue
+            if (dcfg.name, arm.name) in kept:
+                rows.append(kept[(dcfg.name, arm.name)])
+                continue
             t0 = time.perf_counter()
             row = run_arm(cfg, dcfg, arm, ds, stack, evaluate)
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             print(f"{row['dataset']:8s} {row['arm']:24s} lr={row['lr']:.0e} test err "
                   f"{100 * row['test_error_mean']:6.2f} ± {100 * row['test_error_sd']:5.2f} % "
                   f"train {100 * row['train_error_mean']:6.2f} %  test loss "
@@ -304,18 +322,42 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
     return rows
 
 
-def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "jaxstream run") -> dict:
-    """Run the table; write ``rows.json``, ``results.md`` and ``frontier.png`` into ``run_dir``."""
+def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "jaxstream run",
+                      resume: bool = False) -> dict:
+    """Run the table, writing ``rows.json``, ``results.md`` and ``frontier.png`` into
+    ``run_dir`` after every row (a killed run keeps its rows); ``resume`` keeps the rows
+    already written and runs the others."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    done = _written_rows(run_dir / "rows.json") if resume else []
     t0 = time.perf_counter()
-    rows = run_table(cfg)
-    payload = {"command": command, "machine": machine(), "seconds": time.perf_counter() - t0,
-               "rows": rows}
-    write_json(run_dir / "rows.json", rows)
-    frontier_plot(rows, str(run_dir / "frontier.png"))
-    (run_dir / "results.md").write_text(markdown(payload, str(run_dir / "frontier.png")))
-    return {"rows": len(rows), "seconds": payload["seconds"]}
+
+    def write(rows: list[dict]) -> None:
+        payload = {"command": command, "machine": machine(), "rows": rows,
+                   "seconds": time.perf_counter() - t0}
+        write_json(run_dir / "rows.json", rows)
+        frontier_plot(rows, str(run_dir / "frontier.png"))
+        (run_dir / "results.md").write_text(markdown(payload, str(run_dir / "frontier.png")))
+
+    rows = run_table(cfg, done=done, on_row=write)
+    write(rows)
+    return {"rows": len(rows), "resumed_rows": len(done), "seconds": time.perf_counter() - t0}
+
+
+def _written_rows(path: Path) -> list[dict]:
+    """The rows an earlier session of this run wrote (none if it wrote none)."""
+    if not path.is_file():
+        return []
+    try:
+        rows = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConfigError(f"--resume: {path} is damaged ({e}); move it away to run every "
+                          "row again") from None
+    if not isinstance(rows, list) or not all(
+            isinstance(r, dict) and {"dataset", "arm"} <= set(r) for r in rows):
+        raise ConfigError(f"--resume: {path} does not hold table rows; move it away to run "
+                          "every row again")
+    return rows
 
 
 register_experiment("forward_table", ForwardTableConfig, run_forward_table)

@@ -169,3 +169,40 @@ def test_picks_at_the_edge_of_their_sweep_are_marked():
     text = markdown({"rows": rows, "command": "c", "machine": "m"})
     assert "| BP | 1e-02 ↑ |" in text and "| FG-W | 1e-03 ↓ |" in text and "| FG-A | 3e-03 |" in text
     assert "2 of 3 swept arms picked the edge of their sweep" in text and "BP, FG-W" in text
+
+
+def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, monkeypatch):
+    """Rows are written as they finish; a run killed in its second row keeps the first
+    (rows.json, report and plot); --resume runs only the missing row and keeps the first
+    byte for byte."""
+    from jaxstream.experiment import forward_table as lib
+    from jaxstream.experiment.runner import run_experiment
+
+    over = ["seeds=1", "cosine_keys=1", "timing_steps=1",
+            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
+            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
+            "{name: FG-W, estimator: {type: forward, num_tangents: 2}, lrs: [0.001]}]"]
+    real, calls = lib.run_arm, []
+
+    def killed_in_second_row(cfg, dcfg, arm, *a, **k):
+        calls.append(arm.name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process is stopped in the second row
+        return real(cfg, dcfg, arm, *a, **k)
+
+    monkeypatch.setattr(lib, "run_arm", killed_in_second_row)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(ft.QUICK, over, out=out)
+    (first,) = json.loads((out / "rows.json").read_text())
+    assert first["arm"] == "BP" and "| BP |" in (out / "results.md").read_text()
+    assert (out / "frontier.png").is_file()
+    monkeypatch.setattr(lib, "run_arm", real)
+    calls.clear()
+    monkeypatch.setattr(lib, "run_arm", lambda cfg, dcfg, arm, *a, **k: (
+        calls.append(arm.name), real(cfg, dcfg, arm, *a, **k))[1])
+    _, summary = run_experiment(ft.QUICK, over, out=out, resume=True)
+    rows = json.loads((out / "rows.json").read_text())
+    assert calls == ["FG-W"] and summary["resumed_rows"] == 1
+    assert [r["arm"] for r in rows] == ["BP", "FG-W"] and rows[0] == first
