@@ -1,4 +1,4 @@
-"""Data sections of a config: ``data: {type: digits | mnist1d | chars | text, ...}``."""
+"""Data sections of a config: ``data: {type: digits | mnist1d | chars | text | store, ...}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 from jaxstream.data.chars import load_chars
 from jaxstream.data.digits import Dataset, load_digits
 from jaxstream.data.mnist1d import load_mnist1d
+from jaxstream.data.stored import open_data_store
 from jaxstream.data.text import load_text
 from jaxstream.experiment.config import register_choice
 
@@ -104,3 +105,25 @@ class TextDataConfig(DataConfig):
 
     def load(self, seed: int) -> Dataset:
         return load_text(seed, self.seq_len, self.num_train, self.num_test)
+
+
+@register_choice(DataConfig, "store")
+@dataclasses.dataclass(frozen=True)
+class StoreDataConfig(DataConfig):
+    """A data set written to TensorStore (:func:`jaxstream.data.stored.write_data_store`),
+    its train split streamed: each step's batch is read from the store, prefetched one step
+    ahead. The split is the one written (the experiment seed does not re-split it).
+
+    Attributes:
+      path: the data store's directory (holds ``train/``, ``test/`` and ``info.json``).
+    """
+
+    path: str = ""
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("path: the data store's directory is required, e.g. "
+                             "data: {type: store, path: /ssd2/digits}")
+
+    def load(self, seed: int) -> Dataset:
+        return open_data_store(self.path)

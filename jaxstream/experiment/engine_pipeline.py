@@ -132,7 +132,7 @@ class PipelineEngine:
         if self._example is None:
             cfg = self._config
             data = cfg.data.load(cfg.seed)
-            self._example = jax.tree.map(lambda a: a[: cfg.batch_size], data.train)
+            self._example = {k: v[: cfg.batch_size] for k, v in data.train.items()}
         return self._example
 
     def params(self, state: PipelineState) -> Any:

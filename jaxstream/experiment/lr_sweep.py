@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstream.data.batches import batch_at
+from jaxstream.data.stored import batch_source
 from jaxstream.experiment.compiled import evaluator_for
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import split_micro_batches
@@ -145,7 +145,7 @@ def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: Me
             log.append({"arm": arm.name, "lr": lr, "step": info.step, "loss": float(loss[i]),
                         "test_loss": float(test_loss[i]), "test_accuracy": float(test_acc[i])})
 
-    loop = TrainLoop(step, batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
+    loop = TrainLoop(step, batch_at=batch_source(data.train, cfg.batch_size, cfg.seed),
                      key_at=lambda s: jax.random.fold_in(step_root, s), timed=False)
     loop.add_hook(evaluate, every=cfg.eval_every, at=(cfg.steps,))
     bar = arm_bar(arm.name, start=0, total=cfg.steps, enabled=cfg.progress, leave=False)

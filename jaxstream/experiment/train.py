@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
-from jaxstream.data.batches import batch_at
+from jaxstream.data.stored import batch_source
 from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.estimators import describe, family
@@ -32,9 +33,13 @@ from jaxstream.experiment.summary import compare_families, format_table, summari
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
 
 
-def _eval_record(evaluate: Callable, params: Any, train: dict, test: dict) -> dict[str, float]:
-    test_loss, test_acc = jax.device_get(evaluate(params, test))
-    train_loss, train_acc = jax.device_get(evaluate(params, train))
+def _eval_record(evaluate: Callable, params: Any, train: Mapping, test: Mapping
+                 ) -> dict[str, float]:
+    """Loss and accuracy on the whole splits (a split streamed from a store is read whole)."""
+    test_loss, test_acc = jax.device_get(evaluate(params, {k: np.asarray(v) for k, v in
+                                                           test.items()}))
+    train_loss, train_acc = jax.device_get(evaluate(params, {k: np.asarray(v) for k, v in
+                                                             train.items()}))
     return {"test_loss": float(test_loss), "test_accuracy": float(test_acc),
             "train_loss": float(train_loss), "train_accuracy": float(train_acc)}
 
@@ -80,7 +85,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     diag = diagnostics_for(engine, stack) if cfg.diag_every else None
     tags = {"arm": arm.name}
     loop = TrainLoop(engine.step, tags=tags,
-                     batch_at=lambda s: batch_at(data.train, cfg.batch_size, cfg.seed, s),
+                     batch_at=batch_source(data.train, cfg.batch_size, cfg.seed),
                      key_at=lambda s: jax.random.fold_in(step_root, s),
                      stop_if=_diverged)
 
