@@ -63,15 +63,19 @@ def evaluator_for(stack: Any) -> Callable:
     return _cached(("eval", id(stack)), make)
 
 
-def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any) -> Any:
-    """The engine that trains ``arm`` (cached for the ``local`` engine)."""
+def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any, example_batch: dict | None = None
+               ) -> Any:
+    """The engine that trains ``arm`` (cached for the ``local`` engine). ``example_batch``:
+    one batch of the data, for engines whose state takes shapes from it (not the config's
+    data, which an engine never loads itself)."""
     opt_cfg = cfg.arm_optimizer(arm)
     n_micro = getattr(arm.estimator, "micro_batches", 1)
 
     def make():
         tx = build_optimizer(opt_cfg, arm.lr, cfg.steps)
         return build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(),
-                            optimizer=tx, config=cfg, arm=arm, micro_batches=n_micro)
+                            optimizer=tx, config=cfg, arm=arm, micro_batches=n_micro,
+                            example_batch=example_batch)
 
     if type(cfg.engine) is not LocalEngineConfig:
         return make()

@@ -91,7 +91,9 @@ class PipelineEngine:
 
     def __init__(self, cfg: PipelineEngineConfig, *, stack: Any, estimator: Any,
                  optimizer: optax.GradientTransformation, micro_batches: int = 1,
-                 config: Any = None, example_batch: dict | None = None, **_: Any):
+                 example_batch: dict | None = None, **_: Any):
+        """``example_batch``: one batch of the data (the delayed policy's carry and the first
+        guess direction take their shapes from it); required for those two."""
         schedule = _schedule(cfg, estimator, micro_batches)
         self.cfg, self.stack, self.optimizer, self.schedule = cfg, stack, optimizer, schedule
         self.pipe = pipeline(stack, schedule, estimator)
@@ -99,9 +101,12 @@ class PipelineEngine:
         plan = estimator.plan
         self.num_microbatches = (micro_batches if plan.forward == "none" and plan.exact == "selected"
                                  else schedule.num_microbatches)
-        self._example, self._config = example_batch, config
-        if self.pipe.stale:
-            self._example = self._example_batch()
+        self._example = example_batch
+        if (self.pipe.stale or self.guess) and example_batch is None:
+            raise ValueError(f"engine.policy={cfg.policy!r}"
+                             + (" with the guess correction" if self.guess else "")
+                             + ": the pipeline engine needs example_batch= (one batch of the "
+                             "data) to shape its carry / first direction")
         self.step = jax.jit(self._step)
         self.estimate = jax.jit(self._estimate)
 
@@ -118,22 +123,13 @@ class PipelineEngine:
             carry = carry._replace(stash=jax.device_put(carry.stash, NamedSharding(mesh, P(AXIS))))
         state = PipelineState(params, jax.jit(self.optimizer.init)(params), carry)
         if self.guess:  # the first step's direction: its own exact mean (see the executor)
-            micro = split_micro_batches(self._example_batch(), self.num_microbatches)
+            micro = split_micro_batches(self._example, self.num_microbatches)
             state = state._replace(direction=self.pipe(params, micro, key)[2]["direction"])
         # every step returns the state with these shardings: one compilation for all steps
         self._shardings = jax.tree.map(
             lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
             else NamedSharding(mesh, P()), state)
         return jax.device_put(state, self._shardings)
-
-    def _example_batch(self) -> dict:
-        """One batch of the data: the carry's shapes (stage inputs of a micro-batch) and the
-        first guess direction come from it."""
-        if self._example is None:
-            cfg = self._config
-            data = cfg.data.load(cfg.seed)
-            self._example = {k: v[: cfg.batch_size] for k, v in data.train.items()}
-        return self._example
 
     def params(self, state: PipelineState) -> Any:
         return state.params

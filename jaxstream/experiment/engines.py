@@ -8,14 +8,16 @@ their plugin modules, all with :func:`register_engine`.
 
 An engine's ``build`` is called as::
 
-    build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches) -> Engine
+    build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches,
+          example_batch) -> Engine
 
 with ``stack`` the model (a :class:`jaxstream.models.Stack`, itself a ``loss_fn``), ``estimator``
 the built estimator (``estimator(loss_fn, params, batch, key) -> (loss, grads)``), ``optimizer``
-an ``optax.GradientTransformation``, ``config`` the whole train config, ``arm`` the arm being run
-(its ``estimator`` section says which variant) and ``micro_batches`` the number N of micro-batches
-a hybrid estimator needs (1 otherwise). Accept ``**kwargs`` to stay compatible with later
-additions.
+an ``optax.GradientTransformation``, ``config`` the whole train config (read for its model and
+optimizer sections; an engine never loads the data itself), ``arm`` the arm being run (its
+``estimator`` section says which variant), ``micro_batches`` the number N of micro-batches a
+hybrid estimator needs (1 otherwise) and ``example_batch`` one batch of the data (for state
+shaped by it). Accept ``**kwargs`` to stay compatible with later additions.
 
 Example:
     >>> @dataclasses.dataclass(frozen=True)

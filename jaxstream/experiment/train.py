@@ -75,7 +75,8 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     kept and handed to ``on_start`` (which puts them in the log) before training goes on.
     Returns the arm's records (kept + new) and run facts (compile time, divergence).
     """
-    engine = engine_for(cfg, arm, stack)
+    batches = batch_source(data.train, cfg.batch_size, cfg.seed)
+    engine = engine_for(cfg, arm, stack, example_batch=batches(0))
     root = jax.random.key(cfg.seed)
     state = engine.init(init_params, jax.random.fold_in(root, 0))
     step_root = jax.random.fold_in(root, 1)
@@ -85,7 +86,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     diag = diagnostics_for(engine, stack) if cfg.diag_every else None
     tags = {"arm": arm.name}
     loop = TrainLoop(engine.step, tags=tags,
-                     batch_at=batch_source(data.train, cfg.batch_size, cfg.seed),
+                     batch_at=batches,
                      key_at=lambda s: jax.random.fold_in(step_root, s),
                      stop_if=_diverged)
 

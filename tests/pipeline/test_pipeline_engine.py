@@ -33,6 +33,10 @@ def test_bad_engine_options_name_the_field():
         PipelineEngine(PipelineEngineConfig(stages=2), stack=mlp(4, 4, 2, 3),
                        estimator=jg.hybrid(exact_from=(0, 1, 3, 3)), optimizer=optax.sgd(0.1),
                        micro_batches=4)
+    with pytest.raises(ValueError, match="policy='delayed': .* needs example_batch="):
+        PipelineEngine(PipelineEngineConfig(stages=2, policy="delayed"), stack=mlp(4, 4, 2, 3),
+                       estimator=HybridConfig(micro_batches=4, num_exact=1).build(),
+                       optimizer=optax.sgd(0.1), micro_batches=4)
 
 
 def _batch(seed=1):
