@@ -9,8 +9,9 @@ Docs mark each generated table with the command that writes it (`docblock`)::
 
 and ``python -m jaxstream.experiment.doctable docs/experiments.md`` rewrites every marked block
 from the run directories it names (``compare RUN...`` for train runs, ``sweep RUN`` for an
-``lr_sweep`` run, ``ticks RUN`` for a pipelined run's arms at equal pipeline ticks). Each table ends with a
-line naming the command, the run's config and the machine it ran on (from its ``env.json``).
+``lr_sweep`` run, ``ticks RUN`` for a pipelined run's arms at equal pipeline ticks). Each
+table ends with a line naming the command, the run's config and the machine it ran on (from its
+``env.json``).
 
 Example:
     >>> print(compare_runs(["runs/quickstart"], plot=None))
@@ -63,8 +64,8 @@ def _arms(runs: Sequence[dict[str, Any]]) -> dict[str, dict]:
 def train_markdown(runs: Sequence[dict[str, Any]], target: float) -> str:
     """A Markdown table of the arms of train runs."""
     pct = format(target, ".0%")
-    head = (f"| arm | estimator | lr | final loss | test acc | steps to {pct} | s to {pct} "
-            "| ms/step | mean cosine |")
+    head = (f"| arm | estimator | lr | loss (last 10 steps) | test acc | steps to {pct} "
+            f"| s to {pct} | ms/step | mean cosine |")
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for name, a in _arms(runs).items():
         lines.append(

@@ -48,12 +48,16 @@ def bar_hook(bar: Any) -> Callable[[Any], None]:
     return advance
 
 
-def arm_done(arm: str, record: dict | None, enabled: bool = True) -> None:
-    """One closing line per arm: its last step, loss and test accuracy."""
+def arm_done(arm: str, record: dict | None, enabled: bool = True,
+             stopped_at: int | None = None, steps: int | None = None) -> None:
+    """One closing line per arm: its last evaluation's step, test loss and test accuracy (the
+    table's figures), and, for a run stopped by ``max_steps``, that it stopped and how to go on."""
     if not (ENABLED and enabled and record):
         return
     parts = [f"step {record.get('step')}"]
-    for key, label in (("loss", "loss"), ("test_accuracy", "test acc")):
+    for key, label in (("test_loss", "test loss"), ("test_accuracy", "test acc")):
         if record.get(key) is not None:
             parts.append(f"{label} {record[key]:.3f}")
-    print(f"{arm}: done, " + ", ".join(parts), file=sys.stderr, flush=True)
+    head = "done" if stopped_at is None else (
+        f"stopped at step {stopped_at} of {steps} (max_steps; continue with --resume)")
+    print(f"{arm}: {head}, " + ", ".join(parts), file=sys.stderr, flush=True)

@@ -78,7 +78,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 def format_table(arms: dict[str, dict], target: float) -> str:
     """A fixed-width comparison table of the arms."""
-    head = (f"{'arm':<18} {'estimator':<30} {'lr':>8} {'loss':>7} {'test acc':>8} "
+    head = (f"{'arm':<18} {'estimator':<30} {'lr':>8} {'loss10':>7} {'test acc':>8} "
             f"{'steps>=' + format(target, '.0%'):>10} {'s>=' + format(target, '.0%'):>8} "
             f"{'ms/step':>8} {'cosine':>7}")
     lines = [head, "-" * len(head)]
@@ -89,4 +89,5 @@ def format_table(arms: dict[str, dict], target: float) -> str:
             f"{_fmt(a['steps_to_target'], 'd'):>10} {_fmt(a['seconds_to_target'], '.2f'):>8} "
             f"{_fmt(a['ms_per_step'], '.2f'):>8} {_fmt(a['mean_cosine'], '.3f'):>7}"
         )
+    lines.append("loss10: mean batch loss of the last 10 steps; test acc: the last evaluation")
     return "\n".join(lines)

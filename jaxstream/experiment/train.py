@@ -123,8 +123,9 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
                   every=cfg.checkpoint_every, at_end=True)
     out = loop.run(state, start=start, stop=stop, train_time=resume_ckpt.train_time)
     bar.close()
+    stopped = stop if stop < cfg.steps and not out.stopped else None
     arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
-             cfg.progress)
+             cfg.progress, stopped_at=stopped, steps=cfg.steps)
     ckpt.close()
     return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
 

@@ -107,3 +107,17 @@ def test_resumed_records_keep_steps_up_to_start_and_mark_lost_ones():
     assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
     assert recs[2] == {"arm": "a", "step": 2, "lost": True} and "lost" not in recs[3]
     assert resumed_records(kept, 0, {"arm": "a"}) == []
+
+
+def test_the_closing_line_says_a_max_steps_stop_and_shows_the_tables_figures(capsys,
+                                                                             monkeypatch):
+    from jaxstream.experiment import progress
+
+    monkeypatch.setattr(progress, "ENABLED", True)
+    rec = {"step": 4, "loss": 0.7, "test_loss": 0.5, "test_accuracy": 0.9}
+    progress.arm_done("fwd", rec, stopped_at=4, steps=10)
+    line = capsys.readouterr().err.strip()
+    assert line == ("fwd: stopped at step 4 of 10 (max_steps; continue with --resume), "
+                    "step 4, test loss 0.500, test acc 0.900")
+    progress.arm_done("fwd", rec)
+    assert capsys.readouterr().err.strip().startswith("fwd: done, step 4, test loss 0.500")
