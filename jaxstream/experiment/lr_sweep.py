@@ -169,6 +169,8 @@ def format_sweep(summary: dict[str, Any], lrs: tuple[float, ...]) -> str:
             steps = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
             cells.append(f"{steps + ' / ' + format(r['final_accuracy'], '.3f'):>13}")
         lines.append(f"{name:<18}" + "".join(cells) + f"{a['picked_lr']:>9.0e}")
+    lines.append(f"cells: steps to the target / final accuracy (the mean test accuracy of the "
+                 f"last {summary.get('final_evals', 4)} evaluations)")
     return "\n".join(lines)
 
 
@@ -185,6 +187,7 @@ def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
                           "picked_lr": pick_lr(results, cfg.stable_accuracy),
                           "results": {str(lr): r for lr, r in results.items()}}
     summary = {"target_accuracy": cfg.target_accuracy, "stable_accuracy": cfg.stable_accuracy,
+               "final_evals": cfg.final_evals,
                "arms": arms}
     print(format_sweep(summary, cfg.lrs))
     from jaxstream.experiment.plots import write_sweep_plots
