@@ -40,6 +40,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
+MAX_LAYER_BYTES = 2**44  # 16 TiB: a layer beyond any device, yet far below XLA's size limits
+
+
 def check_plan_args(args: argparse.Namespace) -> None:
     """Every flag checked before anything is measured; errors name the flag."""
     from jaxstream.experiment.config import ConfigError
@@ -53,6 +56,12 @@ def check_plan_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
     if args.prefetch < 0:
         raise ConfigError(f"--prefetch must be >= 0, got {args.prefetch}")
+    layer_bytes = 4 * (args.width * (args.width + 1) + args.in_dim * args.width
+                       + args.width * args.num_classes)
+    if layer_bytes > MAX_LAYER_BYTES:
+        raise ConfigError(f"--width {args.width} --in-dim {args.in_dim}: one layer would hold "
+                          f"{layer_bytes / 2**40:.3g} TiB of fp32 parameters; the planner "
+                          f"analyses layers up to {MAX_LAYER_BYTES / 2**40:.0f} TiB")
     if args.probe_dir is not None:
         if not os.path.isdir(args.probe_dir):
             raise ConfigError(f"--probe-dir {args.probe_dir} is not a directory")
@@ -123,8 +132,15 @@ def main_plan(args: argparse.Namespace) -> int:
         _status(f"measuring read bandwidth in {args.probe_dir or tempfile.gettempdir()} (a 64 MiB "
                 "file; pass --read-bandwidth to skip) ...")
         bw = measure_read_bandwidth(args.probe_dir)
-    result = plan(cost, device_flops=flops, read_bandwidth=bw, device_memory=args.device_memory,
-                  prefetch=args.prefetch, compute_bytes=2 if args.compute_dtype == "bfloat16" else 4)
+    from jaxstream.experiment.config import ConfigError
+
+    try:
+        result = plan(cost, device_flops=flops, read_bandwidth=bw,
+                      device_memory=args.device_memory, prefetch=args.prefetch,
+                      compute_bytes=2 if args.compute_dtype == "bfloat16" else 4)
+    except ValueError as e:  # the model does not fit the machine described: one line
+        raise ConfigError(f"plan --width {args.width} --device-memory "
+                          f"{args.device_memory:.3g}: {e}") from None
     print(f"device {flops / 1e9:.1f} GFLOP/s, read bandwidth {bw / 1e9:.2f} GB/s")
     print(format_plan(cost, result))
     if args.json:

@@ -88,8 +88,10 @@ def plan(cost: LayerCost, *, device_flops: float, read_bandwidth: float, device_
     p_bytes, f, r, w = cost.param_bytes, cost.flops_per_sample, device_flops, read_bandwidth
     layers_on_device = (prefetch + 1) * (p_bytes // 4) * compute_bytes
     if layers_on_device >= device_memory:
-        raise ValueError(f"device_memory={device_memory:.3g} B cannot hold prefetch+1={prefetch + 1}"
-                         f" layers of {p_bytes // 4 * compute_bytes} B; lower prefetch")
+        fix = "lower prefetch, " if prefetch > 0 else ""
+        raise ValueError(f"device_memory={device_memory:.3g} B cannot hold "
+                         f"prefetch+1={prefetch + 1} layers of {p_bytes // 4 * compute_bytes} B; "
+                         f"{fix}use a smaller layer or a device with more memory")
     min_batch = max(1, math.ceil(p_bytes * r / (f * w)))
     max_batch = int((device_memory - layers_on_device) // max(cost.activation_bytes_per_sample, 1))
     b = batch if batch is not None else min(min_batch, max_batch)

@@ -56,6 +56,12 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert "choose a command" in _error(capsys, [])
     assert "--read-bandwidth must be > 0" in _error(capsys, ["plan", "--read-bandwidth", "0"])
     assert "--probe-dir /nonexistent" in _error(capsys, ["plan", "--probe-dir", "/nonexistent"])
+    # Absurd sizes: one line before anything compiles (a billion-wide layer aborted inside XLA),
+    # and a layer the device cannot hold says so without blaming a prefetch of 0.
+    assert "one layer would hold" in _error(capsys, ["plan", "--width", "1000000000"])
+    line = _error(capsys, ["plan", "--width", "100000", "--prefetch", "0", "--device-flops",
+                           "1e12", "--read-bandwidth", "1e9"])
+    assert "cannot hold prefetch+1=1 layers" in line and "lower prefetch" not in line
     assert "not a run directory" in _error(capsys, ["compare", str(tmp_path)])
     real = importlib.util.find_spec  # an optional dependency missing is named before the run
     monkeypatch.setattr(importlib.util, "find_spec",

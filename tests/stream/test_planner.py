@@ -34,6 +34,9 @@ def test_memory_caps_batch_and_errors():
         plan(cost, device_flops=1e12, read_bandwidth=0, device_memory=1e9)
     with pytest.raises(ValueError, match="lower prefetch"):
         plan(cost, device_flops=1e12, read_bandwidth=1e9, device_memory=8 << 20, prefetch=4)
+    with pytest.raises(ValueError, match=r"prefetch\+1=1 layers .*; use a smaller layer") as e:
+        plan(cost, device_flops=1e12, read_bandwidth=1e9, device_memory=1 << 20, prefetch=0)
+    assert "lower prefetch" not in str(e.value)  # nothing to lower
 
 
 def test_layer_cost_of_mlp_matches_formula():
