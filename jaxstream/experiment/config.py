@@ -325,7 +325,16 @@ def _convert_choice(base: type, value: Any, path: str, default: Any) -> Any:
         )
     cls = table[name]
     keep = default if type(default) is cls else _MISSING
-    return _convert_dataclass(cls, value, path, keep)
+    try:
+        return _convert_dataclass(cls, value, path, keep)
+    except ConfigError as e:
+        if "unknown key" not in str(e) or not dataclasses.is_dataclass(cls):
+            raise
+        # Typically ``section.type=NEW`` given as an override: the file's other keys of the
+        # section were written for its old type and still apply. Say how to switch types.
+        raise ConfigError(f"{e}; to switch {_where(path)} to type {name!r}, give the whole "
+                          f"section, e.g. {_where(path)}={{type: {name}}} (the keys written "
+                          "for another type do not carry over)") from None
 
 
 def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:

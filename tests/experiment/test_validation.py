@@ -111,3 +111,16 @@ def test_hostile_config_files_are_refused_with_one_line(tmp_path, capsys, text, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_switching_a_sections_type_says_how():
+    """The documented way to switch a section's type is the whole section; the dotted override
+    keeps the file's keys for the old type, and its error says what to write instead."""
+    from jaxstream.experiment.registry import load_experiment
+
+    with pytest.raises(ConfigError, match=r"data.test_fraction: unknown key for "
+                                          r"CharsDataConfig.*to switch data to type 'chars', "
+                                          r"give the whole section, e.g. data=\{type: chars\}"):
+        load_experiment(QUICKSTART, ["data.type=chars"])
+    _, cfg = load_experiment(QUICKSTART, ["data={type: chars}"])
+    assert type(cfg.data).__name__ == "CharsDataConfig"
