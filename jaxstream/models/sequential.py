@@ -128,6 +128,23 @@ class Sequential:
         new = nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)) if layer.has_stats else stats
         return out, new
 
+    def to_nnx(self, params: tuple, state: tuple | None = None) -> nnx.Sequential:
+        """The user's model back as an ``nnx.Sequential`` holding ``params`` (e.g. trained
+        ones) and the batch statistics ``state`` (default: the initial ones); plain callables
+        are kept as they were. The inverse of :func:`from_sequential`.
+
+        Example:
+          >>> trained = seq.to_nnx(params)      # then trained(x), nnx.state(trained), ...
+        """
+        state = self.state if state is None else state
+        if len(params) != self.num_layers or len(state) != self.num_layers:
+            raise ValueError(f"params: expected one entry per layer ({self.num_layers}), got "
+                             f"{len(params)} params and {len(state)} statistics")
+        modules = [layer.fn if layer.fn is not None else
+                   nnx.merge(layer.graphdef, p, s, layer.other)
+                   for layer, p, s in zip(self.layers, params, state)]
+        return nnx.Sequential(*modules)
+
     def layer_fn(self, l: int, train: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
         """``(params_l, h) -> output`` of layer ``l`` (training mode by default)."""
         return lambda p, h: self.layer(l, p, h, train=train)[0]

@@ -181,3 +181,23 @@ def test_attention_dropout_is_refused_by_name():
     ok = nnx.MultiHeadAttention(num_heads=1, in_features=4, dropout_rate=0.0, decode=False,
                                 rngs=rngs)
     from_sequential([ok, nnx.Dropout(0.1, rngs=rngs), lambda h: h.mean(axis=1)])
+
+
+def test_trained_params_go_back_into_an_nnx_model():
+    """to_nnx is the inverse of from_sequential: the rebuilt nnx model, holding changed
+    parameters and statistics, computes what the Sequential computes with them."""
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(5, 7, rngs=rngs), nnx.BatchNorm(7, rngs=rngs), nnx.relu,
+                           nnx.Linear(7, 3, rngs=rngs))
+    seq = from_sequential(model)
+    params = jax.tree.map(lambda a: a * 1.5 + 0.1, seq.init(jax.random.key(0)))  # "trained"
+    x = jax.random.normal(jax.random.key(1), (4, 5))
+    state = seq.update_state(params, seq.state, x)  # running statistics moved
+    back = seq.to_nnx(params, state)
+    assert isinstance(back, nnx.Sequential) and back.layers[2] is nnx.relu
+    back.eval()  # running averages, as Sequential.apply's evaluation mode
+    np.testing.assert_allclose(back(x), seq.apply(params, x, state), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(back.layers[0].kernel.value, params[0]["kernel"])
+    assert not np.allclose(back.layers[0].kernel.value, model.layers[0].kernel.value)
+    with pytest.raises(ValueError, match="one entry per layer"):
+        seq.to_nnx(params[:2])
