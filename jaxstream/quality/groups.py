@@ -4,8 +4,9 @@ Every quality measure (cosine, norm ratio, relative error, bias, variance) is a 
 over coordinates, so it suffices to compute those sums per *group*: for a model stack
 (``{"embed", "blocks", "head"}`` with a leading layer axis L on every ``"blocks"`` leaf) the groups
 are ``embed``, ``block_0`` ... ``block_{L-1}`` and ``head``; for any other dict or sequence they
-are its top-level entries; for a bare array the single group ``all``. The whole tree is always
-reported as ``all`` too.
+are its top-level entries that hold parameters (a parameter-free layer, such as an activation
+of an nnx ``Sequential``, is no group: it has nothing to measure); for a bare array the single
+group ``all``. The whole tree is always reported as ``all`` too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ WHOLE = "all"
 
 def _is_stack(tree: Any) -> bool:
     return isinstance(tree, dict) and set(tree) == {"embed", "blocks", "head"}
+
+
+def _entries(tree: Any) -> list[tuple[str, Any]]:
+    """The (name, subtree) top-level groups of a dict or sequence that hold parameters."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    return [(str(k), v) for k, v in items if jax.tree.leaves(v)]
 
 
 def group_names(tree: Any) -> list[str]:
@@ -40,10 +47,8 @@ def group_names(tree: Any) -> list[str]:
         leaves = jax.tree.leaves(tree["blocks"])
         num_layers = leaves[0].shape[0] if leaves else 0
         return ["embed", *[f"block_{l}" for l in range(num_layers)], "head", WHOLE]
-    if isinstance(tree, dict):
-        return [str(k) for k in tree] + [WHOLE]
-    if isinstance(tree, (list, tuple)):
-        return [str(i) for i in range(len(tree))] + [WHOLE]
+    if isinstance(tree, (dict, list, tuple)):
+        return [name for name, _ in _entries(tree)] + [WHOLE]
     return [WHOLE]
 
 
@@ -109,12 +114,11 @@ def group_sums(fn: Callable[..., jax.Array], *trees: Any) -> dict[str, jax.Array
         out["head"] = sums(*[t["head"] for t in trees])
         out[WHOLE] = sum((v for v in out.values()), jnp.zeros((), jnp.float32))
         return out
-    if isinstance(ref, dict):
-        for k in ref:
-            out[str(k)] = sums(*[t[k] for t in trees])
-    elif isinstance(ref, (list, tuple)):
-        for i in range(len(ref)):
-            out[str(i)] = sums(*[t[i] for t in trees])
+    if isinstance(ref, (dict, list, tuple)):
+        keys = list(ref) if isinstance(ref, dict) else range(len(ref))
+        for k in keys:
+            if jax.tree.leaves(ref[k]):
+                out[str(k)] = sums(*[t[k] for t in trees])
     out[WHOLE] = sums(*trees)
     return out
 
@@ -134,10 +138,8 @@ def num_parameters(tree: Any) -> dict[str, int]:
         out = {"embed": size(tree["embed"])}
         out.update({f"block_{l}": per_layer for l in range(num_layers)})
         out["head"] = size(tree["head"])
-    elif isinstance(tree, dict):
-        out = {str(k): size(v) for k, v in tree.items()}
-    elif isinstance(tree, (list, tuple)):
-        out = {str(i): size(v) for i, v in enumerate(tree)}
+    elif isinstance(tree, (dict, list, tuple)):
+        out = {name: size(v) for name, v in _entries(tree)}
     else:
         out = {}
     out[WHOLE] = size(tree)
