@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import LocalEngineConfig, build_engine, tree_cosine
 from jaxstream.experiment.optimizers import build_optimizer
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
@@ -42,6 +43,11 @@ def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
 
     def make():
         model = cfg.model.build(info)
+        if getattr(model, "has_state", False):
+            raise ConfigError(f"model: {type(cfg.model).__name__} builds a model with batch "
+                              "statistics (BatchNorm); the runner's engines do not carry running "
+                              "averages, so its evaluations would use the initial ones: remove "
+                              "BatchNorm, or train it with js.train_step in your own loop")
         return to_stack(model, x) if staged else model
 
     shape = None if x is None else (tuple(np.shape(x)), str(np.asarray(x).dtype))

@@ -152,7 +152,18 @@ class Sequential:
     # ------------------------------------------------------------------ whole model
     def apply(self, params: tuple, x: jax.Array, state: tuple | None = None,
               train: bool = False) -> jax.Array:
-        """Outputs of inputs ``x``; evaluation mode (running averages of ``state``) by default."""
+        """Outputs of inputs ``x``; evaluation mode (running averages of ``state``) by default.
+
+        A model with batch statistics (BatchNorm) needs its ``state`` in evaluation mode: the
+        trained running averages (``js.train_step`` keeps them in ``opt_state.model``), or
+        ``model.state`` for the initial ones on purpose. Without it the call is refused rather
+        than evaluated with the initial statistics.
+        """
+        if state is None and self.has_state and not train:
+            raise ValueError("state: this model keeps batch statistics (BatchNorm); evaluation "
+                             "needs the trained running averages: apply(params, x, state) "
+                             "(js.train_step keeps them in opt_state.model), or "
+                             "state=model.state for the initial ones")
         state = self.state if state is None else state
         h = x
         for l in range(self.num_layers):

@@ -201,3 +201,25 @@ def test_trained_params_go_back_into_an_nnx_model():
     assert not np.allclose(back.layers[0].kernel.value, model.layers[0].kernel.value)
     with pytest.raises(ValueError, match="one entry per layer"):
         seq.to_nnx(params[:2])
+
+
+def test_evaluating_a_batchnorm_model_needs_its_statistics():
+    """Evaluation of a model with batch statistics without them is refused (it would use the
+    initial running averages); the runner refuses such a model before any compute."""
+    from jaxstream.experiment import compiled
+    from jaxstream.experiment.config import ConfigError
+
+    model = small_cnn(batch_norm=True)
+    params, x = model.init(None), tiny_batch()["x"]
+    with pytest.raises(ValueError, match="state: this model keeps batch statistics"):
+        model.apply(params, x)
+    model.apply(params, x, model.state)  # the initial statistics, on purpose
+    model.apply(params, x, train=True)  # training mode uses the batch's own statistics
+
+    class BN:
+        def build(self, info):
+            return model
+
+    cfg = type("Cfg", (), {"model": BN(), "engine": type("E", (), {"places_blocks": False})()})
+    with pytest.raises(ConfigError, match="model: BN builds a model with batch statistics"):
+        compiled.model_for(cfg, {"in_dim": 36})
