@@ -321,7 +321,8 @@ def _convert_choice(base: type, value: Any, path: str, default: Any) -> Any:
         name = choice_name(base, default)
     if name not in table:
         raise ConfigError(
-            f"{_where(path)}.type: {name!r} is not registered; choose one of {sorted(table)}"
+            f"{_where(path)}.type: {name!r} is not registered; choose one of {sorted(table)} "
+            "(a type of your own is registered by a plugin: jaxstream run ... --plugin MODULE)"
         )
     cls = table[name]
     keep = default if type(default) is cls else _MISSING

@@ -58,6 +58,14 @@ class PipelineEngineConfig(EngineConfig):
         if self.micro_batches < 1:
             raise ValueError(f"engine.micro_batches: must be >= 1, got {self.micro_batches}")
 
+    def check_model(self, model: Any) -> None:
+        """The model's depth divides into the stages (when the model section says its depth),
+        checked when the config loads, as the composed engine does."""
+        depth = getattr(model, "depth", None)
+        if isinstance(depth, int) and depth % self.stages:
+            raise ValueError(f"engine.stages: {self.stages} must divide model.depth = {depth} "
+                             f"(allowed: divisors of {depth})")
+
 
 class PipelineState(NamedTuple):
     """Engine state: params, optimizer state, (stale policies) the previous step's carry and

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 STREAM = ROOT / "experiments" / "stream_mlp.yaml"
 LR_SWEEP = ROOT / "experiments" / "lr_sweep_digits.yaml"
+PIPELINE = ROOT / "experiments" / "pipeline_mlp.yaml"
 
 CASES = [
     (QUICKSTART, ["optimizer.clip_norm=-1"], r"optimizer.clip_norm: must be > 0"),
@@ -34,6 +35,8 @@ CASES = [
      r"arms.1.estimator: stream: estimator must be one that mixes exact gradients with weight "
      r"tangents; got HybridActivity"),
     (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
+    (PIPELINE, ["engine.stages=3"], r"engine.stages: 3 must divide model.depth = 8"),
+    (QUICKSTART, ["model={type: nosuch}"], r"model.type: 'nosuch' is not registered; .*--plugin"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
     (QUICKSTART, ["arms.0.lr=.inf"], r"arms.0.lr: expected a finite number"),
     (QUICKSTART, ["optimizer.options={b1: 1.5}"], r"optimizer.options.b1: must be in \[0, 1\)"),
