@@ -68,6 +68,7 @@ import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, chunk_cost, make_mesh
 from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.models import mlp
+from jaxstream.quality.metrics import max_rel_err
 from jaxstream.stream import DepthPolicy, LayerStore, StreamConfig, StreamedExecutor
 
 HERE = Path(__file__).resolve().parent
@@ -98,12 +99,6 @@ def _load_pipeline_bench():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def max_rel_err(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
-                     / (np.max(np.abs(np.asarray(y, np.float64))) + 1e-30))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def coverage(est, n: int, layers: int, stages: int, key) -> list[float]:

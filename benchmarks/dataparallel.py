@@ -53,6 +53,7 @@ from jaxstream.grad import backprop, forward
 from jaxstream.models import mlp
 from jaxstream.optim import max_adabelief, max_adabelief_exchange
 from jaxstream.placement import measure_layer_costs, place_stages, uniform_placement
+from jaxstream.quality.metrics import max_rel_err
 
 N = 8
 TABLES: dict[str, str] = {}  # name -> Markdown table of this run (for --doc)
@@ -66,17 +67,6 @@ def _time(fn, *args, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def _rel(a, b) -> float:
-    """max |a - b| / max |b| over a pytree (per leaf, worst leaf)."""
-    return max(
-        float(
-            np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
-            / max(float(np.max(np.abs(np.asarray(y)))), 1e-30)
-        )
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
 
 
 def _table(name: str, title: str, header: list[str], rows: list[list]) -> None:
@@ -170,7 +160,7 @@ def gradient_part(mesh: Mesh, width: int, repeats: int) -> dict:
         _loss, grads = fn(params, batch, key)
         traffic = traffic_summary(collectives(fn, params, batch, key, num_devices=N))
         payload = traffic["all-reduce"] + traffic["all-gather"] / N + traffic["collective-permute"]
-        err = "-" if ref is None else _rel(grads, fw_ref if ref == "fw" else ref)
+        err = "-" if ref is None else max_rel_err(grads, fw_ref if ref == "fw" else ref)
         errs[name] = err
         rows.append(
             [
@@ -364,8 +354,8 @@ def exchange_part(mesh: Mesh, width: int, steps: int, repeats: int) -> dict:
                 float(accuracy(params, test)),
             ]
         )
-    gap = _rel(finals["moments psum (m̂, s_max)"], finals["gradients psum, max_adabelief"])
-    ring_gap = _rel(finals["moments ring (m̂, s_max)"], finals["moments psum (m̂, s_max)"])
+    gap = max_rel_err(finals["moments psum (m̂, s_max)"], finals["gradients psum, max_adabelief"])
+    ring_gap = max_rel_err(finals["moments ring (m̂, s_max)"], finals["moments psum (m̂, s_max)"])
     _table(
         "exchange",
         f"data-parallel Max-AdaBelief (max_of corrected, lr 3e-3), MLP 64-{width}-{width}-10 "

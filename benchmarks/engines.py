@@ -47,6 +47,7 @@ from jaxstream.models import mlp
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
+from jaxstream.quality.metrics import max_rel_err
 from jaxstream.stream import LayerStore
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
@@ -79,12 +80,6 @@ def estimators(num_layers: int) -> dict:
 
 def _flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
-
-
-def max_rel_err(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))
-                     / (np.max(np.abs(np.asarray(v, np.float64))) + 1e-30))
-               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def cosine(a, b) -> float:

@@ -1,20 +1,14 @@
-"""The one tree comparison of the test suite: relative to each leaf's largest entry."""
+"""The one tree comparison of the test suite and the benchmarks
+(:func:`jaxstream.quality.metrics.max_rel_err`: relative to each leaf's largest entry, floored
+at 1e-3 of the whole tree's)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import jax
-import numpy as np
 
-
-def max_rel_err(a: Any, b: Any) -> float:
-    """max over leaves of ‖a − b‖∞ / ‖b‖∞ (float64), the error measure of every engine test."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb), f"trees differ: {len(la)} vs {len(lb)} leaves"
-    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))
-                     / (np.max(np.abs(np.asarray(v, np.float64))) + 1e-30))
-               for u, v in zip(la, lb))
+from jaxstream.quality.metrics import max_rel_err
 
 
 def assert_trees_close(a: Any, b: Any, rtol: float = 1e-5) -> None:

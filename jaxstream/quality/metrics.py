@@ -136,3 +136,33 @@ def seed_statistics(estimates: Any, exact: Any) -> SeedStatistics:
         norm_ratio_mean={k: jnp.mean(v, axis=0) for k, v in per_seed.norm_ratio.items()},
         relative_error_mean={k: jnp.mean(v, axis=0) for k, v in per_seed.relative_error.items()},
     )
+
+
+#: A leaf's error is measured against at least this share of the whole tree's largest entry.
+LEAF_FLOOR = 1e-3
+
+
+def max_rel_err(a: Any, b: Any, floor: float = LEAF_FLOOR) -> float:
+    """The largest error of tree ``a`` against reference ``b``, leaf by leaf, in float64:
+    max over leaves of ‖a − b‖∞ / max(‖b_leaf‖∞, ``floor`` · ‖b‖∞).
+
+    Relative to each leaf's own scale, so a small leaf's error is not hidden by a large one;
+    but never to less than ``floor`` of the whole tree's, so a leaf whose exact gradient is 0
+    (an attention key bias: ~4e-9 in float) does not divide noise by noise.
+
+    Example:
+      >>> max_rel_err(engine_grads, in_memory_grads) <= 1e-5
+    """
+    import numpy as np
+
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if len(la) != len(lb):
+        raise ValueError(f"trees differ: {len(la)} vs {len(lb)} leaves")
+    if not lb:
+        return 0.0
+    va = [np.asarray(x, np.float64) for x in la]
+    vb = [np.asarray(x, np.float64) for x in lb]
+    whole = max(float(np.max(np.abs(v))) if v.size else 0.0 for v in vb)
+    errs = [float(np.max(np.abs(u - v))) / max(float(np.max(np.abs(v))), floor * whole, 1e-30)
+            for u, v in zip(va, vb) if v.size]
+    return max(errs, default=0.0)

@@ -131,3 +131,22 @@ def test_generic_pytree_groups():
     np.testing.assert_allclose(
         float(q.cosine["all"]), x @ y / np.linalg.norm(x) / np.linalg.norm(y), rtol=1e-5
     )
+
+
+def test_max_rel_err_does_not_divide_noise_by_noise():
+    """A leaf whose exact gradient is 0 is measured against the whole tree's scale (floored),
+    while a small but real leaf keeps its own scale; checked against float64 by hand."""
+    import numpy as np
+
+    from jaxstream.quality.metrics import max_rel_err
+
+    exact = {"w": np.array([2.0, -4.0]), "key_bias": np.array([0.0, 4e-9]),
+             "small": np.array([0.01, 0.02])}
+    est = {"w": np.array([2.0, -4.0 + 4e-6]), "key_bias": np.array([3e-9, -2e-9]),
+           "small": np.array([0.01, 0.02 + 2e-8])}
+    # per leaf: w 1e-6; key_bias 6e-9 / max(4e-9, 1e-3 * 4) = 1.5e-6; small 2e-8 / 0.02 = 1e-6
+    assert np.isclose(max_rel_err(est, exact), 1.5e-6)
+    per_leaf_only = max(np.max(np.abs(est[k] - exact[k])) / np.max(np.abs(exact[k]))
+                        for k in exact)
+    assert per_leaf_only > 1.0  # the old measure: noise over noise
+    assert max_rel_err(exact, exact) == 0.0
