@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from jaxstream.stream.errors import StoreError, StoreNotFoundError
-from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
+from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore, write_group
 
 FORMAT = "jaxstream.datastore/1"
 MANIFEST = "data.json"
@@ -48,11 +48,16 @@ class DataStore:
             root.delete_range(ts_range_all()).result()
         n = next(iter(sizes.values()))
         meta = {"format": FORMAT, "num_samples": n, "fields": {}}
+        write_group(root, "", {"jaxstream": {"format": FORMAT, "record": MANIFEST,
+                                             "layout": "fields/NAME[sample, ...]"}})
+        write_group(root, "fields")
         for k, v in fields.items():
             v = np.asarray(v)
             chunk = (max(1, min(chunk_samples, n)),) + v.shape[1:]
             arr = open_array(root, f"fields/{k}", ctx, create=True, shape=v.shape, chunk=chunk,
-                             dtype=str(v.dtype))
+                             dtype=str(v.dtype),
+                             attributes={"jaxstream": {"field": k, "dims": ["sample"] + [
+                                 f"d{i}" for i in range(v.ndim - 1)]}})
             arr.write(v).result()
             meta["fields"][k] = {"shape": list(v.shape), "dtype": str(v.dtype)}
         root.write(MANIFEST, json.dumps(meta).encode()).result()

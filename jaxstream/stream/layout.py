@@ -8,6 +8,7 @@ step, so caching them only costs memory).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -83,10 +84,12 @@ def open_kvstore(location: KvSpec, context: ts.Context) -> ts.KvStore:
     return ts.KvStore.open(kvstore_spec(location), context=context).result()
 
 
-def array_spec(shape: tuple[int, ...], chunk: tuple[int, ...], dtype: str) -> dict:
+def array_spec(shape: tuple[int, ...], chunk: tuple[int, ...], dtype: str,
+               attributes: dict | None = None) -> dict:
     """Zarr3 metadata: regular chunks, raw little-endian bytes, no compression, and a crc32c
-    checksum per chunk (a damaged chunk is an error on read, never wrong numbers)."""
-    return {
+    checksum per chunk (a damaged chunk is an error on read, never wrong numbers); the
+    ``attributes`` say what the array is (readable by plain zarr or tensorstore)."""
+    return {**({"attributes": attributes} if attributes else {}),
         "shape": list(shape),
         "data_type": str(np.dtype(dtype)),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
@@ -104,6 +107,7 @@ def open_array(
     shape: tuple[int, ...] = (),
     chunk: tuple[int, ...] = (),
     dtype: str = "float32",
+    attributes: dict | None = None,
 ) -> ts.TensorStore:
     """Opens (or creates) the zarr3 array stored under ``key`` of ``root``.
 
@@ -113,6 +117,13 @@ def open_array(
     spec: dict = {"driver": "zarr3", "kvstore": (root / (key.rstrip("/") + "/")).spec().to_json(),
                   "fill_missing_data_reads": False, "store_data_equal_to_fill_value": True}
     if create:
-        spec["metadata"] = array_spec(shape, chunk, dtype)
+        spec["metadata"] = array_spec(shape, chunk, dtype, attributes)
         return ts.open(spec, create=True, delete_existing=True, context=context).result()
     return ts.open(spec, open=True, context=context).result()
+
+
+def write_group(root: ts.KvStore, key: str, attributes: dict | None = None) -> None:
+    """A zarr3 group node (``KEY/zarr.json``), so ``zarr.open_group`` walks the store."""
+    meta = {"zarr_format": 3, "node_type": "group", "attributes": attributes or {}}
+    name = f"{key.strip('/')}/zarr.json" if key.strip("/") else "zarr.json"
+    root.write(name, json.dumps(meta).encode()).result()

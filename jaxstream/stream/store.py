@@ -46,7 +46,7 @@ from jaxstream.stream.errors import (
     StoreStaleError,
     StoreWriteError,
 )
-from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
+from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore, write_group
 from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
 from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
@@ -329,9 +329,16 @@ class LayerStore:
         if key not in self._arrays:
             e = self._m["leaves"]["params"][part][i]
             lead = (self.num_layers,) if part == "blocks" else ()
-            self._arrays[key] = open_array(self._root, f"scratch/{part}/{i}", self._ctx, create=True,
-                                           shape=lead + tuple(e["shape"]),
-                                           chunk=(1,) * len(lead) + tuple(e["shape"]), dtype=e["dtype"])
+            if not any(k[0] == "scratch" for k in self._arrays if isinstance(k, tuple)):
+                write_group(self._root, "scratch", {"jaxstream": {"kind": "scratch (within a "
+                                                                         "step; not committed)"}})
+                for p in ("embed", "blocks", "head"):
+                    write_group(self._root, f"scratch/{p}", {"jaxstream": {"part": p}})
+            self._arrays[key] = open_array(
+                self._root, f"scratch/{part}/{i}", self._ctx, create=True,
+                shape=lead + tuple(e["shape"]), chunk=(1,) * len(lead) + tuple(e["shape"]),
+                dtype=e["dtype"], attributes={"jaxstream": {"kind": "scratch", "part": part,
+                                                            "leaf": e["name"]}})
         return self._arrays[key]
 
     def write_scratch(self, unit: Unit, tree: Any) -> list:

@@ -9,9 +9,20 @@ import numpy as np
 import tensorstore as ts
 
 from jaxstream.stream.errors import StoreMismatchError
-from jaxstream.stream.layout import open_array
+from jaxstream.stream.layout import open_array, write_group
 from jaxstream.stream.manifest import FORMAT, PARTS
 from jaxstream.stream.store_parts import leaf_table, master_dtype, nested_from_names, write_manifest
+
+#: The root group's attributes: how to find the current values without jaxstream.
+ROOT_ATTRIBUTES = {
+    "format": FORMAT,
+    "commit_record": "manifest.json",
+    "layout": "{params,opt}/{embed,head}/LEAF[slot, ...] and {params,opt}/blocks/LEAF[layer, "
+              "slot, ...]; LEAF is the index of the leaf in manifest.json leaves.{params,opt}."
+              "{part} (each array's attributes name it)",
+    "current_slot": "manifest.json slots.embed, slots.head and slots.blocks[layer] (0 or 1)",
+    "step": "manifest.json step",
+}
 
 
 def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: dict, optimizer: Any,
@@ -39,13 +50,21 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
         "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
         "extra": {},
     }
+    write_group(root, "", {"jaxstream": ROOT_ATTRIBUTES})
     for kind, trees in (("params", templates), ("opt", opt_init)):
+        write_group(root, kind, {"jaxstream": {"kind": kind}})
         for part in PARTS:
+            write_group(root, f"{kind}/{part}", {"jaxstream": {"kind": kind, "part": part}})
+            table = manifest["leaves"][kind][part]
             for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
                 shape = tuple(np.shape(leaf))
                 lead = (num_layers, 2) if part == "blocks" else (2,)
+                dims = ["layer", "slot"] if part == "blocks" else ["slot"]
+                attrs = {"jaxstream": {"kind": kind, "part": part, "leaf": table[i]["name"],
+                                       "dims": dims + [f"d{k}" for k in range(len(shape))]}}
                 open_array(root, f"{kind}/{part}/{i}", ctx, create=True, shape=lead + shape,
-                           chunk=(1,) * len(lead) + shape, dtype=str(np.asarray(leaf).dtype))
+                           chunk=(1,) * len(lead) + shape, dtype=str(np.asarray(leaf).dtype),
+                           attributes=attrs)
     futs = []
     for kind, trees in (("params", params), ("opt", opt_init)):
         for part in PARTS:
