@@ -20,9 +20,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxstream.data.batches import batch_at
 from jaxstream.data.stored import batch_source
 from jaxstream.experiment.checkpoints import ArmCheckpointer
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
+from jaxstream.experiment.config import ConfigError
+from jaxstream.experiment.engines import LocalEngineConfig, split_micro_batches
 from jaxstream.experiment.estimators import describe, family
 from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
 from jaxstream.experiment.plots import write_plots
@@ -130,6 +133,25 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
 
 
+def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) -> None:
+    """Every arm's estimator traced once on the model, abstractly (``jax.eval_shape``, no
+    compute), before any arm trains: what an estimator refuses on this model (local losses on a
+    model that is not a stack, a batch it cannot take) stops the run with one line naming the
+    arm, instead of after the earlier arms have trained. The in-memory engines only: the others
+    check their arms when the config loads."""
+    if not isinstance(cfg.engine, LocalEngineConfig):
+        return
+    key = jax.random.key(0)
+    for i, arm in enumerate(cfg.arms):
+        est = arm.estimator.build()
+        micro = split_micro_batches(batch, getattr(arm.estimator, "micro_batches", 1))
+        try:
+            jax.eval_shape(lambda p, b, k: est(model, p, b, k)[:2], params, micro, key)
+        except (TypeError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"arms.{i}.estimator ({arm.name}): {first}") from e
+
+
 def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
     """Train every arm; write metrics.jsonl, plots; print and return the summary."""
     run_dir = Path(run_dir)
@@ -137,6 +159,7 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
     data = cfg.data.load(cfg.seed)
     stack = model_for(cfg, data.info, data.train["x"][:2])
     init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
+    _check_arms_trace(cfg, stack, init_params, batch_at(data.train, cfg.batch_size, cfg.seed, 0))
     log = MetricsLog(run_dir / "metrics.jsonl")
     old = log.read() if resume else []
     names = [a.name for a in cfg.arms]

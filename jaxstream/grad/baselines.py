@@ -32,7 +32,7 @@ from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.hybrid import num_micro_batches
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import AS_STACK, Stack
 
 SELECT = 0x7FFFFFFF  # the hybrid's key segment for its random choice of exact micro-batches
 
@@ -143,7 +143,7 @@ class LocalForwardWeights:
                  *, diagnostics: bool = False):
         if not isinstance(loss_fn, Stack):
             raise TypeError("local_forward_weights needs a model Stack as loss_fn (local losses "
-                            f"per block); got {type(loss_fn).__name__}")
+                            f"per block); got {type(loss_fn).__name__}" + AS_STACK)
         check_local_losses(loss_fn, True, "local_forward_weights")
         loss, grads = _local_weights(loss_fn, self.spec, params, batch, key)
         return _finish(loss, grads, {}, diagnostics)

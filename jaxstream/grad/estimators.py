@@ -19,7 +19,7 @@ from jaxstream.grad.directional import directional, stack_activity
 from jaxstream.grad.layered import is_layered, layered_activity
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import AS_STACK, Stack
 
 Aggregation = Literal["mean", "projection"]
 Perturb = Literal["weights", "activations"]
@@ -105,7 +105,7 @@ class Forward:
             if is_layered(loss_fn):  # a user's layered model (models.from_sequential)
                 if self.local_losses:
                     raise ValueError("local_losses=True needs a model Stack (a shared head for "
-                                     f"every block); got {type(loss_fn).__name__}")
+                                     f"every block); got {type(loss_fn).__name__}" + AS_STACK)
                 loss, grads = layered_activity(loss_fn, self.spec, params, batch, key)
                 return _finish(loss, grads, {}, diagnostics)
             if not isinstance(loss_fn, Stack):

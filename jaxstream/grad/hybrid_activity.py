@@ -31,7 +31,7 @@ from jaxstream.grad.estimators import forward
 from jaxstream.grad.hybrid import num_micro_batches
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
-from jaxstream.models.stack import Stack
+from jaxstream.models.stack import AS_STACK, Stack
 
 Shrinkage = Literal["per_layer", "global", "none"]
 SHRINKAGES = ("per_layer", "global", "none")
@@ -106,7 +106,7 @@ class HybridActivity:
                  *, diagnostics: bool = False):
         if not isinstance(loss_fn, Stack):
             raise TypeError("hybrid_activity needs a model Stack as loss_fn (activity "
-                            f"perturbation); got {type(loss_fn).__name__}")
+                            f"perturbation); got {type(loss_fn).__name__}" + AS_STACK)
         n = num_micro_batches(batch)
         if n <= self.num_exact:
             raise ValueError(f"hybrid_activity: num_exact={self.num_exact} must be below the "

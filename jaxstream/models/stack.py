@@ -18,6 +18,11 @@ Params = dict[str, Any]
 Batch = dict[str, jax.Array]
 
 
+#: The fix an error gives when an estimator that works on blocks gets another model.
+AS_STACK = ("; a sequential model becomes one with jaxstream.models.as_stack(model) (or "
+            "as_padded_stack(model, x))")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Stack:
     """embed -> ``num_layers`` blocks -> head -> per-example loss, as pure functions.

@@ -118,3 +118,22 @@ def test_a_users_sequential_cnn_trains_on_the_stream_engine(tmp_path, monkeypatc
     for a, b in zip(mem, streamed):
         assert abs(a["test_loss"] - b["test_loss"]) <= 1e-5 * abs(a["test_loss"]), (a, b)
     assert mem[-1]["test_loss"] != mem[0]["test_loss"]  # it trained
+
+
+def test_an_arm_the_model_cannot_run_is_refused_before_any_arm_trains(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Local losses need a stack; on the user's own sequential CNN the third arm is refused
+    when the run starts (one line naming the arm, exit 2), before the first arm trains, and
+    nothing is left written."""
+    (tmp_path / "my_cnn.py").write_text(CNN_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    arms = ("arms=[{name: bp, estimator: {type: backprop}, lr: 0.01}, "
+            "{name: fga, estimator: {type: forward, perturb: activations}, lr: 0.01}, "
+            "{name: lgfga, estimator: {type: forward, perturb: activations, local_losses: true},"
+            " lr: 0.01}]")
+    assert main(["run", "--plugin", "my_cnn", str(QUICKSTART), "model={type: tutorial_cnn}",
+                 "steps=3", "batch_size=16", "plots=false", arms, "--out", "run"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith("error: arms.2.estimator (lgfga): "), err
+    assert "as_stack(model)" in err[0] and not (tmp_path / "run").exists()
