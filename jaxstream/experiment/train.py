@@ -148,6 +148,8 @@ def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) ->
         try:
             jax.eval_shape(lambda p, b, k: est(model, p, b, k)[:2], params, micro, key)
         except (TypeError, ValueError) as e:
+            if isinstance(e, jax.errors.ConcretizationTypeError):
+                continue  # needs concrete values to check: the first real step checks it
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"arms.{i}.estimator ({arm.name}): {first}") from e
 
