@@ -1,9 +1,10 @@
-"""Data sections of a config: ``data: {type: digits | mnist1d | chars | text | store, ...}``."""
+"""Data sections of a config: ``data: {type: digits | mnist1d | chars | text | npz | store}``."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from jaxstream.data.arrays import load_npz
 from jaxstream.data.chars import load_chars
 from jaxstream.data.digits import Dataset, load_digits
 from jaxstream.data.mnist1d import load_mnist1d
@@ -127,3 +128,35 @@ class StoreDataConfig(DataConfig):
 
     def load(self, seed: int) -> Dataset:
         return open_data_store(self.path)
+
+
+@register_choice(DataConfig, "npz")
+@dataclasses.dataclass(frozen=True)
+class NpzDataConfig(DataConfig):
+    """A user's own arrays: an ``.npz`` file with ``x`` (n, ...) and integer labels ``y`` (n,)
+    (see :func:`jaxstream.data.arrays.load_npz`).
+
+    Attributes:
+      path: the file.
+      test_fraction: share held out for testing.
+      standardize: per-feature standardisation with train statistics.
+      flatten: x as (n, features) (an MLP); false keeps each example's shape (a CNN).
+      split_seed: seed of the train/test split (None: the experiment seed).
+    """
+
+    path: str = ""
+    test_fraction: float = 0.2
+    standardize: bool = True
+    flatten: bool = True
+    split_seed: int | None = None
+
+    def __post_init__(self):
+        if not self.path:
+            raise ValueError("path: the .npz file is required, e.g. data: {type: npz, path: "
+                             "mnist.npz}")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"test_fraction: must be in (0, 1), got {self.test_fraction}")
+
+    def load(self, seed: int) -> Dataset:
+        split = seed if self.split_seed is None else self.split_seed
+        return load_npz(self.path, split, self.test_fraction, self.standardize, self.flatten)
