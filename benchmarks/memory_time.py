@@ -3,7 +3,9 @@
 A deep MLP (width 512, batch 1024, depth 8 / 16 / 32 / 64). For each depth and each mode the
 step is compiled with ``jax.jit(f).lower(...).compile()``; ``memory_analysis()`` gives XLA's
 temporary buffer size (activations, tangents, scratch; params, batch and outputs excluded) and
-the median of timed runs gives the step time. Modes:
+the median of timed runs gives the step time; :func:`jaxstream.quality.flops.matmul_flops`
+counts the matrix-multiply FLOPs the compiled step runs (loops by their trip counts), the
+machine-independent cost. Modes:
 
 * ``inference`` — the mean loss only (one forward pass);
 * ``backprop`` — ``jaxstream.grad.backprop()``, the reference;
@@ -14,7 +16,8 @@ the median of timed runs gives the step time. Modes:
 * ``hybrid`` — ``jaxstream.grad.hybrid(num_exact=2, correction="control_variate")`` on 16
   micro-batches of 64 (2 of them exact).
 
-Prints a table with ratios vs backprop and vs inference, side by side, from the same run.
+Prints a table with ratios vs backprop and vs inference, side by side, from the same run, and
+the hybrid's time floor: its FLOPs at the best FLOP rate any mode reached in the run.
 
 ``--parts`` adds where the hybrid's memory and time go, each part compiled alone with its
 alternatives (:mod:`hybrid_parts`). docs/results.md renders the ``--json`` rows
@@ -41,7 +44,9 @@ import jax.numpy as jnp
 
 import jaxstream.grad as jg
 from jaxstream.experiment.docblock import machine
+from jaxstream.experiment.table_report import time_floor
 from jaxstream.models import mlp
+from jaxstream.quality.flops import matmul_flops
 
 MODES = ("inference", "backprop", "backprop_remat", "forward", "hybrid")
 NUM_MICRO, NUM_EXACT = 16, 2
@@ -78,37 +83,41 @@ def step_functions(stack: Any) -> dict[str, Callable]:
     }
 
 
-def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float]:
-    """(temp bytes of the compiled step, median wall milliseconds over ``repeats`` runs)."""
+def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float, int]:
+    """(temp bytes of the compiled step, median wall milliseconds over ``repeats`` runs,
+    matrix-multiply FLOPs of the compiled step)."""
     compiled = jax.jit(fn).lower(*args).compile()
     temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    flops = matmul_flops(compiled)
     jax.block_until_ready(compiled(*args))  # warm-up
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append((time.perf_counter() - t0) * 1e3)
-    return temp, statistics.median(times)
+    return temp, statistics.median(times), flops
 
 
 def run(depths: list[int], width: int, batch: int, repeats: int,
         parts: bool = False) -> list[dict]:
-    """One row per depth: ``{"depth", "temp_bytes": {mode: int}, "step_ms": {mode: float}}``
-    (with ``parts``: ``"parts": {name: [temp, ms]}`` and ``"backprop": [temp, ms]``)."""
+    """One row per depth: ``{"depth", "temp_bytes": {mode: int}, "step_ms": {mode: float},
+    "flops": {mode: int}}`` (with ``parts``: ``"parts": {name: [temp, ms, flops]}`` and
+    ``"backprop": [temp, ms, flops]``)."""
     rows = []
     for depth in depths:
         stack, params, data = make_problem(depth, width, batch)
         key = jax.random.key(42)
-        row: dict[str, Any] = {"depth": depth, "temp_bytes": {}, "step_ms": {}}
+        row: dict[str, Any] = {"depth": depth, "temp_bytes": {}, "step_ms": {}, "flops": {}}
         for mode, fn in step_functions(stack).items():
-            temp, ms = measure(fn, (params, data, key), repeats)
+            temp, ms, flops = measure(fn, (params, data, key), repeats)
             row["temp_bytes"][mode] = temp
             row["step_ms"][mode] = ms
+            row["flops"][mode] = flops
         if parts:
             from hybrid_parts import part_functions
 
             micro = jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), data)
-            row["backprop"] = [row["temp_bytes"]["backprop"], row["step_ms"]["backprop"]]
+            row["backprop"] = [row[k]["backprop"] for k in ("temp_bytes", "step_ms", "flops")]
             row["parts"] = {name: list(measure(fn, (params, micro, key), repeats))
                             for name, fn in part_functions(stack, NUM_MICRO).items()}
         rows.append(row)
@@ -124,6 +133,8 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
     cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
     cols += [(f"ms {short.get(m, m[:4])}", 9) for m in MODES]
     cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
+    cols += [("GF bp", 7), ("flop fwd/bp", 11), ("flop hyb/bp", 11), ("flop rmat/bp", 12),
+             ("hyb floor/bp", 12)]
     lines = []
     if header:
         lines.append(" ".join(name.rjust(w) for name, w in cols))
@@ -138,6 +149,10 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
         vals += [f"{s[m]:.1f}" for m in MODES]
         vals += [f"{s['forward'] / s['backprop']:.2f}", f"{s['forward'] / s['inference']:.2f}"]
         vals += [f"{s['hybrid'] / s['backprop']:.2f}", f"{s['backprop_remat'] / s['backprop']:.2f}"]
+        f = r["flops"]
+        vals += [f"{f['backprop'] / 1e9:.2f}"]
+        vals += [f"{f[m] / f['backprop']:.3f}" for m in ("forward", "hybrid", "backprop_remat")]
+        vals += [f"{time_floor(r)['floor']:.2f}"]
         lines.append(" ".join(v.rjust(w) for v, (_, w) in zip(vals, cols)))
     return "\n".join(lines)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import re
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import optax
 import pytest
 
 import jaxstream as js
+from jaxstream._moved import _ALIASES
 
 SUBPACKAGES = ("grad", "models", "quality", "pipeline", "stream", "comm", "optim", "placement",
                "data", "experiment", "compose")
@@ -81,3 +84,15 @@ def test_version_and_print_config(tmp_path, capsys, monkeypatch):
     kind, loaded = load_experiment(cfg, ["steps=7"])
     assert text == dump_yaml(loaded, {"kind": kind})  # what the run would write as config.yaml
     assert list(tmp_path.iterdir()) == []  # nothing run, nothing written
+
+
+@pytest.mark.parametrize("old", sorted(_ALIASES))
+def test_a_moved_module_still_imports_from_its_old_path_with_a_warning(old):
+    """The last release's import paths (a plugin's ``from jaxstream.plugins import ...``) give
+    the module that now holds the code, and say where it went, at the user's import line."""
+    new = importlib.import_module(_ALIASES[old])
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"moved to {_ALIASES[old]}")) as caught:
+        module = importlib.import_module(old)
+    assert module is new
+    assert caught[0].filename == __file__

@@ -156,6 +156,13 @@ def forward(
     Returns:
       An estimator ``(loss_fn, params, batch, key) -> (loss, grads)``.
 
+    Same key, another form of the model: tangents are drawn per parameter group of the loss
+    function they are given — per layer of a :class:`~jaxstream.models.Sequential`, per embed /
+    block / head of a :class:`~jaxstream.models.Stack`. So on a stack view of a user's model
+    (``as_stack``, ``as_padded_stack``) the estimate has the same distribution as on the model
+    itself but other draws for the same key (relative differences of order one): compare an
+    engine with the in-memory estimator on ``view.stack``, never on the model.
+
     Example:
       >>> est = forward(num_tangents=4, distribution="gaussian")
       >>> loss, grads = jax.jit(est, static_argnums=0)(stack, params, batch, key)

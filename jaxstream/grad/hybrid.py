@@ -181,6 +181,19 @@ def hybrid(
     added into h's buffer, so a step's temporary memory stays near that of a forward pass
     (``benchmarks/memory_time.py --parts`` measures each part).
 
+    Compute: a jvp along a dense weight tangent is three matrix products per layer (x·W, dx·W,
+    x·V), as many as backprop's (x·W, δ·Wᵀ, xᵀ·δ), so the forward part over all N
+    micro-batches already costs backprop's FLOPs; the exact part adds its share's
+    rematerialised backprop, about (4/3)·k/N of backprop's. At equal FLOP rates the step is
+    never faster than backprop (counted by :func:`jaxstream.quality.flops.matmul_flops`).
+
+    Same key, another form of the model: tangents are drawn per parameter group of the loss
+    function they are given — per layer of a :class:`~jaxstream.models.Sequential`, per embed /
+    block / head of a :class:`~jaxstream.models.Stack`. So on a stack view of a user's model
+    (``as_stack``, ``as_padded_stack``) the estimate has the same distribution as on the model
+    itself but other draws for the same key (relative differences of order one): compare an
+    engine with the in-memory estimator on ``view.stack``, never on the model.
+
     Example:
       >>> est = hybrid(num_exact=2, correction="control_variate")
       >>> micro = jax.tree.map(lambda x: x.reshape(16, -1, *x.shape[1:]), batch)

@@ -10,6 +10,10 @@ group (the tutorial CNN) is refused here with a clear error; :func:`~jaxstream.m
 padded_stack.as_padded_stack` pads its layers into a stack instead, and its in-memory estimators
 run on the :class:`~jaxstream.models.sequential.Sequential` itself.
 
+Gradients through the view are the model's (``view.unstack``). Forward-mode estimators draw
+their tangents per block of the view, not per layer of the model, so for the same key their
+estimates on ``view.stack`` and on the model are different draws of the same distribution.
+
 Example:
     >>> rngs = nnx.Rngs(0)
     >>> model = from_sequential(nnx.Sequential(

@@ -21,6 +21,7 @@ from jaxstream.quality.compare import (
     exact_gradient,
     flatten_microbatches,
 )
+from jaxstream.quality.flops import matmul_flops
 from jaxstream.quality.groups import group_names, group_sums, num_parameters
 from jaxstream.quality.metrics import (
     EstimateQuality,
@@ -55,6 +56,7 @@ __all__ = [
     "gaussian_cosine_std",
     "group_names",
     "group_sums",
+    "matmul_flops",
     "num_parameters",
     "save_rows",
     "seed_statistics",
