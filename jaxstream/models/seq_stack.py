@@ -120,8 +120,16 @@ def find_blocks(model: Sequential) -> tuple[int, int, int]:
 
 
 def check_pure(model: Sequential) -> None:
-    """Raises ValueError if the model keeps batch statistics or uses dropout: a stack's blocks
-    are pure functions of parameters and inputs."""
+    """Raises ValueError if the model keeps batch statistics, uses dropout or shares a parameter
+    between layers: a stack's blocks are pure functions of their own parameters and inputs."""
+    for l, layer in enumerate(model.layers):
+        for here, owner, there in layer.ties:
+            raise ValueError(
+                f"model: {model.name!r} layer {l} shares its parameter {'/'.join(map(str, here))!r}"
+                f" with layer {owner} ({'/'.join(map(str, there))!r}, tied weights); a stack's "
+                "segments hold their own parameters, so the tie cannot be kept on the pipeline, "
+                "streamed or composed engines: train the tied model in memory (backprop, weight "
+                "perturbation, the hybrids), or untie the layers")
     if model.has_state or any(layer.has_dropout for layer in model.layers):
         raise ValueError(f"model: {model.name!r} has BatchNorm statistics or dropout; as a stack "
                          "(pipeline stages, streamed layers) its blocks must be pure functions of "
@@ -140,8 +148,9 @@ def as_stack(model: Sequential) -> StackView:
     """The model as a :class:`Stack` (see the module docstring).
 
     Raises:
-      ValueError: no repeated group of layers; or the model keeps batch statistics or uses
-        dropout (a stack's blocks are pure functions of parameters and inputs).
+      ValueError: no repeated group of layers; or the model keeps batch statistics, uses
+        dropout or ties parameters of two layers (a stack's blocks are pure functions of their
+        own parameters and inputs).
     """
     check_pure(model)
     f, g, r = find_blocks(model)

@@ -9,7 +9,12 @@ the output of every layer that has parameters. A stack of identical blocks (:cla
 the fast path (one compiled block, ``lax.scan``); a sequential model unrolls its layers.
 
 Parameters are a tuple with one ``nnx.Param`` pure dict per layer (``{}`` for a layer without
-parameters). Non-differentiated state -- BatchNorm's running averages -- lives in a tuple of the
+parameters). A parameter shared by several layers (a tied embedding and output head, a module
+placed twice) is kept once, in the first layer that uses it, and every later use reads it
+there, so its gradient is the sum over its uses and the tie survives training, as in nnx.
+Such a model runs as a whole (backprop, weight perturbation, the hybrids); what runs its layers
+one by one with their own parameters (activity perturbation, stack views) refuses it by name.
+Non-differentiated state -- BatchNorm's running averages -- lives in a tuple of the
 same layout (:attr:`Sequential.state`): the loss uses the statistics of the batch (training
 mode), :meth:`Sequential.update_state` computes the new running averages after a step, and
 :meth:`Sequential.apply` uses them for evaluation.
@@ -68,6 +73,8 @@ class _Layer:
     has_params: bool = False
     has_stats: bool = False
     has_dropout: bool = False
+    # parameters this layer shares with an earlier one: (path here, owner layer, path there)
+    ties: tuple[tuple[tuple, int, tuple], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,6 +124,14 @@ class Sequential:
         layer = self.layers[l]
         if layer.fn is not None:
             return layer.fn(h), {}
+        if layer.ties and not all(_has_path(p, here) for here, _, _ in layer.ties):
+            here, owner, there = layer.ties[0]
+            raise ValueError(
+                f"model: layer {l} shares its parameter {_where(here)!r} with layer {owner} "
+                f"({_where(there)!r}, tied weights); it runs only inside the whole model "
+                f"(backprop, weight perturbation, the hybrids), not layer by layer (activity "
+                f"perturbation, local losses, stack views): use one of those estimators, or untie "
+                f"the layers")
         stats = state if state is not None else self.state[l]
         module = nnx.merge(layer.graphdef, p, stats, layer.other)
         dropout_on = train and self.rng is not None
@@ -127,6 +142,18 @@ class Sequential:
         out = module(h)
         new = nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)) if layer.has_stats else stats
         return out, new
+
+    @property
+    def has_ties(self) -> bool:
+        """True if some parameter is shared by several layers (tied weights)."""
+        return any(layer.ties for layer in self.layers)
+
+    def tied(self, params: tuple, l: int) -> Any:
+        """Layer ``l``'s parameters with the ones it shares read from their owner layers."""
+        p = params[l]
+        for here, owner, there in self.layers[l].ties:
+            p = _set_path(p, here, _get_path(params[owner], there))
+        return p
 
     def to_nnx(self, params: tuple, state: tuple | None = None) -> nnx.Sequential:
         """The user's model back as an ``nnx.Sequential`` holding ``params`` (e.g. trained
@@ -141,8 +168,11 @@ class Sequential:
             raise ValueError(f"params: expected one entry per layer ({self.num_layers}), got "
                              f"{len(params)} params and {len(state)} statistics")
         modules = [layer.fn if layer.fn is not None else
-                   nnx.merge(layer.graphdef, p, s, layer.other)
-                   for layer, p, s in zip(self.layers, params, state)]
+                   nnx.merge(layer.graphdef, self.tied(params, l), s, layer.other)
+                   for l, (layer, s) in enumerate(zip(self.layers, state))]
+        for l, layer in enumerate(self.layers):  # one Param object per tie again, as built
+            for here, owner, there in layer.ties:
+                _set_attr_path(modules[l], here, _get_attr_path(modules[owner], there))
         return nnx.Sequential(*modules)
 
     def layer_fn(self, l: int, train: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
@@ -167,7 +197,7 @@ class Sequential:
         state = self.state if state is None else state
         h = x
         for l in range(self.num_layers):
-            h, _ = self.layer(l, params[l], h, train=train, state=state[l])
+            h, _ = self.layer(l, self.tied(params, l), h, train=train, state=state[l])
         return h
 
     def update_state(self, params: tuple, state: tuple, x: jax.Array) -> tuple:
@@ -175,7 +205,7 @@ class Sequential:
         params = jax.lax.stop_gradient(params)
         h, new = x, []
         for l in range(self.num_layers):
-            h, s = self.layer(l, params[l], h, train=True, state=state[l])
+            h, s = self.layer(l, self.tied(params, l), h, train=True, state=state[l])
             new.append(s)
         return tuple(new)
 
@@ -223,29 +253,75 @@ def _check_batch(model: Sequential, params: Any, batch: Any) -> None:
                         f"{jnp.result_type(batch['y'])}")
 
 
-def _check_unshared(elements: list) -> None:
-    """Refuses a parameter used by two layers (tied embedding and head, a module placed twice):
-    each layer's parameters are copied separately, so the tie would be undone silently — two
-    copies, each trained by its own use's gradient."""
-    owner: dict[int, tuple[int, str]] = {}
+def _find_ties(elements: list) -> list[list[tuple[tuple, int, tuple]]]:
+    """Per layer, the parameters it shares with an earlier layer (the same ``nnx.Param``
+    object: tied embedding and head, a module placed twice): ``(path here, owner, path
+    there)``. A parameter shared inside one layer is nnx's own business (one leaf)."""
+    owner: dict[int, tuple[int, tuple]] = {}
+    ties: list[list] = [[] for _ in elements]
     for i, element in enumerate(elements):
         if not isinstance(element, nnx.Module):
             continue
         for path, node in nnx.iter_graph(element):
-            if not isinstance(node, nnx.Param):
-                continue
-            where = "/".join(map(str, path))
-            first = owner.setdefault(id(node), (i, where))
-            if first[0] != i:
-                raise ValueError(
-                    f"model: layer {i} ({type(element).__name__}, parameter {where!r}) shares its "
-                    f"parameter with layer {first[0]} ({first[1]!r}) — tied weights or a module "
-                    f"used twice. Each layer's parameters are kept separately here, so the tie "
-                    f"would be undone silently: untie them (give each layer its own parameters) "
-                    f"or train the tied model with plain nnx")
+            if isinstance(node, nnx.Param):
+                first = owner.setdefault(id(node), (i, tuple(path)))
+                if first[0] != i:
+                    ties[i].append((tuple(path), first[0], first[1]))
+    return ties
 
 
-def _split_layer(element: Any, i: int) -> tuple[_Layer, Any, Any]:
+def _where(path: tuple) -> str:
+    return "/".join(map(str, path))
+
+
+def _has_path(tree: Any, path: tuple) -> bool:
+    for k in path:
+        if not isinstance(tree, dict) or k not in tree:
+            return False
+        tree = tree[k]
+    return True
+
+
+def _get_path(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set_path(tree: dict, path: tuple, value: Any) -> dict:
+    """A copy of the nested dict ``tree`` with ``value`` at ``path`` (levels created)."""
+    out = dict(tree)
+    out[path[0]] = value if len(path) == 1 else _set_path(tree.get(path[0], {}), path[1:], value)
+    return out
+
+
+def _without_path(tree: dict, path: tuple) -> dict:
+    """A copy of the nested dict ``tree`` without ``path`` (emptied levels removed)."""
+    out = dict(tree)
+    if len(path) == 1:
+        out.pop(path[0])
+    else:
+        out[path[0]] = _without_path(tree[path[0]], path[1:])
+        if not out[path[0]]:
+            out.pop(path[0])
+    return out
+
+
+def _get_attr_path(module: Any, path: tuple) -> Any:
+    for k in path:
+        module = module[k] if isinstance(k, int) else getattr(module, k)
+    return module
+
+
+def _set_attr_path(module: Any, path: tuple, value: Any) -> None:
+    parent = _get_attr_path(module, path[:-1])
+    if isinstance(path[-1], int):
+        parent[path[-1]] = value
+    else:
+        setattr(parent, path[-1], value)
+
+
+def _split_layer(element: Any, i: int, ties: list = ()) -> tuple[_Layer, Any, Any]:
     if not isinstance(element, nnx.Module):
         if not callable(element):
             raise TypeError(f"layer {i}: expected an nnx module or a callable, got "
@@ -262,9 +338,13 @@ def _split_layer(element: Any, i: int) -> tuple[_Layer, Any, Any]:
                 f"key): set dropout_rate=0 and put an nnx.Dropout layer in the sequence instead")
     graphdef, params, stats, other = nnx.split(element, nnx.Param, nnx.BatchStat, ...)
     has_dropout = any(isinstance(m, nnx.Dropout) for _, m in nnx.iter_graph(element))
+    own = nnx.to_pure_dict(params)
+    for here, _, _ in ties:
+        own = _without_path(own, here)
     layer = _Layer(graphdef=graphdef, other=other, has_params=bool(jax.tree.leaves(params)),
-                   has_stats=bool(jax.tree.leaves(stats)), has_dropout=has_dropout)
-    return layer, nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
+                   has_stats=bool(jax.tree.leaves(stats)), has_dropout=has_dropout,
+                   ties=tuple(ties))
+    return layer, own, nnx.to_pure_dict(stats)
 
 
 def from_sequential(
@@ -281,7 +361,8 @@ def from_sequential(
       name: a label for tables and plots.
 
     Returns:
-      the model; ``model.init(key)`` gives its parameters.
+      the model; ``model.init(key)`` gives its parameters (a parameter that several layers
+      share, such as a tied embedding and head, once, in the first layer using it).
 
     Example:
       >>> rngs = nnx.Rngs(0)
@@ -298,6 +379,7 @@ def from_sequential(
             raise ValueError(f"loss: {loss!r} is not known; choose one of {sorted(LOSSES)} or "
                              "pass a function (outputs, batch) -> per-example losses")
         loss = LOSSES[loss]
-    _check_unshared(elements)
-    layers, params, stats = zip(*(_split_layer(e, i) for i, e in enumerate(elements)))
+    ties = _find_ties(elements)
+    layers, params, stats = zip(*(_split_layer(e, i, t)
+                                  for i, (e, t) in enumerate(zip(elements, ties))))
     return Sequential(tuple(layers), tuple(params), tuple(stats), loss, None, name)

@@ -150,24 +150,91 @@ class _TiedHead(nnx.Module):
         self.embed = embed
 
     def __call__(self, h):
-        return h @ self.embed.embedding.value.T
+        return h @ self.embed.embedding[...].T
 
 
-def test_shared_parameters_are_refused_by_name():
-    """A tied head, or a module placed twice, would become two independently trained copies:
-    refused, naming both layers and the parameter. Untied, the same shapes are accepted."""
-    rngs = nnx.Rngs(0)
+def _tied_model(rngs):
     emb = nnx.Embed(10, 4, rngs=rngs)
-    pool = lambda h: h.mean(axis=1)  # noqa: E731
-    with pytest.raises(ValueError, match=r"layer 3 \(_TiedHead, parameter 'embed/embedding'\) "
-                                         r"shares its parameter with layer 0 \('embedding'\)"):
-        from_sequential([emb, pool, nnx.Linear(4, 4, rngs=rngs), _TiedHead(emb)])
+    return nnx.Sequential(emb, lambda h: h.mean(axis=1), nnx.Linear(4, 4, rngs=rngs), nnx.tanh,
+                          _TiedHead(emb))
+
+
+def _token_batches(n):
+    rng = np.random.default_rng(0)
+    return [{"x": jnp.asarray(rng.integers(0, 10, (8, 5)), jnp.int32),
+             "y": jnp.asarray(rng.integers(0, 10, (8,)), jnp.int32)} for _ in range(n)]
+
+
+def test_tied_weights_stay_one_parameter_trained_as_plain_nnx_trains_them():
+    """A head that reuses the embedding table: one parameter, as nnx counts it; its gradient
+    summed over both uses; three Adam steps equal to plain nnx training of the same model, and
+    the trained model handed back with the tie in place."""
+    plain = _tied_model(nnx.Rngs(0))
+    model = from_sequential(_tied_model(nnx.Rngs(0)), loss="cross_entropy")
+    params = model.init(None)
+    count = lambda tree: sum(np.size(x) for x in jax.tree.leaves(tree))
+    assert count(params) == count(nnx.state(plain, nnx.Param)) == 10 * 4 + 4 * 4 + 4
+
+    def plain_loss(m, b):
+        return optax.softmax_cross_entropy_with_integer_labels(m(b["x"]), b["y"]).mean()
+
+    batches = _token_batches(3)
+    g_plain = nnx.grad(plain_loss)(plain, batches[0])
+    g = jax.grad(model)(params, batches[0])
+    np.testing.assert_allclose(g[0]["embedding"], g_plain["layers"][0]["embedding"][...],
+                               rtol=1e-5, atol=1e-7)
+
+    opt = nnx.Optimizer(plain, optax.adam(1e-2), wrt=nnx.Param)
+    step = js.train_step(js.grad.backprop(), optax.adam(1e-2), model)
+    opt_state = step.init(params)
+    for i, b in enumerate(batches):
+        opt.update(plain, nnx.grad(plain_loss)(plain, b))
+        params, opt_state, _ = step(params, opt_state, b, jax.random.key(i))
+    trained = model.to_nnx(params)
+    assert trained.layers[4].embed.embedding is trained.layers[0].embedding  # still tied
+    np.testing.assert_allclose(trained.layers[0].embedding[...], plain.layers[0].embedding[...],
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trained.layers[2].kernel[...], plain.layers[2].kernel[...],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_placed_twice_gets_the_sum_of_both_uses_gradients():
+    rngs = nnx.Rngs(0)
     lin = nnx.Linear(4, 4, rngs=rngs)
-    with pytest.raises(ValueError, match=r"layer 2 .*shares its parameter with layer 0"):
-        from_sequential([lin, nnx.relu, lin])
-    model = from_sequential([emb, pool, nnx.Linear(4, 4, rngs=rngs),
-                             _TiedHead(nnx.Embed(10, 4, rngs=rngs))])
-    assert len(jax.tree.leaves(model.init(jax.random.key(0)))) == 4
+    model = from_sequential([lin, nnx.tanh, lin], loss="mse")
+    params = model.init(None)
+    assert params[2] == {} and len(jax.tree.leaves(params)) == 2
+    x = jax.random.normal(jax.random.key(1), (6, 4))
+    batch = {"x": x, "y": jnp.zeros((6, 4))}
+    w, b = lin.kernel[...], lin.bias[...]
+    ref = jax.grad(lambda w, b: jnp.mean(jnp.mean((jnp.tanh(x @ w + b) @ w + b) ** 2, axis=1)),
+                   argnums=(0, 1))(w, b)
+    g = jax.grad(model)(params, batch)
+    np.testing.assert_allclose(g[0]["kernel"], ref[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g[0]["bias"], ref[1], rtol=1e-5, atol=1e-7)
+    # every micro-batch exact: the hybrid's exact part runs the tied model as a whole
+    micro = {"x": x.reshape(2, 3, 4), "y": jnp.zeros((2, 3, 4))}
+    _, gh = js.grad.hybrid(num_exact=2, correction="replace")(model, params, micro,
+                                                             jax.random.key(0))
+    np.testing.assert_allclose(gh[0]["kernel"], ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_tie_is_refused_by_name_where_layers_run_alone():
+    """Stack views and layer-by-layer estimators give each layer its own parameters, so a tie
+    would be undone: refused, naming the layers and the parameter."""
+    from jaxstream.models.seq_stack import as_stack
+
+    model = from_sequential(_tied_model(nnx.Rngs(0)), loss="cross_entropy")
+    with pytest.raises(ValueError, match=r"layer 4 shares its parameter 'embed/embedding' with "
+                                         r"layer 0 \('embedding', tied weights\)"):
+        as_stack(model)
+    with pytest.raises(ValueError, match=r"layer 4 shares its parameter 'embed/embedding'"):
+        js.grad.forward(perturb="activations")(model, model.init(None), _token_batches(1)[0],
+                                               jax.random.key(0))
+    untied = from_sequential([nnx.Embed(10, 4, rngs=nnx.Rngs(0)), lambda h: h.mean(axis=1),
+                              nnx.Linear(4, 4, rngs=nnx.Rngs(1)),
+                              _TiedHead(nnx.Embed(10, 4, rngs=nnx.Rngs(2)))])
+    assert len(jax.tree.leaves(untied.init(jax.random.key(0)))) == 4
 
 
 def test_attention_dropout_is_refused_by_name():
