@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "y": jnp.asarray(rng.integers(0, VOCAB, (16,)), jnp.int32)}
                for _ in range(args.steps)]
 
-    count = lambda tree: int(sum(np.size(x) for x in jax.tree.leaves(tree)))  # noqa: E731
+    count = lambda tree: int(sum(np.size(x) for x in jax.tree.leaves(tree)))
     result: dict = {"steps": args.steps}
     for name, tx in (("sgd", optax.sgd(0.1)), ("adam", optax.adam(3e-3))):
         plain = gpt(0)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         @nnx.jit
         def plain_step(m, o, b):
-            loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+            loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(
                 m(b["x"]), b["y"]).mean()
             o.update(m, nnx.grad(loss)(m))
 
