@@ -239,6 +239,13 @@ def flops_table(rows: list[dict]) -> str:
         vals += [fl["fastest"], f"{fl['floor']:.2f}",
                  f"{r['step_ms']['hybrid'] / r['step_ms']['backprop']:.2f}"]
         lines.append("| " + " | ".join(vals) + " |")
+    floors = ", ".join(f"{time_floor(r)['floor']:.2f} at depth {r['depth']}" for r in rows)
+    lines += ["", f"The weight-perturbed jvp of every example is three matrix products per dense "
+              f"layer, as many as backprop's (forward FLOPs / bp = 1), and the exact part adds "
+              f"its share's rematerialised backprop, so the hybrid runs more FLOPs than "
+              f"backprop. Run at the best FLOP rate of any mode here, they would still take "
+              f"{floors} of backprop's time: a step below that would need matrix products "
+              f"faster than any step in this run ran them."]
     return "\n".join(lines)
 
 
