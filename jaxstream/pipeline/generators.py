@@ -100,7 +100,8 @@ def delayed(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> 
 
 def complete(num_stages: int, num_microbatches: int, selected: Sequence[int],
              costs: OpCosts = UNIT_COSTS) -> Schedule:
-    """Full chains (every stage) for the selected micro-batches with the fewest added ticks.
+    """Full chains (every stage) for the selected micro-batches, with the fewest added ticks
+    among its list-scheduling rules (a heuristic, not a proven minimum).
 
     List-scheduled under several priority rules, fused BW and Zero-Bubble split B/W with W in the
     gaps; the table with the fewest ticks, then the lowest cost-weighted makespan, wins.
