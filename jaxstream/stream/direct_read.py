@@ -24,7 +24,7 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from jaxstream.stream.errors import StoreCorruptError
+from jaxstream.stream.errors import StoreCorruptError, not_committed
 from jaxstream.stream.store_parts import ALIGN
 
 
@@ -123,10 +123,12 @@ class FileChunks:
             return None
         return cls(str(kv["path"]).rstrip("/") + "/c/", leaf, dtype)
 
-    def read(self, index: tuple[int, ...], what: str) -> ChunkRead:
-        """A read of the chunk at ``index`` (one per leading axis); ``what`` names it in errors."""
+    def read(self, index: tuple[int, ...], what: str, expect: int | None = None) -> ChunkRead:
+        """A read of the chunk at ``index`` (one per leading axis); ``what`` names it in errors;
+        ``expect``: the crc32c the chunk must hold (the manifest's record of what was committed
+        there), or None."""
         file = self._path + "/".join(str(int(i)) for i in index) + self._tail
-        return ChunkRead(file, self._leaf_shape, self._dtype, what)
+        return ChunkRead(file, self._leaf_shape, self._dtype, what, expect)
 
 
 def _open(file: str, what: str) -> tuple[int, bool]:
@@ -176,8 +178,10 @@ class ChunkRead:
     :data:`BUFFERS` (no page faults on memory that an earlier read already touched).
     """
 
-    def __init__(self, file: str, shape: tuple[int, ...], dtype: np.dtype, what: str):
+    def __init__(self, file: str, shape: tuple[int, ...], dtype: np.dtype, what: str,
+                 expect: int | None = None):
         self._file, self._shape, self._dtype, self._what = file, shape, dtype, what
+        self._expect = expect
         self._out: np.ndarray | None = None
 
     def done(self) -> bool:
@@ -206,4 +210,7 @@ class ChunkRead:
         if crc32c.crc32c(buf[:nbytes]) != stored:
             raise StoreCorruptError(f"{self._what}: checksum mismatch, the chunk is damaged "
                                     f"({self._file})")
+        if self._expect is not None and stored != self._expect:
+            raise not_committed(self._what, self._file)
         return buf[:nbytes].view(self._dtype).reshape(self._shape)
+

@@ -42,3 +42,15 @@ class StoreStaleError(StoreError, RuntimeError):
 
 class StoreNonFiniteError(StoreError, FloatingPointError):
     """Non-finite values were refused: the store keeps its last (finite) committed step."""
+
+
+class StoreNotCommittedError(StoreCorruptError):
+    """A sound chunk holds other values than the manifest committed there: a file swapped,
+    copied in or rolled back (or, for a reader that opened an older step, overwritten since)."""
+
+
+def not_committed(what: str, file: str = "") -> StoreNotCommittedError:
+    """The error for a sound chunk that holds other values than the manifest committed there."""
+    return StoreNotCommittedError(
+        f"{what}: the chunk holds other values than the manifest committed for it (a chunk file "
+        f"swapped, copied in or rolled back{', ' + file if file else ''}); refusing to read it")

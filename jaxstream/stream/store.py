@@ -18,6 +18,9 @@ written: the writes of a step become visible together, nothing half-written is r
 Integrity: every chunk carries a crc32c checksum and a missing chunk is an error, so a damaged
 store raises :class:`StoreCorruptError` naming the leaf and layer instead of returning wrong
 numbers or zeros; the manifest is checksummed and validated (:mod:`jaxstream.stream.manifest`).
+Each commit also records in the manifest the crc32c of every chunk it committed (``digests``):
+a sound chunk that holds other values than that — a file swapped between layers, copied in from
+another store or slot, or rolled back to an older write — is refused by name on read.
 Non-finite parameters or optimizer state are never staged (:class:`StoreNonFiniteError`).
 
 One writer, consistent readers: a writer holds an OS lock (:class:`WriterLock`) from a step's
@@ -42,6 +45,7 @@ from jaxstream.stream.direct_read import FileChunks
 from jaxstream.stream.errors import (
     StoreError,
     StoreNonFiniteError,
+    StoreNotCommittedError,
     StoreNotFoundError,
     StoreStaleError,
     StoreWriteError,
@@ -52,8 +56,10 @@ from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
     ReadInto,
     TreeFuture,
+    Verified,
     WriteFuture,
     check_config,
+    digest,
     read_error,
     write_manifest,
 )
@@ -86,6 +92,7 @@ class LayerStore:
         self._arrays: dict[tuple[str, str, int], ts.TensorStore] = {}
         self._direct: dict[tuple[str, str, int], FileChunks | None] = {}  # local-file fast path
         self._staged: dict[str, int] = {}
+        self._staged_digests: dict[tuple[str, str], list[int]] = {}
         self._writes: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._writer = writer
@@ -272,16 +279,29 @@ class LayerStore:
             treedef = self._opt_treedefs[part]
         where = part if l is None else f"layer {l}"
         names = [f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})" for e in table]
+        expect = self._expected(kind, part, l, staged) or [None] * len(names)
         futs = []
         for i, name in enumerate(names):
             direct = self._direct[(kind, part, i)]
             try:
-                futs.append(direct.read(idx, name) if direct else
-                            ReadInto(self._arrays[(kind, part, i)][idx]))
+                if direct:
+                    futs.append(direct.read(idx, name, expect[i]))
+                else:
+                    read = ReadInto(self._arrays[(kind, part, i)][idx])
+                    futs.append(read if expect[i] is None else Verified(read, expect[i], name))
             except Exception as err:
                 raise read_error(err, name) from err
         post = None if (staged or self._wrote) else (lambda t: self._check_fresh([(part, l, slot)]) or t)
         return TreeFuture(treedef, futs, post, names)
+
+    def _expected(self, kind: str, part: str, l: int | None, staged: bool) -> list | None:
+        """The crc32c per leaf that the slot about to be read must hold: what this handle
+        staged there, or what the manifest committed (None: a store from before digests)."""
+        key = part if l is None else f"blocks/{l}"
+        if staged and key in self._staged:
+            return self._staged_digests.get((kind, key))
+        table = self._m.get("digests", {}).get(kind, {}).get(part)
+        return table if l is None or table is None else table[l]
 
     def _check_fresh(self, used: list[tuple[str, int | None, int]]) -> None:
         """Raises StoreStaleError when a slot read by this (reading) handle may have been
@@ -310,17 +330,21 @@ class LayerStore:
     def read_params(self) -> dict:
         """Reads the whole committed parameter pytree (for evaluation and tests)."""
         wrote, self._wrote = self._wrote, True  # one freshness check for the whole tree
+        used = ([("embed", None, self._slot("embed", None, False)),
+                 ("head", None, self._slot("head", None, False))]
+                + [("blocks", l, self._slot("blocks", l, False)) for l in range(self.num_layers)])
         try:
             layers = [self.read(l) for l in range(self.num_layers)]
             embed, head = self.read("embed").result(), self.read("head").result()
             blocks = jax.tree.map(lambda *xs: np.stack(xs), *[f.result() for f in layers])
+        except StoreNotCommittedError:
+            if not wrote:  # a reader of an older step is told that first
+                self._check_fresh(used)
+            raise
         finally:
             self._wrote = wrote
         if not wrote:
-            self._check_fresh([("embed", None, self._slot("embed", None, False)),
-                               ("head", None, self._slot("head", None, False))]
-                              + [("blocks", l, self._slot("blocks", l, False))
-                                 for l in range(self.num_layers)])
+            self._check_fresh(used)
         return {"embed": embed, "blocks": blocks, "head": head}
 
     # ------------------------------------------------------------------ scratch
@@ -401,6 +425,7 @@ class LayerStore:
                     continue
             leaves = jax.tree_util.tree_leaves(tree)
             table = self._m["leaves"][kind][part]
+            crcs = []
             if len(leaves) != len(table):
                 raise StoreError(f"{kind} of {key} has {len(leaves)} leaves, the store has {len(table)}")
             for i, (x, e) in enumerate(zip(leaves, table)):
@@ -413,12 +438,15 @@ class LayerStore:
                     raise StoreNonFiniteError(
                         f"{kind} leaf {e['name']!r} of {key} holds non-finite values; nothing of "
                         f"this step is committed, the store stays at step {self.step}")
+                crcs.append(digest(x))
                 try:
                     fut = self._arrays[(kind, part, i)][idx].write(x)
                 except Exception as err:
                     raise self._write_error(key, err) from err
                 with self._lock:
                     self._writes.append((key, fut, x.nbytes))
+            with self._lock:
+                self._staged_digests[(kind, key)] = crcs
             self._throttle()
 
     def _throttle(self) -> None:
@@ -482,6 +510,7 @@ class LayerStore:
         """Drops the staged writes of this step; the committed step stays as it was."""
         with self._lock:
             self._staged.clear()
+            self._staged_digests.clear()
             writes, self._writes = self._writes, []
         for _, f, _ in writes:
             try:
@@ -509,6 +538,7 @@ class LayerStore:
         with self._lock:
             writes, self._writes = self._writes, []
             staged = dict(self._staged)
+            digests = dict(self._staged_digests)
         for key, f, _ in writes:
             try:
                 f.result()
@@ -520,6 +550,12 @@ class LayerStore:
                 m["slots"]["blocks"][int(key.split("/")[1])] = slot
             else:
                 m["slots"][key] = slot
+        if "digests" in m:
+            for (kind, key), crcs in digests.items():
+                if key.startswith("blocks/"):
+                    m["digests"][kind]["blocks"][int(key.split("/")[1])] = crcs
+                else:
+                    m["digests"][kind][key] = crcs
         m["step"], m["generation"] = int(step), int(m["generation"]) + 1
         m["writer_pid"] = os.getpid()
         if extra is not None:
@@ -532,5 +568,6 @@ class LayerStore:
         with self._lock:
             self._m = m
             self._staged.clear()
+            self._staged_digests.clear()
         if self._writer is not None:
             self._writer.release()

@@ -11,7 +11,13 @@ import tensorstore as ts
 from jaxstream.stream.errors import StoreMismatchError
 from jaxstream.stream.layout import open_array, write_group
 from jaxstream.stream.manifest import FORMAT, PARTS
-from jaxstream.stream.store_parts import leaf_table, master_dtype, nested_from_names, write_manifest
+from jaxstream.stream.store_parts import (
+    digest,
+    leaf_table,
+    master_dtype,
+    nested_from_names,
+    write_manifest,
+)
 
 #: The root group's attributes: how to find the current values without jaxstream.
 ROOT_ATTRIBUTES = {
@@ -49,6 +55,7 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
                    "opt": {p: leaf_table(opt_init[p]) for p in PARTS}},
         "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
         "extra": {},
+        "digests": initial_digests(params, opt_init, num_layers),
     }
     write_group(root, "", {"jaxstream": ROOT_ATTRIBUTES})
     for kind, trees in (("params", templates), ("opt", opt_init)):
@@ -84,6 +91,28 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
     for f in futs:
         f.result()
     write_manifest(root, manifest, str(location))
+
+
+def initial_digests(params: dict, opt_init: dict, num_layers: int) -> dict:
+    """The crc32c of every chunk of slot 0 as :func:`write_new_store` writes it (abstract
+    block parameters: zeros; optimizer blocks: the one initial state in every layer)."""
+    def leaves(tree):
+        return jax.tree_util.tree_leaves(tree)
+
+    def block_rows(tree, per_layer):
+        return [[digest(per_layer(x, l)) for x in leaves(tree)] for l in range(num_layers)]
+
+    out = {}
+    for kind, trees in (("params", params), ("opt", opt_init)):
+        out[kind] = {p: [digest(x) for x in leaves(trees[p])] for p in ("embed", "head")}
+        if kind == "opt":
+            out[kind]["blocks"] = block_rows(trees["blocks"], lambda x, l: x)
+        elif any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves(trees["blocks"])):
+            out[kind]["blocks"] = block_rows(
+                trees["blocks"], lambda x, l: np.zeros(x.shape[1:], x.dtype))
+        else:
+            out[kind]["blocks"] = block_rows(trees["blocks"], lambda x, l: x[l])
+    return out
 
 
 def tree_structures(m: dict, location: Any, template: dict | None, optimizer: Any) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import crc32c
 import jax
 import numpy as np
 import tensorstore as ts
@@ -13,8 +14,10 @@ from jaxstream.stream.errors import (
     StoreCorruptError,
     StoreError,
     StoreMismatchError,
+    StoreNotCommittedError,
     StoreReadError,
     StoreWriteError,
+    not_committed,
 )
 from jaxstream.stream.layout import leaf_names
 from jaxstream.stream.manifest import MANIFEST, encode
@@ -56,6 +59,8 @@ class TreeFuture:
             try:
                 leaves.append(np.asarray(f.result()))
             except Exception as err:  # every read failure becomes a StoreError
+                if isinstance(err, StoreNotCommittedError) and self._post:
+                    self._post(None)  # a reader of an older step is told that first
                 raise read_error(err, name) from err
         tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
         return self._post(tree) if self._post else tree
@@ -107,6 +112,29 @@ class ReadInto:
     def result(self) -> np.ndarray:
         self._future.result()
         return self.out
+
+
+class Verified:
+    """A read whose values must have the crc32c ``expect`` (the manifest's record)."""
+
+    def __init__(self, read: Any, expect: int, what: str):
+        self._read, self._expect, self._what = read, expect, what
+
+    def done(self) -> bool:
+        return self._read.done()
+
+    def result(self) -> np.ndarray:
+        out = self._read.result()
+        if digest(out) != self._expect:
+            raise not_committed(self._what)
+        return out
+
+
+def digest(x: Any) -> int:
+    """crc32c of an array's little-endian bytes: what the zarr3 crc32c codec stores after the
+    chunk, so a chunk read directly is checked against it for free."""
+    x = np.ascontiguousarray(x)
+    return int(crc32c.crc32c(x.astype(x.dtype.newbyteorder("<"), copy=False).view(np.uint8)))
 
 
 def leaf_table(tree: Any) -> list[dict]:

@@ -197,3 +197,62 @@ def test_reader_one_commit_behind_still_reads_untouched_slots(store_path):
     np.testing.assert_array_equal(reader.read(1).result()["w"], _params()["blocks"]["w"][1])
     with pytest.raises(StoreStaleError):
         reader.read(0).result()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["file-reads", "tensorstore-reads"])
+def test_a_sound_chunk_that_is_not_what_was_committed_is_refused(store_path, direct, monkeypatch):
+    """Every chunk carries a valid crc32c, so only the manifest's record of what each commit
+    wrote can tell a swapped, copied-in or rolled-back chunk file from the committed one."""
+    import shutil
+
+    from jaxstream.stream import StoreNotCommittedError
+    from jaxstream.stream.direct_read import FileChunks
+
+    if not direct:
+        monkeypatch.setattr(FileChunks, "of", classmethod(lambda cls, arr, lead: None))
+    writer = _open(store_path)
+    for step in (1, 2):  # layer 0: step 1 in slot 1, then step 2 in slot 0
+        writer.write(0, _layer(float(step)))
+        writer.commit(step)
+    writer.close()
+    np.testing.assert_array_equal(_open(store_path).read(0).result()["w"], _layer(2.0)["w"])
+    committed = _chunk(store_path, "params", 0, 0)
+    original = Path(committed).read_bytes()
+
+    def refused(match=r"layer 0 \(slot 0\).*other values than the manifest committed"):
+        with pytest.raises(StoreNotCommittedError, match=match):
+            _open(store_path).read(0).result()
+        with pytest.raises(StoreCorruptError):  # the whole tree too
+            _open(store_path).read_params()
+
+    shutil.copyfile(_chunk(store_path, "params", 0, 1), committed)  # rolled back to step 1
+    refused()
+    shutil.copyfile(_chunk(store_path, "params", 1, 0), committed)  # layer 1's chunk swapped in
+    refused()
+    other = Path(store_path).parent / "other"
+    LayerStore.create(str(other), {**_params(), "blocks": {"w": -_params()["blocks"]["w"]}})
+    shutil.copyfile(_chunk(str(other), "params", 0, 0), committed)  # from another store
+    refused()
+    Path(committed).write_bytes(original)  # the committed bytes back: read as before
+    np.testing.assert_array_equal(_open(store_path).read(0).result()["w"], _layer(2.0)["w"])
+    # a layer never rewritten is checked against what the store was created with
+    np.testing.assert_array_equal(_open(store_path).read(1).result()["w"],
+                                  _params()["blocks"]["w"][1])
+
+
+def test_optimizer_state_chunks_are_bound_too(store_path):
+    import shutil
+
+    from jaxstream.stream import StoreNotCommittedError
+
+    import jax
+
+    writer = _open(store_path)
+    moved = jax.tree.map(lambda x: x + 1 if x.dtype.kind == "f" else x, writer.read_opt(0).result())
+    writer.write(0, _layer(1.0), moved)  # the moments of layer 0 now differ from layer 1's
+    writer.commit(1)
+    writer.close()
+    shutil.copyfile(_chunk(store_path, "opt", 1, 0, leaf=1), _chunk(store_path, "opt", 0, 1, leaf=1))
+    _open(store_path).read_opt(1).result()  # layer 1 was not touched: its chunk is intact
+    with pytest.raises(StoreNotCommittedError, match="opt leaf"):
+        _open(store_path).read_opt(0).result()
