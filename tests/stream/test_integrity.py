@@ -243,9 +243,9 @@ def test_a_sound_chunk_that_is_not_what_was_committed_is_refused(store_path, dir
 def test_optimizer_state_chunks_are_bound_too(store_path):
     import shutil
 
-    from jaxstream.stream import StoreNotCommittedError
-
     import jax
+
+    from jaxstream.stream import StoreNotCommittedError
 
     writer = _open(store_path)
     moved = jax.tree.map(lambda x: x + 1 if x.dtype.kind == "f" else x, writer.read_opt(0).result())
