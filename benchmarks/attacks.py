@@ -11,6 +11,10 @@ silently wrong (the goal: none). Prints a table and writes JSON.
   copied in from another run.
 - ``run directory``: a second ``--resume`` while the run holds its lock; a refused ``--resume``
   (its config.yaml must stay byte for byte).
+- ``store chunk files``: every committed chunk of a trained layer store (parameters and
+  optimizer state) replaced by a sound chunk of other content: its own older slot (a rollback),
+  another layer's committed chunk (a swap), the same chunk of another store (a copy); then the
+  whole store read by a fresh handle.
 """
 
 from __future__ import annotations
@@ -170,6 +174,70 @@ def run_directory(tmp: Path) -> list[str]:
     return [locked, differs]
 
 
+def store_chunks(tmp: Path) -> list[str]:
+    import optax
+
+    from jaxstream.stream import LayerStore, StoreError
+
+    r = np.random.default_rng(0)
+    params = {"embed": {"w": r.standard_normal((5, 4), dtype=np.float32)},
+              "blocks": {"w": r.standard_normal((3, 4, 4), dtype=np.float32),
+                         "b": r.standard_normal((3, 4), dtype=np.float32)},
+              "head": {"w": r.standard_normal((4, 2), dtype=np.float32)}}
+    opt = optax.adam(1e-3)
+
+    def train(path: Path, sign: float) -> None:
+        LayerStore.create(str(path), params, optimizer=opt)
+        for step in (1, 2):  # every layer written twice: both slots hold different values
+            s = LayerStore.open(str(path), optimizer=opt)
+            for l in range(3):
+                moved = jax.tree.map(lambda x: x + sign * step * (l + 1) if x.dtype.kind == "f" else x,
+                                     s.read_opt(l).result())
+                s.write(l, jax.tree.map(lambda x: x + sign * step, s.read(l).result()), moved)
+            s.commit(step)
+            s.close()
+
+    train(tmp / "a", 1.0)
+    train(tmp / "b", -1.0)
+
+    def everything(path: Path) -> list:
+        s = LayerStore.open(str(path), optimizer=opt)
+        return jax.tree.leaves([s.read_params()] + [s.read_opt(l).result() for l in range(3)])
+
+    truth = everything(tmp / "a")
+    m = json.loads((tmp / "a" / "manifest.json").read_text())
+    out = []
+    for kind in ("params", "opt"):
+        for leaf in range(len(m["leaves"][kind]["blocks"])):
+            if m["leaves"][kind]["blocks"][leaf]["shape"] == []:  # the step count: equal everywhere
+                continue
+            for l in range(3):
+                slot = m["slots"]["blocks"][l]
+
+                def chunk(root: Path, layer: int, sl: int) -> Path:
+                    return root / kind / "blocks" / str(leaf) / "c" / str(layer) / str(sl) / "0"
+
+                target = chunk(tmp / "a", l, slot)
+                while not target.is_file():
+                    target = target / "0"
+                tail = target.relative_to(chunk(tmp / "a", l, slot))
+                data = target.read_bytes()
+                for source in (chunk(tmp / "a", l, 1 - slot) / tail,
+                               chunk(tmp / "a", (l + 1) % 3, m["slots"]["blocks"][(l + 1) % 3]) / tail,
+                               chunk(tmp / "b", l, slot) / tail):
+                    target.write_bytes(source.read_bytes())
+                    try:
+                        got = everything(tmp / "a")
+                        same = all(np.array_equal(x, y) for x, y in zip(got, truth))
+                        out.append("exact" if same else "wrong")
+                    except StoreError as e:
+                        out.append("refused" if "\n" not in str(e) else "raw")
+                    except Exception:  # noqa: BLE001
+                        out.append("raw")
+                    target.write_bytes(data)
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -179,7 +247,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         tmp = Path(t)
         for name, fn in (("checkpoint bit flips", checkpoint_flips),
                          ("hostile configs", hostile_configs),
-                         ("foreign stores", foreign_stores), ("run directory", run_directory)):
+                         ("foreign stores", foreign_stores), ("run directory", run_directory),
+                         ("store chunk files", store_chunks)):
             work = tmp / name.replace(" ", "_")
             work.mkdir()
             rows.append(_row(name, fn(work)))
