@@ -545,6 +545,9 @@ class LayerStore:
             except Exception as err:
                 raise self._write_error(key, err) from err
         m = json.loads(json.dumps(self._m))
+        if "digests" in m:  # what rollback() needs to return to this commit, and check it
+            m["previous"] = json.loads(json.dumps(
+                {k: m[k] for k in ("step", "slots", "digests", "extra")}))
         for key, slot in staged.items():
             if key.startswith("blocks/"):
                 m["slots"]["blocks"][int(key.split("/")[1])] = slot
@@ -571,3 +574,64 @@ class LayerStore:
             self._staged_digests.clear()
         if self._writer is not None:
             self._writer.release()
+
+    def rollback(self) -> int:
+        """Makes the commit before the last one current again and returns its step.
+
+        Every chunk of that commit that the last commit replaced is first checked against the
+        commit's own digests: a step's writes go to the slots the commit before last used, so
+        a step begun since (even one killed before its commit) may have overwritten them, and
+        then the rollback is refused by name and the store stays as it was. One step back
+        only: the store keeps two slots per unit.
+
+        Example::
+
+            store = LayerStore.open("/nvme/run/stores/hybrid")
+            store.rollback()   # then train on with a new run: engine.continue_store=true
+        """
+        prev = self._m.get("previous")
+        if prev is None:
+            raise StoreError(f"{self.manifest_file}: no earlier commit to roll back to (the store "
+                             f"was created, or rolled back, at step {self.step} and not "
+                             "committed since)")
+        self._begin_write()
+        try:
+            for kind in ("params", "opt"):
+                for part, l, slot in self._units(prev["slots"]):
+                    now = self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l]
+                    if now != slot:
+                        self._verify(kind, part, l, slot, prev["digests"][kind], prev["step"])
+            m = json.loads(json.dumps(self._m))
+            m.update({k: prev[k] for k in ("step", "slots", "digests", "extra")})
+            m.pop("previous")
+            m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
+            write_manifest(self._root, m, self._where)
+            self._m = m
+        finally:
+            if self._writer is not None:
+                self._writer.release()
+        return self.step
+
+    def _units(self, slots: dict) -> list[tuple[str, int | None, int]]:
+        return ([("embed", None, slots["embed"]), ("head", None, slots["head"])]
+                + [("blocks", l, s) for l, s in enumerate(slots["blocks"])])
+
+    def _verify(self, kind: str, part: str, l: int | None, slot: int, digests: dict,
+                step: int) -> None:
+        """Reads every leaf of a unit's ``slot`` and checks it against ``digests``."""
+        expect = digests[part] if l is None else digests["blocks"][l]
+        idx = (slot,) if l is None else (l, slot)
+        where = part if l is None else f"layer {l}"
+        for i, e in enumerate(self._m["leaves"][kind][part]):
+            name = f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})"
+            direct = self._direct[(kind, part, i)]
+            read = (direct.read(idx, name, expect[i]) if direct else
+                    Verified(ReadInto(self._arrays[(kind, part, i)][idx]), expect[i], name))
+            try:
+                read.result()
+            except StoreNotCommittedError as err:
+                raise StoreError(
+                    f"cannot roll back to step {step}: {name} was overwritten by a later write "
+                    f"(a step begun after it); the store stays at step {self.step}") from err
+            except Exception as err:
+                raise read_error(err, name) from err

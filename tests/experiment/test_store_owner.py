@@ -45,3 +45,28 @@ def test_resume_refuses_a_store_another_run_has_trained(tmp_path):
     _, again = run_experiment(STREAM, [*TINY, f"engine.store={store}", "arms.0.lr=0.1",
                                        "engine.continue_store=true"], out=b, resume=True)
     assert again["finished"] and _run_id(b) == opened.extra["run"]
+
+
+def test_a_rolled_back_store_trains_on_in_a_new_run(tmp_path):
+    """docs/streaming.md's way back from a bad step: roll the store back one commit, then a
+    new run continues it (engine.continue_store=true) from that step, recording the hand-over;
+    the old run's --resume refuses it (its checkpoint is ahead of the store)."""
+    store = tmp_path / "stores" / "{arm}"
+    a, _ = run_experiment(STREAM, [*TINY, f"engine.store={store}", "max_steps=2"],
+                          out=tmp_path / "a")
+    opened = LayerStore.open(str(tmp_path / "stores" / "bp"))
+    assert opened.rollback() == 1
+    opened.close()
+    with pytest.raises(StoreError, match="at step 1, behind the checkpoint at step 2"):
+        run_experiment(STREAM, [*TINY, f"engine.store={store}"], out=a, resume=True)
+    b, summary = run_experiment(STREAM, [*TINY, f"engine.store={store}",
+                                         "engine.continue_store=true"], out=tmp_path / "b")
+    assert summary["finished"]
+    def steps(run):
+        return [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()
+                if "loss" in json.loads(ln)]
+
+    assert steps(a)[0] == 1 and steps(b)[0] == 2  # a record counts the steps done: b began at 1
+    after = LayerStore.open(str(tmp_path / "stores" / "bp"))
+    assert after.step == 4 and after.extra["handovers"] == [
+        {"from_run": _run_id(a), "to_run": _run_id(b), "step": 1}]

@@ -256,3 +256,38 @@ def test_optimizer_state_chunks_are_bound_too(store_path):
     _open(store_path).read_opt(1).result()  # layer 1 was not touched: its chunk is intact
     with pytest.raises(StoreNotCommittedError, match="opt leaf"):
         _open(store_path).read_opt(0).result()
+
+
+def test_rollback_returns_to_the_commit_before_the_last(store_path):
+    writer = _open(store_path)
+    for step in (1, 2):
+        writer.write(0, _layer(float(step)))
+        writer.write("head", {"w": np.full((4, 2), float(step), np.float32)})
+        writer.commit(step, extra={"note": f"step {step}"})
+    assert writer.rollback() == 1
+    for store in (writer, _open(store_path)):  # this handle and a fresh one
+        assert store.step == 1 and store.extra == {"note": "step 1"}
+        np.testing.assert_array_equal(store.read(0).result()["w"], _layer(1.0)["w"])
+        np.testing.assert_array_equal(store.read("head").result()["w"], np.full((4, 2), 1.0))
+        np.testing.assert_array_equal(store.read(1).result()["w"], _params()["blocks"]["w"][1])
+    with pytest.raises(StoreError, match="no earlier commit to roll back to"):
+        writer.rollback()  # one step back only
+    writer.write(0, _layer(5.0))  # training goes on from the rolled-back step
+    writer.commit(2)
+    np.testing.assert_array_equal(_open(store_path).read(0).result()["w"], _layer(5.0)["w"])
+
+
+def test_rollback_over_a_step_that_began_since_is_refused(store_path):
+    """A step's writes go to the slots of the commit before last: once one began (here killed
+    before its commit), that commit is gone, and rolling back to it is refused by name."""
+    writer = _open(store_path)
+    for step in (1, 2):
+        writer.write(0, _layer(float(step)))
+        writer.commit(step)
+    writer.write(0, _layer(9.0))
+    writer._wait_for_writes("blocks/0")
+    writer.abort()  # the step never commits, but its write landed in step 1's slot
+    with pytest.raises(StoreError, match=r"cannot roll back to step 1: .*layer 0 \(slot 1\) was "
+                                         r"overwritten.*stays at step 2"):
+        _open(store_path).rollback()
+    np.testing.assert_array_equal(_open(store_path).read(0).result()["w"], _layer(2.0)["w"])
