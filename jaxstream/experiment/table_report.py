@@ -56,43 +56,85 @@ def _show(r: dict) -> str:
     return f"{mean:.3f} ± {sd:.3f}" if _is_loss(r) else f"{_pm(mean, sd)} %"
 
 
+ALPHA = 0.05  # two-sided level of every verdict
+MIN_SEEDS = 3  # paired seeds a verdict needs
+
+
+def paired(a: dict, b: dict) -> dict:
+    """Paired by-seed difference of the judged figure, ``a − b`` (seed i of one arm against seed
+    i of the other: same initial key and batches), with Student's t: ``{"n", "mean", "t",
+    "df", "p"}``; only ``{"n"}`` where fewer than :data:`MIN_SEEDS` seeds pair up."""
+    key = "test_loss_by_seed" if _is_loss(a) else "test_error_by_seed"
+    xa, xb = a.get(key) or [], b.get(key) or []
+    n = min(len(xa), len(xb))
+    if n < MIN_SEEDS:
+        return {"n": n}
+    from scipy import stats
+
+    d = [x - y for x, y in zip(xa[:n], xb[:n])]
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    if sd == 0.0:
+        t = math.copysign(math.inf, mean) if mean else 0.0
+    else:
+        t = mean / (sd / math.sqrt(n))
+    p = 2.0 * float(stats.t.sf(abs(t), n - 1)) if math.isfinite(t) else float(mean == 0.0)
+    return {"n": n, "mean": mean, "t": t, "df": n - 1, "p": p}
+
+
+def _sign(test: dict) -> int:
+    """-1 / +1 where a − b is below / above zero at level ALPHA, 0 where it is not, None
+    without enough paired seeds."""
+    if "p" not in test:
+        return None
+    return 0 if test["p"] >= ALPHA else (-1 if test["mean"] < 0 else 1)
+
+
+def _stat(test: dict, loss: bool) -> str:
+    if "p" not in test:
+        return f"no verdict: {test['n']} paired seeds, {MIN_SEEDS} needed"
+    return (f"{_d(test['mean'], loss)}, t = {test['t']:.2f}, df = {test['df']}, "
+            f"p = {test['p']:.3f}, {test['n']} paired seeds")
+
+
 def ordering(rows: list[dict], dataset: str) -> list[str]:
     """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in test error, or test loss for ``metric: loss``) on
-    one data set, plus BP best and FG-W worst of these four; one line per relation."""
+    one data set, plus BP best and FG-W worst of these four; one line per relation, each from
+    the paired by-seed differences (:func:`paired`, level :data:`ALPHA`)."""
     r = _by(rows, dataset)
     need = ("FG-W", "FG-A", "LG-FG-A", "BP")
     if any(a not in r for a in need):
         return [f"(ordering not checked: arms {[a for a in need if a not in r]} missing)"]
     loss = _is_loss(r["BP"])
-    what, near = ("test loss", 0.01) if loss else ("error", 0.01)
+    near = 0.01  # nats, or 1 pp of error
 
-    def se(a: str) -> float:  # standard error of the mean judged figure
-        return _m(r[a])[1] / math.sqrt(max(r[a]["seeds"], 1))
-
-    def cmp(a: str, b: str) -> tuple[float, float]:
-        return _m(r[a])[0] - _m(r[b])[0], 2 * math.hypot(se(a), se(b))
-
-    def say(d: float, tol: float) -> str:
-        return f"{what} difference {_d(d, loss)}, 2·SE {_d(tol, loss).lstrip('+')}"
+    def answer(ok: bool | None) -> str:
+        return "no verdict" if ok is None else ("yes" if ok else "no")
 
     out = []
-    d, tol = cmp("FG-W", "FG-A")
-    out.append(f"FG-W worse than FG-A: {'yes' if d > tol else 'no'} ({say(d, tol)})")
-    d, tol = cmp("FG-A", "LG-FG-A")
-    out.append(f"FG-A no better than LG-FG-A: {'yes' if d >= -tol else 'no'} ({say(d, tol)})")
-    d, tol = cmp("LG-FG-A", "BP")
+    t = paired(r["FG-W"], r["FG-A"])
+    s = _sign(t)
+    out.append(f"FG-W worse than FG-A: {answer(None if s is None else s > 0)} ({_stat(t, loss)})")
+    t = paired(r["FG-A"], r["LG-FG-A"])
+    s = _sign(t)
+    out.append(f"FG-A no better than LG-FG-A: {answer(None if s is None else s >= 0)} "
+               f"({_stat(t, loss)})")
+    t = paired(r["LG-FG-A"], r["BP"])
+    s = _sign(t)
     band = f"{near:.2f} nats" if loss else "1 pp"
-    out.append(f"LG-FG-A ≈ BP (within 2·SE or {band}): "
-               f"{'yes' if abs(d) <= max(tol, near) else 'no'} ({say(d, tol)})")
+    ok = None if s is None else (s == 0 or abs(t["mean"]) <= near)
+    out.append(f"LG-FG-A ≈ BP (no difference at p < {ALPHA} or within {band}): {answer(ok)} "
+               f"({_stat(t, loss)})")
     means = {a: _m(r[a])[0] for a in need}
     out.append(f"BP best and FG-W worst of these four: "
                f"{'yes' if min(means, key=means.get) == 'BP' and max(means, key=means.get) == 'FG-W' else 'no'}"
-               f" (best {min(means, key=means.get)}, worst {max(means, key=means.get)})")
+               f" (best {min(means, key=means.get)}, worst {max(means, key=means.get)}; means)")
     return out
 
 
 def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
-    """Each hybrid against both its ingredients: the exact subset and the best forward arm."""
+    """Each hybrid against both its ingredients, the exact subset and the best forward arm,
+    from the paired by-seed differences (:func:`paired`, level :data:`ALPHA`)."""
     r = _by(rows, dataset)
     fwd = [r[a] for a in FORWARD_ARMS if a in r]
     if "exact-subset" not in r or not fwd:
@@ -105,17 +147,17 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
     for name, h in r.items():
         if not name.startswith("hybrid"):
             continue
-        verdicts = []
+        verdicts, signs = [], []
         for other in (sub, best_fwd):
-            d = _m(h)[0] - _m(other)[0]
-            tol = 2 * math.hypot(_m(h)[1] / math.sqrt(h["seeds"]),
-                                 _m(other)[1] / math.sqrt(other["seeds"]))
-            word = "better than" if d < -tol else ("worse than" if d > tol else "tie with")
-            verdicts.append(f"{word} {other['arm']} ({_d(d, loss)}, "
-                            f"2·SE {_d(tol, loss).lstrip('+')})")
-        beats = all(v.startswith("better") for v in verdicts)
-        out.append(f"{name}: {_show(h)} — "
-                   f"{'; '.join(verdicts)} → {'BEATS BOTH' if beats else 'does not beat both'}")
+            t = paired(h, other)
+            s = _sign(t)
+            signs.append(s)
+            word = {None: "no verdict against", -1: "better than", 0: "tie with",
+                    1: "worse than"}[s]
+            verdicts.append(f"{word} {other['arm']} ({_stat(t, loss)})")
+        end = ("no verdict" if None in signs else
+               "BEATS BOTH" if signs == [-1, -1] else "does not beat both")
+        out.append(f"{name}: {_show(h)} — {'; '.join(verdicts)} → {end}")
     return out
 
 
@@ -307,11 +349,13 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
         parts += ["", f"## {ds}", "",
                   f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
                   _edges(rows, ds), "",
-                  f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}):",
-                  ""]
+                  f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}; "
+                  f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
+                  f"{MIN_SEEDS} paired seeds for a verdict):", ""]
         parts += [f"- {line}" for line in ordering(rows, ds)]
         parts += ["", (f"Hybrids against their ingredients (test {'loss' if loss else 'error'}, "
-                  "2·SE over seeds):"), ""]
+                  f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
+                  f"{MIN_SEEDS} paired seeds for a verdict):"), ""]
         parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]

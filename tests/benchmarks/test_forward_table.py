@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,10 +109,31 @@ def test_cli_writes_json_docs_and_plot_from_rows(tmp_path):
 
 
 def _row(arm, err, sd=0.001, seeds=4):
+    z = np.random.default_rng(sum(map(ord, arm))).standard_normal(seeds)  # the arm's own noise
     return {"dataset": "d", "arm": arm, "lr": 1e-3, "test_error_mean": err, "test_error_sd": sd,
             "train_error_mean": err, "seeds": seeds, "steps": 10, "peak_temp_bytes": 2**20,
             "step_ms": 1.0, "cosine_mean": 0.5, "target_accuracy": 0.9,
-            "seeds_reaching_target": 0, "steps_to_target_mean": None, "seconds_to_target": None}
+            "seeds_reaching_target": 0, "steps_to_target_mean": None, "seconds_to_target": None,
+            "test_error_by_seed": list(err + sd * (z - z.mean()))}  # mean: err
+
+
+def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
+    """t, df and p against scipy's own paired test; fewer than three paired seeds give no
+    verdict, and the report says so instead of calling a tie."""
+    from scipy import stats
+
+    from jaxstream.experiment.table_report import hybrid_verdict, paired
+
+    a, b = _row("A", 0.030, sd=0.004, seeds=5), _row("B", 0.034, sd=0.004, seeds=5)
+    got = paired(a, b)
+    ref = stats.ttest_rel(a["test_error_by_seed"], b["test_error_by_seed"])
+    assert got["df"] == 4 and got["n"] == 5
+    np.testing.assert_allclose([got["t"], got["p"]], [ref.statistic, ref.pvalue], rtol=1e-10)
+    few = [_row("exact-subset", 0.04, seeds=2), _row("FG-A", 0.05, seeds=2),
+           _row("hybrid-x", 0.01, seeds=2)]
+    line = hybrid_verdict(few, "d")[1]
+    assert "no verdict against exact-subset (no verdict: 2 paired seeds, 3 needed)" in line
+    assert line.endswith("→ no verdict")
 
 
 def test_report_checks_follow_the_rows():
@@ -122,6 +144,7 @@ def test_report_checks_follow_the_rows():
     lines = ordering(rows, "d")
     assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes", "yes"]
     rows[2]["test_error_mean"] = 0.25  # FG-A now worse than FG-W
+    rows[2]["test_error_by_seed"] = [x + 0.20 for x in rows[2]["test_error_by_seed"]]
     assert ordering(rows, "d")[0].split(":")[1].split()[0] == "no"
     verdict = hybrid_verdict(rows, "d")
     assert "hybrid-a" in verdict[1] and verdict[1].endswith("BEATS BOTH")
@@ -138,7 +161,9 @@ def test_report_judges_loss_data_sets_by_test_loss():
     from jaxstream.experiment.table_report import hybrid_verdict, ordering
 
     def row(arm, loss, err):  # token errors ordered the other way, so a wrong key shows
-        return {**_row(arm, err), "metric": "loss", "test_loss_mean": loss, "test_loss_sd": 0.01}
+        by_seed = [x - err + loss for x in _row(arm, err)["test_error_by_seed"]]
+        return {**_row(arm, err), "metric": "loss", "test_loss_mean": loss, "test_loss_sd": 0.01,
+                "test_loss_by_seed": by_seed}
 
     rows = [row("BP", 2.0, 0.9), row("FG-W", 3.5, 0.1), row("FG-A", 3.0, 0.2),
             row("LG-FG-A", 2.005, 0.3), row("exact-subset", 2.2, 0.4),
@@ -147,11 +172,12 @@ def test_report_judges_loss_data_sets_by_test_loss():
     assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes", "yes"]
     assert "+0.500" in lines[0]  # FG-W - FG-A in nats
     rows[0]["test_loss_mean"] = 2.5  # BP no longer best, nor ≈ LG-FG-A
+    rows[0]["test_loss_by_seed"] = [x + 0.5 for x in rows[0]["test_loss_by_seed"]]
     lines = ordering(rows, "d")
-    assert lines[2].split(":")[1].split()[0] == "no" and "(best LG-FG-A, worst FG-W)" in lines[3]
+    assert lines[2].split(":")[1].split()[0] == "no" and "(best LG-FG-A, worst FG-W;" in lines[3]
     verdict = hybrid_verdict(rows, "d")
     assert "best forward arm LG-FG-A 2.005 ± 0.010" in verdict[0]
-    assert "better than exact-subset (-0.100" in verdict[1]
+    assert "better than exact-subset (-0.100, t = " in verdict[1] and "df = 3" in verdict[1]
     assert verdict[1].endswith("does not beat both")  # LG-FG-A (2.005) is better
 
 
