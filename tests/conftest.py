@@ -9,6 +9,11 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# The suite compiles hundreds of small programs and runs each a few times, so compiling is most
+# of its time: LLVM's expensive passes are left out (jax_disable_most_optimizations; the HLO, its
+# buffers and so every memory figure a test checks are XLA's own). Inherited by the
+# subprocesses the tests start. The benchmarks never set it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # One compilation cache per test run, shared by the xdist workers and the subprocesses they
 # start (notebooks, multi-process and float64 runs compile programs another test already
