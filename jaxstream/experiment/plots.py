@@ -118,10 +118,19 @@ def _panel(ax: Any, per_arm: dict[str, list[dict]], y: str, *, by_time: bool) ->
         _integer_x(ax)
 
 
+def _legend(ax: Any, source: Any = None) -> None:
+    """``source``'s legend (default ``ax``'s) beside ``ax``, right of the data: it covers no
+    curve whatever their shape."""
+    handles, labels = (source or ax).get_legend_handles_labels()
+    if labels:
+        ax.legend(handles, labels, fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                  frameon=False)
+
+
 def _save(fig: Any, path: Path, layout: bool = True) -> Path:
     if layout:
         fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     _plt().close(fig)
     return path
 
@@ -138,7 +147,7 @@ def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
     fig, ax = plt.subplots(figsize=(6.5, 4))
     _panel(ax, per_arm, "loss", by_time=False)
     ax.set(ylabel="training loss (batch, before the update)", yscale="log", title="training loss")
-    ax.legend(fontsize="small")
+    _legend(ax)
     written.append(_save(fig, out_dir / "loss.png"))
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4), sharey=True)
@@ -148,7 +157,7 @@ def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
         _target_line(ax, target)
     ax1.set(ylabel="test accuracy", title="test accuracy against steps")
     ax2.set(title="test accuracy against training time")
-    ax1.legend(fontsize="small")
+    _legend(ax2, ax1)
     written.append(_save(fig, out_dir / "test_accuracy.png"))
 
     if any(r.get("ticks") for r in records):  # pipelined engines: cost in ticks and time
@@ -164,7 +173,7 @@ def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
         ax1.set(xlabel="pipeline ticks (summed over steps)", ylabel="test loss",
                 title="test loss against ticks")
         ax2.set(title="test loss against training time")
-        ax1.legend(fontsize="small")
+        _legend(ax2, ax1)
         written.append(_save(fig, out_dir / "test_loss.png"))
 
     if any(r.get("cosine") is not None for r in records):
@@ -185,7 +194,7 @@ def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
                title="estimate quality" + (" (faint points: single steps)" if smoothed else ""))
         _integer_x(ax)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        _legend(ax)
         written.append(_save(fig, out_dir / "cosine.png"))
     return written
 
@@ -204,7 +213,7 @@ def write_compare_plot(records: Sequence[dict], arms: Sequence[str], path: Path,
     axes[0][0].set(ylabel="test accuracy", title="against steps")
     axes[0][1].set(title="against training time")
     axes[1][0].set(ylabel="training loss (batch)")
-    axes[0][0].legend(fontsize="small")
+    _legend(axes[0][1], axes[0][0])
     return _save(fig, Path(path))
 
 
@@ -252,6 +261,6 @@ def write_sweep_plots(summary: dict, records: Sequence[dict], out_dir: Path) -> 
     ax.set(xlabel="step", ylabel="test accuracy", title="each arm at its picked learning rate")
     _integer_x(ax)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
+    _legend(ax)
     written.append(_save(fig, out_dir / "lr_sweep_curves.png"))
     return written

@@ -367,15 +367,27 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
     return "\n".join(parts) + "\n"
 
 
+def arm_styles(arms: list[str]) -> dict[str, dict]:
+    """One colour and marker per arm, the same in every panel: ten colours, then the next
+    marker (o, s, D, ^) for arms beyond each ten."""
+    return {a: {"color": f"C{i % 10}", "marker": "osD^"[(i // 10) % 4]}
+            for i, a in enumerate(arms)}
+
+
 def frontier_plot(rows: list[dict], path: str) -> None:
-    """Test accuracy vs peak temporary memory and vs wall time, one point per arm, per data set."""
+    """Test accuracy (or loss) vs peak temporary memory and vs training time, one point per arm
+    and data set. Each arm keeps one colour and marker in every panel, named once in a legend
+    beside the panels (nothing is written over the data); log axes label their decades only."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    fig, axes = plt.subplots(len(datasets), 2, figsize=(11, 3.8 * len(datasets)), squeeze=False)
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    styles = arm_styles(arms)
+    fig, axes = plt.subplots(len(datasets), 2, figsize=(11, 3.6 * len(datasets)), squeeze=False)
     for i, ds in enumerate(datasets):
         rs = [r for r in rows if r["dataset"] == ds]
         for j, (xkey, label) in enumerate((("mem", "peak temporary memory (MiB)"),
@@ -386,15 +398,23 @@ def frontier_plot(rows: list[dict], path: str) -> None:
                      else r["steps"] * r["step_ms"] / 1e3)
                 mean, sd = _m(r)
                 y, err = (mean, sd) if _is_loss(r) else (100 * (1 - mean), 100 * sd)
-                ax.errorbar(x, y, yerr=err, fmt="o", capsize=3)
-                ax.annotate(r["arm"], (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+                ax.errorbar(x, y, yerr=err, fmt=styles[r["arm"]]["marker"], capsize=3,
+                            color=styles[r["arm"]]["color"], label=r["arm"], alpha=0.85)
             ax.set_xscale("log")
+            lo, hi = ax.get_xlim()  # 1-2-5 ticks where they fit, decades on wider axes
+            wide = math.log10(hi / lo) > 2
+            ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.set_xlabel(label)
-            ax.set_ylabel("test loss (nats / char)" if any(map(_is_loss, rs))
+            ax.set_ylabel("test loss (nats / char, lower is better)" if any(map(_is_loss, rs))
                           else "test accuracy (%)")
             ax.set_title(ds)
             ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], ls="", marker=styles[a]["marker"], color=styles[a]["color"],
+                          label=a) for a in arms]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small",
+               title="arm", frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
