@@ -96,7 +96,7 @@ def plot_per_layer(
     ax.set_title(f"{label(metric).split(' (')[0]} per layer")
     if metric.startswith("relative_variance") or metric == "snr":
         ax.set_yscale("log")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -153,7 +153,7 @@ def plot_sweep(
                 ax.set_xscale("log", base=2)
             ax.minorticks_off()
             ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])  # counts: integers
-    axes[0][-1].legend(fontsize="small")
+    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -189,6 +189,6 @@ def plot_settings_bars(
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel(label(metric))
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig

@@ -85,7 +85,7 @@ def _columns() -> list[tuple[str, str, str]]:
 
 
 def _save(fig: Any, path: Path) -> str:
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # legends sit beside the axes
     plt.close(fig)
     return path.name
 

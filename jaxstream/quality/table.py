@@ -81,7 +81,7 @@ class QualityTable:
       >>> table = compare(estimators, stack, params, batch, seeds=32)
       >>> print(table)                      # whole-model rows
       >>> print(table.format(groups=None))  # every layer group
-      >>> table.plot().savefig("cosine.png")
+      >>> table.plot().savefig("cosine.png", bbox_inches="tight")  # the legend is beside the axes
     """
 
     def __init__(self, rows: list[dict[str, Any]]):
