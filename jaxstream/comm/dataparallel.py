@@ -309,7 +309,7 @@ def data_parallel(
     axis: str = "data",
     allreduce: str = "psum",
     exchange: str = "gradients",
-    tangents: str = "independent",
+    tangents: Literal["independent", "shared"] = "independent",
     batch_axis: int = 0,
 ) -> DataParallel:
     """Wrap ``estimator`` so that it runs data-parallel over ``mesh[axis]``.

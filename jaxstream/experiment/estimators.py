@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Literal
 
 from jaxstream.experiment.config import register_choice
+from jaxstream.grad.estimators import Aggregation, Perturb
+from jaxstream.grad.tangents import Distribution
 
 Estimator = Callable  # estimator(loss_fn, params, batch, key) -> (loss, grads)
 
@@ -55,11 +57,11 @@ class ForwardConfig(EstimatorConfig):
     """Forward gradient: K jvp tangents on the weights or on each block's activations."""
 
     num_tangents: int = 1
-    distribution: Literal["rademacher", "gaussian"] = "rademacher"
-    perturb: Literal["weights", "activations"] = "weights"
+    distribution: Distribution = "rademacher"
+    perturb: Perturb = "weights"
     orthogonal: bool = False
     antithetic: bool = False
-    aggregation: Literal["mean", "projection"] = "mean"
+    aggregation: Aggregation = "mean"
     local_losses: bool = False
 
     def __post_init__(self):
@@ -96,7 +98,7 @@ class HybridConfig(EstimatorConfig):
     exact_indices: tuple[int, ...] | None = None
     correction: str = "control_variate"  # a rule of jaxstream.grad.combine (checked below)
     num_tangents: int = 1
-    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    distribution: Distribution = "rademacher"
     orthogonal: bool = False
     antithetic: bool = False
 
@@ -178,7 +180,7 @@ class LocalForwardWeightsConfig(EstimatorConfig):
     """LG-FG-W: weight-perturbed forward gradients of per-block local losses."""
 
     num_tangents: int = 1
-    distribution: Literal["rademacher", "gaussian"] = "rademacher"
+    distribution: Distribution = "rademacher"
 
     def __post_init__(self):
         if self.num_tangents < 1:

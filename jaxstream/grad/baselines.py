@@ -31,7 +31,7 @@ from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.hybrid import num_micro_batches
 from jaxstream.grad.plan import Plan
-from jaxstream.grad.tangents import TangentSpec
+from jaxstream.grad.tangents import Distribution, TangentSpec
 from jaxstream.models.stack import AS_STACK, Stack
 
 SELECT = 0x7FFFFFFF  # the hybrid's key segment for its random choice of exact micro-batches
@@ -163,7 +163,8 @@ def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, k
     return jnp.mean(example(logits)), grads
 
 
-def local_forward_weights(num_tangents: int = 1, distribution: str = "rademacher") -> LocalForwardWeights:
+def local_forward_weights(num_tangents: int = 1,
+                          distribution: Distribution = "rademacher") -> LocalForwardWeights:
     """LG-FG-W: each module's weights follow a forward gradient of its own local loss.
 
     Module m (embed, block l) gets tangents v on its weights only (key schedule of

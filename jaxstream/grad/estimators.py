@@ -18,7 +18,7 @@ from jaxstream.grad.checks import check_examples, check_key, check_labels, check
 from jaxstream.grad.directional import directional, stack_activity
 from jaxstream.grad.layered import is_layered, layered_activity
 from jaxstream.grad.plan import Plan
-from jaxstream.grad.tangents import TangentSpec
+from jaxstream.grad.tangents import Distribution, TangentSpec
 from jaxstream.models.stack import AS_STACK, Stack
 
 Aggregation = Literal["mean", "projection"]
@@ -132,11 +132,11 @@ def backprop() -> Backprop:
 
 def forward(
     num_tangents: int = 1,
-    distribution: str = "rademacher",
-    perturb: str = "weights",
+    distribution: Distribution = "rademacher",
+    perturb: Perturb = "weights",
     orthogonal: bool = False,
     antithetic: bool = False,
-    aggregation: str = "mean",
+    aggregation: Aggregation = "mean",
     local_losses: bool = False,
 ) -> Forward:
     """Forward-gradient estimator: ĝ = (1/K) Σ_k (∇L·v_k) v_k with E[v vᵀ] = I.

@@ -16,7 +16,7 @@ from jaxstream.grad.directional import directional
 from jaxstream.grad.estimators import _finish
 from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.plan import Plan
-from jaxstream.grad.tangents import TangentSpec, micro_key
+from jaxstream.grad.tangents import Distribution, TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 
 SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
@@ -145,7 +145,7 @@ def hybrid(
     num_exact: int | None = None,
     correction: str = "control_variate",
     num_tangents: int = 1,
-    distribution: str = "rademacher",
+    distribution: Distribution = "rademacher",
     *,
     exact_indices: tuple[int, ...] | None = None,
     exact_from: tuple[int, ...] | None = None,

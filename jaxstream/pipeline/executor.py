@@ -33,8 +33,9 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_local_losses
+from jaxstream.grad.estimators import Aggregation, Perturb
 from jaxstream.grad.plan import Plan
-from jaxstream.grad.tangents import TangentSpec, micro_key
+from jaxstream.grad.tangents import Distribution, TangentSpec, micro_key
 from jaxstream.models.stack import Stack, loss_dtype
 from jaxstream.pipeline.lowering import Lowered, Row, lower
 from jaxstream.pipeline.stage_ops import StageOps
@@ -129,9 +130,10 @@ class Pipeline:
 
 
 def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tangents: int = 1,
-             distribution: str = "rademacher", correction: str | None = None,
-             orthogonal: bool = False, antithetic: bool = False, perturb: str = "weights",
-             local_losses: bool = False, aggregation: str = "mean", devices=None) -> Pipeline:
+             distribution: Distribution = "rademacher", correction: str | None = None,
+             orthogonal: bool = False, antithetic: bool = False, perturb: Perturb = "weights",
+             local_losses: bool = False, aggregation: Aggregation = "mean",
+             devices=None) -> Pipeline:
     """Builds the pipeline gradient of ``stack`` for ``schedule``; checks everything first.
 
     Args:
