@@ -45,7 +45,7 @@ from jaxstream.grad import segments as sg
 from jaxstream.grad.plan import Plan
 from jaxstream.models.stack import Stack
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor, plan_of
-from jaxstream.stream.placement import Placement
+from jaxstream.stream.placement import Placement, agree_across_processes
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.values import host_value
 
@@ -136,6 +136,12 @@ class StageChunks(Placement):
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
         self.begin_step()
+
+    def agree(self, store: Any) -> None:
+        """Every process of a mesh that spans several streams from its own store copy: they
+        must hold the same commit (:func:`~jaxstream.stream.placement.agree_across_processes`)."""
+        if len({d.process_index for d in self.mesh.devices.flat}) > 1:
+            agree_across_processes(store)
 
     def begin_step(self) -> None:
         self._ticks, self._busy, self._counts = 0, 0, []

@@ -126,6 +126,7 @@ class StreamedExecutor:
         self.dtype = jnp.dtype(config.compute_dtype)
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
                                                 device or jax.local_devices()[0])
+        self.placement.agree(store)
         self.events: list[Event] = []
         self.clock = _clock()  # the last step's time per cause
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxstream-host-update")
@@ -266,6 +267,7 @@ class StreamedExecutor:
             self._pending = pending  # a failed step leaves no trace: a retry redoes it exactly
             self.store.abort()
             raise
+        self.placement.agree(self.store)  # the copies committed the same step, or this raises
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)), **self.clock,
@@ -329,6 +331,7 @@ class StreamedExecutor:
         self._pending = {}
         self.store.commit(self.store.step if step is None else step,
                           extra={**self.store.extra, "pending": {}})
+        self.placement.agree(self.store)
 
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):

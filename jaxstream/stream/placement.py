@@ -73,6 +73,11 @@ class Placement(abc.ABC):
     def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
         """``fn(layer, gradient, host params or None)`` for each layer of ``unit``."""
 
+    def agree(self, store: Any) -> None:
+        """Checks that every process streams from a copy of the same commit, where the
+        placement spans several processes (:func:`agree_across_processes`); called when an
+        executor opens its store and after every commit. One process: nothing to check."""
+
     def begin_step(self) -> None:
         """Called when a step (or an estimate) begins."""
 
@@ -117,6 +122,27 @@ class Placement(abc.ABC):
     def land(self, state) -> tuple[tuple, list]:
         """``(activations, done)`` once a sweep's last block unit has been run."""
         return state, []
+
+
+def agree_across_processes(store: Any) -> None:
+    """All-gathers every process's store step and :meth:`~LayerStore.fingerprint` and raises
+    :class:`~jaxstream.stream.StoreError` on every process, naming each copy's step, unless
+    all are equal. Every process of the run must call it (it is a collective)."""
+    from jax.experimental import multihost_utils
+
+    from jaxstream.stream.errors import StoreError
+
+    mine = np.array([store.step, store.fingerprint()], np.int64).astype(np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine.view(np.int32))).view(np.uint32)
+    every = every.reshape(jax.process_count(), 2)
+    if (every == every[0]).all():
+        return
+    copies = ", ".join(f"process {i} at step {int(s)} (commit {int(f):08x})"
+                       for i, (s, f) in enumerate(every))
+    raise StoreError(
+        f"the processes' layer store copies disagree: {copies}; every process must stream "
+        f"from a copy of the same commit (this is process {jax.process_index()}, store "
+        f"{store.location}): copy one process's store to the others, then restart")
 
 
 class OneDevice(Placement):

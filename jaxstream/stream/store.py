@@ -37,6 +37,7 @@ import os
 import threading
 from typing import Any
 
+import crc32c
 import jax
 import numpy as np
 import tensorstore as ts
@@ -219,6 +220,12 @@ class LayerStore:
     def extra(self) -> dict:
         """JSON metadata committed with the last step (e.g. pending lazy updates)."""
         return json.loads(json.dumps(self._m.get("extra", {})))
+
+    def fingerprint(self) -> int:
+        """A 32-bit crc32c of what the committed step holds (step, slots and every chunk's
+        digest): two copies of a store at the same commit have the same fingerprint."""
+        body = {k: self._m.get(k) for k in ("step", "slots", "digests")}
+        return int(crc32c.crc32c(json.dumps(body, sort_keys=True).encode()))
 
     @property
     def layer_bytes(self) -> int:

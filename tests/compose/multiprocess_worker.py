@@ -1,10 +1,12 @@
-"""One process of the 2-process composed-engine test: python multiprocess_worker.py PORT ID DIR.
+"""One process of the 2-process composed-engine test: python multiprocess_worker.py PORT ID DIR
+[disagree].
 
 Each process has 4 CPU devices; the 2 × 4 mesh spans both through ``jax.distributed`` (process
 0 holds data row 0, process 1 row 1). Each process streams from its own copy of the store (its
 local disk) and applies the same host updates. Two hybrid steps; then process 0 writes the max
 relative error of its store's parameters against a single-process run of the same steps on one
-device (the streamed executor) to DIR/err.txt.
+device (the streamed executor) to DIR/err.txt. With ``disagree``, process 1's copy is one step
+ahead: each process writes the refusal it got to DIR/refused<ID>.txt.
 """
 
 import os
@@ -16,6 +18,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 
 port, pid, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+disagree = sys.argv[4:] == ["disagree"]
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=pid, local_device_ids=[0, 1, 2, 3])
 
@@ -25,7 +28,7 @@ import optax
 import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.models import mlp
-from jaxstream.stream import LayerStore, StreamConfig, StreamedExecutor
+from jaxstream.stream import LayerStore, StoreError, StreamConfig, StreamedExecutor
 
 assert jax.device_count() == 8 and jax.local_device_count() == 4
 stack = mlp(in_dim=5, width=6, depth=4, num_classes=3)
@@ -36,6 +39,17 @@ batch = {"x": rng.standard_normal((4, 2, 5), dtype=np.float32),
 est, opt = jg.hybrid(num_exact=2, num_tangents=2, correction="weighted"), optax.adam(1e-2)
 cfg = StreamConfig(compute_dtype="float32", prefetch=1)
 store = LayerStore.create(os.path.join(root, f"store{pid}"), params, optimizer=opt)
+if disagree:
+    if pid == 1:  # this copy moved on alone
+        store.write(0, jax.tree.map(lambda x: x + 1, store.read(0).result()))
+        store.commit(1)
+    try:
+        ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
+    except StoreError as e:
+        with open(os.path.join(root, f"refused{pid}.txt"), "w") as fh:
+            fh.write(str(e))
+    jax.distributed.shutdown()
+    sys.exit(0)
 ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
 losses = [ex.step(batch, jax.random.key(s))["loss"] for s in range(2)]
 if pid == 0:
