@@ -37,19 +37,6 @@ Shrinkage = Literal["per_layer", "global", "none"]
 SHRINKAGES = ("per_layer", "global", "none")
 
 
-def segment_sq_norms(tree: dict) -> dict:
-    """Squared norms per segment of stack-shaped trees with a leading axis R:
-    ``{"embed": (R,), "blocks": (R, L), "head": (R,)}``."""
-
-    def total(seg, keep):
-        parts = [jnp.sum(x.reshape(x.shape[:keep] + (-1,)) ** 2, axis=-1)
-                 for x in jax.tree.leaves(seg)]
-        return sum(parts)
-
-    return {"embed": total(tree["embed"], 1), "blocks": total(tree["blocks"], 2),
-            "head": total(tree["head"], 1)}
-
-
 def _scale_segments(tree: dict, a: dict) -> dict:
     """Multiply each segment of a stack-shaped tree by its weight (blocks: per layer)."""
     blocks = jax.tree.map(lambda x: x * a["blocks"].reshape((-1,) + (1,) * (x.ndim - 1)),
@@ -58,20 +45,25 @@ def _scale_segments(tree: dict, a: dict) -> dict:
             "head": jax.tree.map(lambda x: a["head"] * x, tree["head"])}
 
 
-def mixing_weights(exact: dict, forward_sel: dict, n: int, shrinkage: str) -> dict:
-    """α per segment from the k exact gradients and the forward estimates of the same
-    micro-batches (both with a leading axis k); see the module docstring."""
-    k = jax.tree.leaves(exact)[0].shape[0]
-    h = jax.tree.map(lambda g: jnp.mean(g, axis=0, keepdims=True), exact)
-    spread = segment_sq_norms(jax.tree.map(lambda g, m: g - m, exact, h))
-    noise = segment_sq_norms(jax.tree.map(lambda a, g: a - g, forward_sel, exact))
+def segment_dots(x: dict, y: dict) -> dict:
+    """Σ x·y per segment of two stack-shaped trees: ``{"embed": (), "blocks": (L,), "head": ()}``."""
+    def total(a, b, keep):
+        return sum(jnp.sum((u * v).reshape(u.shape[:keep] + (-1,)), axis=-1)
+                   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    return {"embed": total(x["embed"], y["embed"], 0), "blocks": total(x["blocks"], y["blocks"], 1),
+            "head": total(x["head"], y["head"], 0)}
+
+
+def mixing_weights(spread: dict, noise: dict, k: int, n: int, shrinkage: str) -> dict:
+    """α per segment from the exact gradients' spread Σ_s ‖g_s − h‖² and the forward estimates'
+    noise Σ_s ‖a_s − g_s‖² on the k selected micro-batches (per segment); see the module
+    docstring."""
     if shrinkage == "global":
-        spread = {s: jnp.sum(v, axis=tuple(range(1, v.ndim))) for s, v in spread.items()}
-        spread = {s: sum(spread.values()) for s in ("embed", "blocks", "head")}
-        noise = {s: jnp.sum(v, axis=tuple(range(1, v.ndim))) for s, v in noise.items()}
-        noise = {s: sum(noise.values()) for s in ("embed", "blocks", "head")}
-    v_h = {s: jnp.sum(v, axis=0) / (k - 1) * (1.0 / k + 1.0 / (n - k)) for s, v in spread.items()}
-    v_a = {s: jnp.mean(v, axis=0) / (n - k) for s, v in noise.items()}
+        spread = {s: sum(jnp.sum(v) for v in spread.values()) for s in spread}
+        noise = {s: sum(jnp.sum(v) for v in noise.values()) for s in noise}
+    v_h = {s: v / (k - 1) * (1.0 / k + 1.0 / (n - k)) for s, v in spread.items()}
+    v_a = {s: v / k / (n - k) for s, v in noise.items()}
     return {s: v_h[s] / jnp.maximum(v_h[s] + v_a[s], 1e-30) for s in v_h}
 
 
@@ -116,52 +108,64 @@ class HybridActivity:
         est = forward(num_tangents=self.num_tangents, perturb="activations")
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
         unselected = jnp.ones((n,)).at[idx].set(0.0) / (n - k)
-        onehot = jax.nn.one_hot(idx, n, dtype=jnp.float32).T  # (N, k)
-        losses, a_u, fwd_sel = _forward_sums(
-            lambda b, kk: est(loss_fn, params, b, kk), batch, keys, unselected, onehot, params)
-        # The exact gradients one micro-batch after another (lax.map): k trees, not k
-        # micro-batches' activations at once.
-        exact = jax.lax.map(lambda b: jax.grad(loss_fn)(params, b),
-                            jax.tree.map(lambda x: x[idx], batch))
-        h = jax.tree.map(lambda g: jnp.mean(g, axis=0), exact)
+        losses, a_u = _forward_sums(lambda b, kk: est(loss_fn, params, b, kk), batch, keys,
+                                    unselected, params)
+        # The selected micro-batches one after another: each exact gradient beside its forward
+        # estimate (drawn again from the same key), folded into h and the per-segment spread
+        # and noise (Welford), so one gradient tree of each is live, not k.
+        h, spread, noise = _exact_sums(
+            lambda b: jax.grad(loss_fn)(params, b),
+            lambda b, kk: est(loss_fn, params, b, kk)[1],
+            jax.tree.map(lambda x: x[idx], batch), keys[idx], params)
         if self.shrinkage == "none":
             alpha = {"embed": jnp.float32(1.0), "blocks": jnp.ones((loss_fn.num_layers,)),
                      "head": jnp.float32(1.0)}
         else:
-            alpha = mixing_weights(exact, fwd_sel, n, self.shrinkage)
-        mixed = jax.tree.map(lambda hh, d: hh + d, h,
+            alpha = mixing_weights(spread, noise, k, n, self.shrinkage)
+        # ĝ = (k/N) h + ((N−k)/N) (h + α (ā_U − h)) = h + ((N−k)/N) α (ā_U − h)
+        grads = jax.tree.map(lambda hh, d: hh + (n - k) / n * d, h,
                              _scale_segments(jax.tree.map(lambda a, hh: a - hh, a_u, h), alpha))
-        grads = jax.tree.map(lambda hh, m: (k * hh + (n - k) * m) / n, h, mixed)
         diag = {"alpha": alpha, "exact_indices": idx}
         return (jnp.mean(losses), grads, diag) if diagnostics else (jnp.mean(losses), grads)
 
 
-def _forward_sums(fn: Callable, batch: Any, keys: jax.Array, unselected: jax.Array,
-                  onehot: jax.Array, like: Any) -> tuple[jax.Array, Any, Any]:
+def _forward_sums(fn: Callable, batch: Any, keys: jax.Array, weights: jax.Array,
+                  like: Any) -> tuple[jax.Array, Any]:
     """The N forward estimates one after another, never all at once: (losses (N,),
-    Σ_n unselected[n] a_n, the k selected micro-batches' a_n stacked). Each estimate is a whole
-    gradient tree, so micro-batches run one by one (a chunk of them would hold a tree each)."""
-    n = keys.shape[0]
-    chunk = 1
-    split = lambda x: x.reshape((n // chunk, chunk) + x.shape[1:])  # noqa: E731
-    k = onehot.shape[1]
+    Σ_n weights[n] a_n). Each estimate is a whole gradient tree, so micro-batches run one by
+    one (a chunk of them would hold a tree each)."""
+
+    def body(acc, xs):
+        b, kk, w = xs
+        loss, a = fn(b, kk)
+        return jax.tree.map(lambda s, x: s + (w * x).astype(s.dtype), acc, a), loss
+
+    a_sum, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, like), (batch, keys, weights))
+    return losses, a_sum
+
+
+def _exact_sums(grad: Callable, fwd: Callable, batch: Any, keys: jax.Array,
+                like: Any) -> tuple[Any, dict, dict]:
+    """Over the selected micro-batches one after another: (h = the mean exact gradient,
+    Σ_s ‖g_s − h‖² per segment by Welford's update, Σ_s ‖a_s − g_s‖² per segment)."""
+    zero = jax.tree.map(jnp.zeros_like, like)
+    seg0 = segment_dots(zero, zero)
 
     def body(carry, xs):
-        a_u, sel = carry
-        b, kk, w, oh = xs
-        losses, a = jax.vmap(fn)(b, kk)
-        a_u = jax.tree.map(lambda acc, x: acc + jnp.tensordot(w, x, axes=1).astype(acc.dtype),
-                           a_u, a)
-        sel = jax.tree.map(lambda acc, x: acc + jnp.tensordot(oh.T, x, axes=1).astype(acc.dtype),
-                           sel, a)
-        return (a_u, sel), losses
+        mean, m2, noise, count = carry
+        b, kk = xs
+        g, a = grad(b), fwd(b, kk)
+        count = count + 1.0
+        delta = jax.tree.map(lambda x, m: x - m, g, mean)
+        mean = jax.tree.map(lambda m, d: m + d / count, mean, delta)
+        m2 = jax.tree.map(jnp.add, m2, segment_dots(delta, jax.tree.map(jnp.subtract, g, mean)))
+        diff = jax.tree.map(jnp.subtract, a, g)
+        noise = jax.tree.map(jnp.add, noise, segment_dots(diff, diff))
+        return (mean, m2, noise, count), None
 
-    zero = jax.tree.map(jnp.zeros_like, like)
-    zero_sel = jax.tree.map(lambda x: jnp.zeros((k,) + x.shape, x.dtype), like)
-    (a_u, sel), losses = jax.lax.scan(
-        body, (zero, zero_sel),
-        (jax.tree.map(split, batch), split(keys), split(unselected), split(onehot)))
-    return losses.reshape(n), a_u, sel
+    (h, spread, noise, _), _ = jax.lax.scan(body, (zero, seg0, seg0, jnp.float32(0.0)),
+                                            (batch, keys))
+    return h, spread, noise
 
 
 def hybrid_activity(num_exact: int = 2, num_tangents: int = 1,

@@ -182,8 +182,9 @@ def test_hybrid_step_compiles_below_backprop_remat_memory():
 
 def test_exact_subset_and_hybrid_activity_compile_without_per_micro_batch_copies():
     """exact_subset runs the sweep (below a tenth of backprop's temporary memory) and
-    hybrid_activity accumulates its forward estimates micro-batch by micro-batch (at most
-    backprop's; all N gradient trees at once were above 5x)."""
+    hybrid_activity accumulates its forward estimates micro-batch by micro-batch and folds its
+    exact gradients into h and the mixing statistics one at a time (below 0.8 of backprop's;
+    all N gradient trees at once were above 5x, the k selected ones together 0.99x)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import memory_time as mt
 
@@ -197,4 +198,4 @@ def test_exact_subset_and_hybrid_activity_compile_without_per_micro_batch_copies
     key = jax.random.key(0)
     subset, activity = jg.exact_subset(2), jg.hybrid_activity(2)
     assert temp(lambda p, b: subset(stack, p, b, key), params, micro) < 0.1 * bp
-    assert temp(lambda p, b: activity(stack, p, b, key), params, micro) <= 1.05 * bp
+    assert temp(lambda p, b: activity(stack, p, b, key), params, micro) < 0.8 * bp
