@@ -188,11 +188,8 @@ def hybrid(
     never faster than backprop (counted by :func:`jaxstream.quality.flops.matmul_flops`).
 
     Same key, another form of the model: tangents are drawn per parameter group of the loss
-    function they are given — per layer of a :class:`~jaxstream.models.Sequential`, per embed /
-    block / head of a :class:`~jaxstream.models.Stack`. So on a stack view of a user's model
-    (``as_stack``, ``as_padded_stack``) the estimate has the same distribution as on the model
-    itself but other draws for the same key (relative differences of order one): compare an
-    engine with the in-memory estimator on ``view.stack``, never on the model.
+    function, as for :func:`~jaxstream.grad.forward` (its docstring says what that means for a
+    stack view).
 
     Example:
       >>> est = hybrid(num_exact=2, correction="control_variate")

@@ -289,17 +289,22 @@ class LayerStore:
         expect = self._expected(kind, part, l, staged) or [None] * len(names)
         futs = []
         for i, name in enumerate(names):
-            direct = self._direct[(kind, part, i)]
             try:
-                if direct:
-                    futs.append(direct.read(idx, name, expect[i]))
-                else:
-                    read = ReadInto(self._arrays[(kind, part, i)][idx])
-                    futs.append(read if expect[i] is None else Verified(read, expect[i], name))
+                futs.append(self._leaf_read(kind, part, i, idx, name, expect[i]))
             except Exception as err:
                 raise read_error(err, name) from err
         post = None if (staged or self._wrote) else (lambda t: self._check_fresh([(part, l, slot)]) or t)
         return TreeFuture(treedef, futs, post, names)
+
+    def _leaf_read(self, kind: str, part: str, i: int, idx: tuple, name: str,
+                   expect: int | None) -> Any:
+        """A pending read of one leaf's chunk at ``idx``: the direct file read where the store
+        allows it, else TensorStore's; checked against ``expect`` (a crc32c) unless None."""
+        direct = self._direct[(kind, part, i)]
+        if direct:
+            return direct.read(idx, name, expect)
+        read = ReadInto(self._arrays[(kind, part, i)][idx])
+        return read if expect is None else Verified(read, expect, name)
 
     def _expected(self, kind: str, part: str, l: int | None, staged: bool) -> list | None:
         """The crc32c per leaf that the slot about to be read must hold: what this handle
@@ -631,11 +636,8 @@ class LayerStore:
         where = part if l is None else f"layer {l}"
         for i, e in enumerate(self._m["leaves"][kind][part]):
             name = f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})"
-            direct = self._direct[(kind, part, i)]
-            read = (direct.read(idx, name, expect[i]) if direct else
-                    Verified(ReadInto(self._arrays[(kind, part, i)][idx]), expect[i], name))
             try:
-                read.result()
+                self._leaf_read(kind, part, i, idx, name, expect[i]).result()
             except StoreNotCommittedError as err:
                 raise StoreError(
                     f"cannot roll back to step {step}: {name} was overwritten by a later write "
