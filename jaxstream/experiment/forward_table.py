@@ -17,6 +17,11 @@ A data set with ``metric: loss`` (the character transformer on the text corpus) 
 its loss instead: the learning rate is picked by the lowest mean final train loss, the target
 is a test loss (``target_loss``), and the report shows test and train loss (mean ± sd).
 
+A pick at the edge of its sweep extends the sweep by one geometric step past that edge, up to
+``extend_sweeps`` times; a pick still at an edge is flagged (``lr_at_edge``). Every rate keeps
+its final figures per seed. Each data set also gets baseline rows (chance and logistic
+regression; unigram and bigram tables for text: :mod:`.table_baselines`).
+
 Batches are drawn with replacement from the train set (seeded per seed and step), the same for
 every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
 ``frontier.png``, rewritten after every (data set, arm) row, so a killed run keeps its rows and
@@ -53,8 +58,11 @@ from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
+from jaxstream.experiment.table_baselines import baselines
 from jaxstream.experiment.table_report import frontier_plot, markdown
 
+BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
+BASELINE_NAMES = (BASELINES, "chance", "logistic regression", "unigram", "bigram")
 ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_mean", "seeds",
             "peak_temp_bytes", "cosine_mean")
 
@@ -111,10 +119,14 @@ class TableDataset:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardTableConfig:
-    """The whole table: data sets x arms, ``seeds`` seeds each."""
+    """The whole table: data sets x arms, ``seeds`` seeds each; ``extend_sweeps``: rates a
+    sweep may add past its edge (:func:`run_arm`); ``baselines``: add each data set's baseline
+    rows (:mod:`.table_baselines`)."""
 
     seed: int = 0
     seeds: int = 3
+    extend_sweeps: int = 2
+    baselines: bool = True
     cosine_keys: int = 8
     timing_steps: int = 10
     datasets: tuple[TableDataset, ...] = (TableDataset(),)
@@ -123,10 +135,17 @@ class ForwardTableConfig:
     def __post_init__(self):
         if self.seeds < 1 or self.cosine_keys < 1:
             raise ValueError("seeds, cosine_keys: must be >= 1")
+        if not 0 <= self.extend_sweeps <= 8:
+            raise ValueError(f"extend_sweeps: rates added past a sweep's edge, in [0, 8], got "
+                             f"{self.extend_sweeps}")
         for what, names in (("arms", [a.name for a in self.arms]),
                             ("datasets", [d.name for d in self.datasets])):
             if len(set(names)) != len(names):
                 raise ValueError(f"{what}: names must be distinct, got {names}")
+        taken = {a.name for a in self.arms} & set(BASELINE_NAMES)
+        if taken:
+            raise ValueError(f"arms: {sorted(taken)} name(s) a baseline row; rename the arm "
+                             f"(baseline names: {list(BASELINE_NAMES)})")
         for d in self.datasets:
             for a in self.arms:
                 n = getattr(a.estimator, "micro_batches", 1)
@@ -166,12 +185,32 @@ def _evaluator(stack: Any, ds: Any, train_eval_size: int):
     return jax.jit(jax.vmap(metrics))
 
 
+def extension(lrs: tuple[float, ...], side: str) -> float:
+    """The next rate beyond a sweep's ``side`` ("largest" / "smallest"): one geometric step of
+    the sweep (its mean ratio between neighbours) past the edge."""
+    lo, hi = min(lrs), max(lrs)
+    step = (hi / lo) ** (1.0 / (len(lrs) - 1))
+    return float(f"{(hi * step if side == 'largest' else lo / step):.3g}")
+
+
+def pick_lr(final: np.ndarray, metric: str) -> int:
+    """Index of the picked rate in ``final`` (lr, seed, metric): lowest mean final train error,
+    ties (e.g. all zero) broken by the mean final train loss (metric "loss": the other way
+    round). Diverged lanes (NaN) sort last."""
+    by_err, by_loss = final[:, :, 1].mean(axis=1), final[:, :, 3].mean(axis=1)
+    keys = (by_err, by_loss) if metric == "loss" else (by_loss, by_err)
+    return int(np.lexsort(keys)[0])
+
+
 def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
             evaluate: Any = None) -> dict:
-    """Train every (lr, seed) lane of one arm together; the row at the picked learning rate."""
+    """Train every (lr, seed) lane of one arm together; the row at the picked learning rate.
+
+    A pick at either edge of a sweep of two or more rates extends the sweep by one geometric
+    step past that edge and trains the new rate's lanes, up to ``cfg.extend_sweeps`` times; a
+    pick still at an edge after that is flagged in the row (``lr_at_edge``)."""
     est = arm.estimator.build()
     n_micro = getattr(arm.estimator, "micro_batches", 1)
-    lrs = arm.sweep(dcfg.name)
     train = {k: jnp.asarray(v) for k, v in ds.train.items()}
     n_train = len(ds.train["y"])
     tx = optax.adam(1.0)
@@ -194,29 +233,40 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         return jax.lax.scan(lambda s, t: step(s, lr, seed, t0 + t), state,
                             jnp.arange(dcfg.eval_every))
 
-    lane_lr = jnp.repeat(jnp.asarray(lrs, jnp.float32), cfg.seeds)
-    lane_seed = jnp.tile(jnp.arange(cfg.seeds), len(lrs))
     init = jax.vmap(lambda s: stack.init(jax.random.fold_in(jax.random.fold_in(base, 3), s)))
-    params = init(lane_seed)
-    state = (params, jax.vmap(tx.init)(params))
     run = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)))
     evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
-    # The shared training loop, one loop step per chunk of eval_every steps (all lanes); the
-    # chunk's first step is its "batch" (batches are drawn inside), evaluation is a hook.
-    loop = TrainLoop(lambda st, t0, _: (run(st, lane_lr, lane_seed, t0)[0], {}),
-                     batch_at=lambda c: c * dcfg.eval_every, key_at=lambda c: None, timed=False)
-    curve: list[np.ndarray] = []
-    loop.add_hook(lambda i: curve.append(np.asarray(evaluate(i.state[0]))))  # (lanes, 4)
+
+    def lanes(rates: tuple[float, ...]) -> np.ndarray:
+        """Train the lanes of ``rates`` × seeds; their curve (lr, seed, eval, metric)."""
+        lane_lr = jnp.repeat(jnp.asarray(rates, jnp.float32), cfg.seeds)
+        lane_seed = jnp.tile(jnp.arange(cfg.seeds), len(rates))
+        params = init(lane_seed)
+        state = (params, jax.vmap(tx.init)(params))
+        # The shared training loop, one loop step per chunk of eval_every steps (all lanes);
+        # the chunk's first step is its "batch" (batches are drawn inside), evaluation a hook.
+        loop = TrainLoop(lambda st, t0, _: (run(st, lane_lr, lane_seed, t0)[0], {}),
+                         batch_at=lambda c: c * dcfg.eval_every, key_at=lambda c: None,
+                         timed=False)
+        curve: list[np.ndarray] = []
+        loop.add_hook(lambda i: curve.append(np.asarray(evaluate(i.state[0]))))  # (lanes, 4)
+        loop.run(state, start=0, stop=dcfg.steps // dcfg.eval_every)
+        return np.stack(curve, axis=1).reshape(len(rates), cfg.seeds, -1, 4)
+
     t0 = time.perf_counter()
-    state = loop.run(state, start=0, stop=dcfg.steps // dcfg.eval_every).state
+    lrs = tuple(sorted(arm.sweep(dcfg.name)))
+    curve = lanes(lrs)
+    pick, added = pick_lr(curve[:, :, -1], dcfg.metric), []
+    while len(lrs) >= 2 and len(added) < cfg.extend_sweeps and pick in (0, len(lrs) - 1):
+        new = extension(lrs, "largest" if pick == len(lrs) - 1 else "smallest")
+        more = lanes((new,))
+        lrs, curve = ((lrs + (new,), np.concatenate([curve, more])) if new > lrs[-1]
+                      else ((new,) + lrs, np.concatenate([more, curve])))
+        added.append(new)
+        pick = pick_lr(curve[:, :, -1], dcfg.metric)
     train_seconds = time.perf_counter() - t0
-    curve = np.stack(curve, axis=1).reshape(len(lrs), cfg.seeds, -1, 4)  # lr, seed, eval, metric
     final = curve[:, :, -1]
-    # Lowest mean final train error; ties (e.g. all zero) broken by the mean final train loss
-    # (metric "loss": the other way round). Diverged lanes (NaN) sort last.
     by_err, by_loss = final[:, :, 1].mean(axis=1), final[:, :, 3].mean(axis=1)
-    keys = (by_err, by_loss) if dcfg.metric == "loss" else (by_loss, by_err)
-    pick = int(np.lexsort(keys)[0])
     fin, cur = final[pick], curve[pick]
     if dcfg.metric == "loss":
         reached = cur[:, :, 2] <= dcfg.target_loss
@@ -231,7 +281,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         updates, o = tx.update(grads, o, p)
         return optax.apply_updates(p, jax.tree.map(lambda u: 1e-3 * u, updates)), o, grads
 
-    p0 = jax.tree.map(lambda a: a[0], params)
+    p0 = stack.init(jax.random.fold_in(jax.random.fold_in(base, 3), 0))  # seed 0's start
     o0 = tx.init(p0)
     batch0 = _micro(sample(0, 0), n_micro)
     keys = jax.random.split(jax.random.fold_in(base, 11), max(cfg.cosine_keys, cfg.timing_steps))
@@ -255,6 +305,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     sd = (lambda x: float(np.std(x, ddof=1))) if cfg.seeds > 1 else (lambda x: 0.0)
     return {
         "dataset": dcfg.name, "arm": arm.name, "lr": float(lrs[pick]), "lrs": list(lrs),
+        "lrs_added": added, "lr_at_edge": len(lrs) >= 2 and pick in (0, len(lrs) - 1),
         "test_error_mean": float(fin[:, 0].mean()), "test_error_sd": float(fin[:, 0].std(ddof=1))
         if cfg.seeds > 1 else 0.0,
         "train_error_mean": float(fin[:, 1].mean()),
@@ -275,6 +326,11 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "test_loss_by_seed": [float(x) for x in fin[:, 2]],
         "train_error_by_lr": [float(x) for x in by_err],
         "train_loss_by_lr": [float(x) for x in by_loss],
+        # every rate's final figures per seed (lr, seed), as trained
+        "test_error_by_lr_seed": final[:, :, 0].tolist(),
+        "train_error_by_lr_seed": final[:, :, 1].tolist(),
+        "test_loss_by_lr_seed": final[:, :, 2].tolist(),
+        "train_loss_by_lr_seed": final[:, :, 3].tolist(),
         "curve_test_error_mean": [float(x) for x in cur[:, :, 0].mean(axis=0)],
         "curve_test_loss_mean": [float(x) for x in cur[:, :, 2].mean(axis=0)],
         "eval_every": dcfg.eval_every,
@@ -291,14 +347,18 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
     """
     kept = {(r["dataset"], r["arm"]): r for r in done or []}
     rows = []
+    with_baselines = cfg.baselines and (not arms or BASELINES in arms)
     for dcfg in cfg.datasets:
         if datasets and dcfg.name not in datasets:
             continue
         names = [a.name for a in cfg.arms if not arms or a.name in arms]
-        if all((dcfg.name, a) in kept for a in names):
-            rows += [kept[(dcfg.name, a)] for a in names]
+        base = [r for r in kept.values() if r["dataset"] == dcfg.name and r.get("kind") == "baseline"]
+        if all((dcfg.name, a) in kept for a in names) and (base or not with_baselines):
+            rows += (base if with_baselines else []) + [kept[(dcfg.name, a)] for a in names]
             continue
         ds = dcfg.data.load(cfg.seed)
+        if with_baselines:
+            rows += base or baselines(dcfg.name, ds, dcfg.metric)
         stack = dcfg.model.build(ds.info)
         evaluate = _evaluator(stack, ds, dcfg.train_eval_size)
         for arm in cfg.arms:

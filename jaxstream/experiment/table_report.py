@@ -31,6 +31,29 @@ def _fmt(x: Any, spec: str = ".0f") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def is_baseline(r: dict) -> bool:
+    """A baseline row (:mod:`jaxstream.experiment.table_baselines`): one figure, no training."""
+    return r.get("kind") == "baseline"
+
+
+def baseline_table(rows: list[dict], dataset: str) -> str:
+    """The data set's baseline rows as a markdown table ("" when it has none)."""
+    mine = [r for r in rows if r["dataset"] == dataset and is_baseline(r)]
+    if not mine:
+        return ""
+    loss = _is_loss(mine[0])
+    head = ("| baseline | test loss | train loss | test token error % | how |" if loss else
+            "| baseline | test error % | train error % | test loss | how |")
+    lines = [head, "|---|---|---|---|---|"]
+    for r in mine:
+        figs = ((f"{r['test_loss_mean']:.3f}", f"{r['train_loss_mean']:.3f}",
+                 f"{100 * r['test_error_mean']:.2f}") if loss else
+                (f"{100 * r['test_error_mean']:.2f}", f"{100 * r['train_error_mean']:.2f}",
+                 f"{r['test_loss_mean']:.3f}"))
+        lines.append(f"| {r['arm']} | {' | '.join(figs)} | {r.get('how', '')} |")
+    return "\n".join(lines)
+
+
 def _by(rows: list[dict], dataset: str) -> dict[str, dict]:
     return {r["arm"]: r for r in rows if r["dataset"] == dataset}
 
@@ -178,14 +201,19 @@ def _lr(row: dict) -> str:
 
 
 def _edges(rows: list[dict], dataset: str) -> str:
-    """One sentence: how many picks sit at the edge of their sweep."""
+    """Sentences: which sweeps were extended past an edge, and how many picks still sit at
+    the edge of their sweep."""
     mine = [r for r in rows if r["dataset"] == dataset and len(r.get("lrs") or []) >= 2]
+    grown = [f"{r['arm']} (+{', '.join(f'{x:.0e}' for x in r['lrs_added'])})" for r in mine
+             if r.get("lrs_added")]
+    said = ("Sweeps extended past an edge their pick sat at, one geometric step per added "
+            f"rate: {'; '.join(grown)}. " if grown else "")
     edge = [r["arm"] for r in mine if lr_edge(r)]
     if not edge:
-        return f"Every swept arm's rate lies inside its sweep ({len(mine)} swept arms)."
-    return (f"**{len(edge)} of {len(mine)} swept arms picked the edge of their sweep** (↑ the "
-            f"largest rate tried, ↓ the smallest): {', '.join(edge)}. Their best rate may lie "
-            f"outside the sweep, and their rows may overstate their error.")
+        return said + f"Every swept arm's rate lies inside its sweep ({len(mine)} swept arms)."
+    return (said + f"**{len(edge)} of {len(mine)} swept arms picked the edge of their sweep** "
+            f"(↑ the largest rate tried, ↓ the smallest): {', '.join(edge)}. Their best rate may "
+            f"lie outside the sweep, and their rows may overstate their error.")
 
 
 def loss_table(rows: list[dict], dataset: str) -> str:
@@ -310,7 +338,8 @@ def memory_parts_table(rows: list[dict]) -> str:
 def markdown(payload: dict, plot: str | None = None, memory: dict | None = None) -> str:
     """The whole report as markdown (``memory``: optional memory_time rows, see
     :func:`memory_table`)."""
-    rows = payload["rows"]
+    every = payload["rows"]
+    rows = [r for r in every if not is_baseline(r)]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     parts = [
         "# Forward-gradient table, reproduced",
@@ -348,7 +377,12 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
                   else f"target test accuracy {100 * r0['target_accuracy']:.0f} %")
         parts += ["", f"## {ds}", "",
                   f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
-                  _edges(rows, ds), "",
+                  _edges(rows, ds), ""]
+        if baseline_table(every, ds):
+            parts += ["Baselines (no training by the library; one deterministic fit):", "",
+                      baseline_table(every, ds), ""]
+        parts += [
+
                   f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}; "
                   f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
                   f"{MIN_SEEDS} paired seeds for a verdict):", ""]
@@ -384,9 +418,12 @@ def frontier_plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    base = [r for r in rows if is_baseline(r)]
+    rows = [r for r in rows if not is_baseline(r)]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     styles = arm_styles(arms)
+    lines = {b: ls for b, ls in zip(dict.fromkeys(r["arm"] for r in base), ("--", ":", "-."))}
     fig, axes = plt.subplots(len(datasets), 2, figsize=(11, 3.6 * len(datasets)), squeeze=False)
     for i, ds in enumerate(datasets):
         rs = [r for r in rows if r["dataset"] == ds]
@@ -400,6 +437,12 @@ def frontier_plot(rows: list[dict], path: str) -> None:
                 y, err = (mean, sd) if _is_loss(r) else (100 * (1 - mean), 100 * sd)
                 ax.errorbar(x, y, yerr=err, fmt=styles[r["arm"]]["marker"], capsize=3,
                             color=styles[r["arm"]]["color"], label=r["arm"], alpha=0.85)
+            y0, y1 = ax.get_ylim()  # baselines inside the arms' range (the rest: the table)
+            for b in (r for r in base if r["dataset"] == ds):
+                mean = b["test_loss_mean"] if _is_loss(b) else 100 * (1 - b["test_error_mean"])
+                if y0 <= mean <= y1:
+                    ax.axhline(mean, color="0.4", lw=1, ls=lines[b["arm"]])
+            ax.set_ylim(y0, y1)
             ax.set_xscale("log")
             lo, hi = ax.get_xlim()  # 1-2-5 ticks where they fit, decades on wider axes
             wide = math.log10(hi / lo) > 2
@@ -413,6 +456,8 @@ def frontier_plot(rows: list[dict], path: str) -> None:
             ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], ls="", marker=styles[a]["marker"], color=styles[a]["color"],
                           label=a) for a in arms]
+    handles += [plt.Line2D([], [], color="0.4", lw=1, ls=ls, label=f"{b} (baseline)")
+                for b, ls in lines.items()]
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small",
                title="arm", frameon=False)
     fig.tight_layout()

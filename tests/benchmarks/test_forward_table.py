@@ -56,8 +56,10 @@ def test_cli_runs_a_tiny_table_judged_by_loss(tmp_path):
     arms = "[{name: BP, estimator: {type: backprop}, lrs: [0.00001, 0.03]}]"
     out = tmp_path / "run"
     assert main(["run", str(ft.QUICK), "--out", str(out), "seeds=2", "cosine_keys=1",
-                 "timing_steps=1", f"datasets={text}", f"arms={arms}"]) == 0
-    (row,) = json.loads((out / "rows.json").read_text())
+                 "timing_steps=1", "extend_sweeps=0", f"datasets={text}", f"arms={arms}"]) == 0
+    *base, row = json.loads((out / "rows.json").read_text())
+    assert [b["arm"] for b in base] == ["chance", "logistic regression"]
+    assert {b["metric"] for b in base} == {"loss"}  # judged as the data set is
     assert row["dataset"] == "dl" and row["metric"] == "loss" and row["seeds"] == 2
     losses = row["train_loss_by_lr"]
     assert row["lr"] == row["lrs"][losses.index(min(losses))]
@@ -221,7 +223,8 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
     out = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         run_experiment(ft.QUICK, over, out=out)
-    (first,) = json.loads((out / "rows.json").read_text())
+    *base, first = json.loads((out / "rows.json").read_text())
+    assert [b["arm"] for b in base] == ["chance", "logistic regression"]
     assert first["arm"] == "BP" and "| BP |" in (out / "results.md").read_text()
     assert (out / "frontier.png").is_file()
     monkeypatch.setattr(lib, "run_arm", real)
@@ -230,5 +233,98 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
         calls.append(arm.name), real(cfg, dcfg, arm, *a, **k))[1])
     _, summary = run_experiment(ft.QUICK, over, out=out, resume=True)
     rows = json.loads((out / "rows.json").read_text())
-    assert calls == ["FG-W"] and summary["resumed_rows"] == 1
-    assert [r["arm"] for r in rows] == ["BP", "FG-W"] and rows[0] == first
+    assert calls == ["FG-W"] and summary["resumed_rows"] == 3
+    assert [r["arm"] for r in rows] == ["chance", "logistic regression", "BP", "FG-W"]
+    assert rows[:3] == [*base, first]
+
+
+def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
+    """Four Adam steps of backprop at 1e-4 and 3e-4: the larger rate wins, so the sweep grows
+    by the sweep's own ratio (×3) past it, twice (extend_sweeps=2), and the pick is still
+    flagged at the edge; the rates tried before keep the figures they had without the
+    extension, and every rate keeps its per-seed finals."""
+    over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false",
+            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
+            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003, 0.0001]}]"]
+    (grown,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over + ["extend_sweeps=0"]))
+    assert plain["lrs"] == [1e-4, 3e-4] and plain["lr"] == 3e-4 and plain["lr_at_edge"]
+    assert plain["lrs_added"] == []
+    assert grown["lrs_added"] == [9e-4, 2.7e-3] and grown["lrs"] == [1e-4, 3e-4, 9e-4, 2.7e-3]
+    assert grown["lr"] == 2.7e-3 and grown["lr_at_edge"]
+    by = np.asarray(grown["test_error_by_lr_seed"])
+    assert by.shape == (4, 2) and np.asarray(grown["train_loss_by_lr_seed"]).shape == (4, 2)
+    np.testing.assert_allclose(np.asarray(grown["train_loss_by_lr_seed"])[:2],
+                               plain["train_loss_by_lr_seed"], rtol=1e-5)
+    np.testing.assert_allclose(by[-1], grown["test_error_by_seed"])  # the pick's own seeds
+    from jaxstream.experiment.table_report import markdown
+
+    text = markdown({"rows": [grown], "command": "c", "machine": "m"})
+    assert "BP (+9e-04, 3e-03)" in text and "1 of 1 swept arms picked the edge" in text
+
+
+def test_extension_and_pick_rules():
+    """One geometric step of the sweep past the edge; a diverged rate (NaN) is never picked,
+    so a pick next to it lies inside the sweep."""
+    from jaxstream.experiment.forward_table import extension, pick_lr
+
+    assert extension((1e-3, 3e-3, 1e-2), "largest") == pytest.approx(10 ** -1.5, rel=1e-2)
+    assert extension((1e-3, 1e-2), "smallest") == pytest.approx(1e-4)
+    final = np.zeros((3, 2, 4))
+    final[:, :, 3] = [[0.5, 0.5], [0.2, 0.3], [np.nan, np.nan]]  # train loss per lr, seed
+    final[:, :, 1] = [[0.1, 0.1], [0.0, 0.0], [np.nan, np.nan]]  # train error
+    assert pick_lr(final, "error") == 1
+    final[2, :, 3] = [0.1, 0.1]
+    final[2, :, 1] = [0.0, 0.0]
+    assert pick_lr(final, "error") == 2
+
+
+def test_baselines_match_hand_counts():
+    """Chance, and the unigram / bigram tables, against plain Python counts of the same data;
+    logistic regression beats chance on digits and is no better on test than on train."""
+    from jaxstream.data.digits import Dataset
+    from jaxstream.experiment.table_baselines import baselines
+
+    rng = np.random.default_rng(0)
+    v = 5
+    tr = rng.integers(0, v, (6, 9))
+    te = rng.integers(0, v, (3, 9))
+    ds = Dataset({"x": tr[:, :-1], "y": tr[:, 1:]}, {"x": te[:, :-1], "y": te[:, 1:]},
+                 {"vocab_size": v})
+    uni, bi = baselines("t", ds, "loss")
+    pairs = list(zip(tr[:, :-1].ravel().tolist(), tr[:, 1:].ravel().tolist()))
+    test = list(zip(te[:, :-1].ravel().tolist(), te[:, 1:].ravel().tolist()))
+    n_next = {b: sum(1 for _, y in pairs if y == b) for b in range(v)}
+    p_uni = {b: (n_next[b] + 1) / (len(pairs) + v) for b in range(v)}
+    p_bi = {(a, b): (sum(1 for p in pairs if p == (a, b)) + 1)
+            / (sum(1 for x, _ in pairs if x == a) + v) for a in range(v) for b in range(v)}
+    assert uni["test_loss_mean"] == pytest.approx(-np.mean([np.log(p_uni[b]) for _, b in test]))
+    assert bi["test_loss_mean"] == pytest.approx(-np.mean([np.log(p_bi[p]) for p in test]))
+    guess = {a: max(range(v), key=lambda b: (p_bi[(a, b)], -b)) for a in range(v)}
+    assert bi["test_error_mean"] == pytest.approx(np.mean([guess[a] != b for a, b in test]))
+
+    from jaxstream.data.digits import load_digits
+
+    digits = load_digits(seed=0)
+    chance, logreg = baselines("digits", digits, "error")
+    y_tr, y_te = digits.train["y"], digits.test["y"]
+    top = max(range(10), key=lambda c: (list(y_tr).count(c), -c))
+    assert chance["test_error_mean"] == pytest.approx(np.mean(y_te != top))
+    assert chance["test_loss_mean"] == pytest.approx(np.log(10))
+    assert logreg["test_error_mean"] < 0.2 < chance["test_error_mean"]
+    assert logreg["train_error_mean"] <= logreg["test_error_mean"]
+
+
+def test_a_report_shows_baselines_beside_the_arms(tmp_path):
+    from jaxstream.experiment.table_report import frontier_plot, markdown
+
+    base = {"dataset": "d", "kind": "baseline", "metric": "error", "train_error_mean": 0.02,
+            "test_loss_mean": 0.2, "train_loss_mean": 0.1, "how": "h"}
+    rows = [{**base, "arm": "logistic regression", "test_error_mean": 0.04},
+            {**base, "arm": "chance", "test_error_mean": 0.9}, _row("BP", 0.03)]
+    text = markdown({"rows": rows, "command": "c", "machine": "m"})
+    assert "| logistic regression | 4.00 | 2.00 | 0.200 | h |" in text
+    assert "| chance | 90.00 |" in text and "| BP |" in text
+    frontier_plot(rows, str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 0
