@@ -41,7 +41,7 @@ import jaxstream.grad as jg
 from jaxstream.comm import data_parallel
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.grad import combine
-from jaxstream.models import mlp
+from jaxstream.models import mlp, with_local_heads
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.table import GRAD_OPS
@@ -53,6 +53,7 @@ M, N, B, K = 4, 4, 4, 2  # stages / devices, micro-batches, examples per micro-b
 SEL = (0, 1)  # the hybrids' exact micro-batches (static: a pipeline table fixes them)
 TOL = 1e-5
 STACK = mlp(in_dim=6, width=8, depth=M, num_classes=3)
+OWN = with_local_heads(STACK)  # Ren et al.'s design: a local head per block (rows "-own")
 SGD = optax.sgd(0.1)
 NESTED = truncated(M, N, SEL)
 
@@ -90,6 +91,8 @@ ESTIMATORS = {
     "fwd-act": (jg.forward(K, perturb="activations"), "flat"),
     "fwd-act-local": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
     "fwd-w-local": (jg.local_forward_weights(K, "gaussian"), "flat"),  # LG-FG-W
+    "fwd-act-own": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
+    "fwd-w-local-own": (jg.local_forward_weights(K, "gaussian"), "flat"),
     "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=K), "micro"),
     "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=K),
                "micro"),
@@ -106,6 +109,11 @@ COMPOSED_MESH = (2, 2)  # data × stage: 2 replicas beside 2 stages of 2 streame
 PAIRS = [(engine, name) for name in ESTIMATORS for engine in ENGINES]
 
 
+def stack_of(name: str):
+    """The model of row ``name``: with its own local heads for the "-own" rows."""
+    return OWN if name.endswith("-own") else STACK
+
+
 def _data(seed: int):
     """(micro-batched, flat) NumPy batch: leaves (N, B, ...) and (N * B, ...)."""
     rng = np.random.default_rng(seed)
@@ -116,7 +124,8 @@ def _data(seed: int):
 
 @pytest.fixture(scope="module")
 def problem():
-    params = STACK.init(jax.random.key(0))
+    """(params by model, micro-batched batch, flat batch, key)."""
+    params = {STACK: STACK.init(jax.random.key(0)), OWN: OWN.init(jax.random.key(0))}
     micro, flat = _data(0)
     return params, micro, flat, jax.random.key(7)
 
@@ -134,9 +143,11 @@ def guess_direction():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, problem):
-    """One layer store of the initial params; ``estimate`` reads it and commits nothing."""
-    return LayerStore.create(tmp_path_factory.mktemp("matrix") / "store", problem[0],
-                             optimizer=SGD)
+    """One layer store of the initial params per model; ``estimate`` reads it and commits
+    nothing."""
+    root = tmp_path_factory.mktemp("matrix")
+    return {m: LayerStore.create(root / f"store{i}", p, optimizer=SGD)
+            for i, (m, p) in enumerate(problem[0].items())}
 
 
 # ------------------------------------------------------------------ compiling
@@ -167,20 +178,21 @@ def reference(name: str, variant: str) -> Compiled:
     M shards of the flat batch with ``key``, averaged.
     """
     est, _ = ESTIMATORS[name]
+    stack = stack_of(name)
     if variant == "same":
-        return Compiled(lambda p, b, k: est(STACK, p, b, k))
+        return Compiled(lambda p, b, k: est(stack, p, b, k))
     if variant == "guess":
-        return Compiled(lambda p, b, k, u: est(STACK, p, b, k, guess=u))
+        return Compiled(lambda p, b, k, u: est(stack, p, b, k, guess=u))
     if variant == "per-micro":
         def per_micro(p, micro, key):
             keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(jnp.arange(N))
-            losses, grads = jax.vmap(lambda b, k: est(STACK, p, b, k))(micro, keys)
+            losses, grads = jax.vmap(lambda b, k: est(stack, p, b, k))(micro, keys)
             return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
         return Compiled(per_micro)
     if variant == "per-shard":
         def per_shard(p, flat, key):
             shards = jax.tree.map(lambda a: a.reshape(M, -1, *a.shape[1:]), flat)
-            losses, grads = jax.vmap(lambda b: est(STACK, p, b, key))(shards)
+            losses, grads = jax.vmap(lambda b: est(stack, p, b, key))(shards)
             return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
         return Compiled(per_shard)
     raise ValueError(f"variant: {variant!r}")
@@ -188,7 +200,8 @@ def reference(name: str, variant: str) -> Compiled:
 
 def expected(engine: str, name: str, problem, direction):
     """The in-memory (loss, grads) the engine must reproduce, and the variant's name."""
-    params, micro, flat, key = problem
+    by_model, micro, flat, key = problem
+    params = by_model[stack_of(name)]
     est, layout = ESTIMATORS[name]
     data = flat if layout == "flat" else micro
     if engine == "pipeline" and isinstance(est, (jg.Forward, jg.LocalForwardWeights)):
@@ -210,7 +223,7 @@ def pipeline_for(name: str):
         sched = gpipe_forward(M, N)
     else:
         sched = NESTED if est.exact_from is not None else complete(M, N, SEL)
-    return pipeline(STACK, sched, est)
+    return pipeline(stack_of(name), sched, est)
 
 
 @functools.cache
@@ -218,12 +231,15 @@ def data_parallel_for(name: str):
     est, layout = ESTIMATORS[name]
     mesh = Mesh(np.array(jax.devices()[:M]), ("data",))
     dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)
-    return Compiled(lambda p, b, k: dp(STACK, p, b, k))
+    stack = stack_of(name)
+    return Compiled(lambda p, b, k: dp(stack, p, b, k))
 
 
 def run_engine(engine: str, name: str, problem, direction, store, key=None):
     """(loss, grads) of ``engine`` for estimator ``name`` (``key`` overrides the problem's)."""
-    params, micro, flat, key0 = problem
+    by_model, micro, flat, key0 = problem
+    stack = stack_of(name)
+    params, store = by_model[stack], store[stack]
     key = key0 if key is None else key
     est, layout = ESTIMATORS[name]
     if engine == "dataparallel":
@@ -233,9 +249,9 @@ def run_engine(engine: str, name: str, problem, direction, store, key=None):
         return pipeline_for(name)(params, micro, key, **kw)[:2]
     cfg = StreamConfig(compute_dtype="float32", prefetch=2)
     if engine == "composed":
-        ex = ComposedExecutor(STACK, est, SGD, store, cfg, mesh=make_mesh(*COMPOSED_MESH))
+        ex = ComposedExecutor(stack, est, SGD, store, cfg, mesh=make_mesh(*COMPOSED_MESH))
     else:
-        ex = StreamedExecutor(STACK, est, SGD, store, cfg)
+        ex = StreamedExecutor(stack, est, SGD, store, cfg)
     return ex.estimate(micro, key)
 
 
@@ -259,7 +275,7 @@ def test_a_wrong_engine_fails_the_comparison(engine, name, problem, guess_direct
     _, other_key = run_engine(engine, name, problem, guess_direction, store,
                               key=jax.random.key(8))
     assert max_rel_err(other_key, ref) > 1e-3
-    params, _, flat, key = problem
+    params, _, flat, key = problem[0][STACK], *problem[1:]
     if engine == "pipeline":  # a stated variant matters: the whole-batch reference is not it
         _, grads = run_engine(engine, name, problem, guess_direction, store)
         _, plain = reference(name, "same")(params, flat, key)
@@ -281,7 +297,7 @@ def test_nested_groups_are_partial():
 def test_the_new_rule_is_what_it_says(problem):
     """The registered rule's in-memory estimate is ½ (control variate + exact-subset mean),
     the mean written here from ``jax.grad`` alone: the rule is not a copy of another."""
-    params, micro, _, key = problem
+    params, micro, _, key = problem[0][STACK], *problem[1:]
     _, half = reference("hyb-new-rule", "same")(params, micro, key)
     _, cv = reference("hyb-cv", "same")(params, micro, key)
     grad = jax.jit(jax.grad(STACK))

@@ -445,12 +445,10 @@ def _local(stack, spec, num_micro, emit_sum=True, weights=False, impl=DEFAULT_IM
     def fn(p, layer, head, state, aux):
         (h,), (kd, b) = state, aux
         key = jax.random.wrap_key_data(kd, impl=impl)
-        loss = lambda hh: stack.example_loss(stack.head(head, hh).astype(jnp.float32), b)
-        block = lambda pp: stack.block(pp, h)
-        if weights:
-            out, g = sg.local_weight_grad(block, p, spec, key, layer, loss)
-        else:
-            out, g = sg.local_act_grad(block, p, _rows(spec), key, layer, loss)
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)  # noqa: E731
+        out, g = sg.local_grad(stack, lambda pp: stack.block(pp, h), p,
+                               spec if weights else _rows(spec), key, layer, head, example,
+                               weights)
         return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
     return fn, {"state_specs": (ACT,), "aux_specs": (P(), ACT), "emit_specs": P(STAGE)}
 

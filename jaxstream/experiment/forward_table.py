@@ -59,6 +59,7 @@ from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.experiment.table_baselines import baselines
+from jaxstream.models import with_local_heads
 from jaxstream.experiment.table_report import frontier_plot, markdown
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
@@ -69,16 +70,23 @@ ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_m
 
 @dataclasses.dataclass(frozen=True)
 class TableArm:
-    """An estimator and its learning-rate sweep (``lrs_by_dataset`` overrides per data set)."""
+    """An estimator and its learning-rate sweep (``lrs_by_dataset`` overrides per data set);
+    ``local_heads``: train the data set's model with a head of its own per block
+    (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses)."""
 
     name: str = "BP"
     estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
     lrs: tuple[float, ...] = (1e-3,)
     lrs_by_dataset: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    local_heads: bool = False
 
     def __post_init__(self):
         if not self.lrs or any(lr <= 0 for lr in self.lrs):
             raise ValueError(f"arms[{self.name}].lrs: list positive learning rates, got {self.lrs}")
+        if self.local_heads and self.estimator.build().plan.forward not in ("local", "local_weights"):
+            raise ValueError(f"arms[{self.name}].local_heads: only local losses read local heads "
+                             "(estimator: {type: forward, local_losses: true} or {type: "
+                             "local_forward_weights}); allowed: false")
 
     def sweep(self, dataset: str) -> tuple[float, ...]:
         return tuple(self.lrs_by_dataset.get(dataset, self.lrs))
@@ -210,6 +218,9 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     step past that edge and trains the new rate's lanes, up to ``cfg.extend_sweeps`` times; a
     pick still at an edge after that is flagged in the row (``lr_at_edge``)."""
     est = arm.estimator.build()
+    if arm.local_heads:
+        stack = with_local_heads(stack)
+        evaluate = None  # its parameters carry the local heads
     n_micro = getattr(arm.estimator, "micro_batches", 1)
     train = {k: jnp.asarray(v) for k, v in ds.train.items()}
     n_train = len(ds.train["y"])
@@ -313,6 +324,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "test_loss_mean": float(fin[:, 2].mean()), "test_loss_sd": sd(fin[:, 2]),
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
+        "local_heads": "own" if arm.local_heads else "shared",
         "seeds": cfg.seeds, "steps": dcfg.steps,
         "peak_temp_bytes": temp, "step_ms": step_ms,
         "cosine_mean": float(cos.mean()), "cosine_sd": float(cos.std(ddof=1)) if len(cos) > 1 else 0.0,

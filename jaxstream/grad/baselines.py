@@ -153,11 +153,9 @@ def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, k
     """Each segment's weight-perturbed estimate of its local loss (the segment kernel
     :func:`~jaxstream.grad.segments.local_weight_grad`, as every engine runs it)."""
     example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
-    local = lambda h: example(stack.head(params["head"], h))  # noqa: E731
 
     def kernel(fn, p, seg):
-        loss = example if isinstance(seg, str) and seg == "head" else local
-        return sg.local_weight_grad(fn, p, spec, key, seg, loss)
+        return sg.local_grad(stack, fn, p, spec, key, seg, params["head"], example, weights=True)
 
     logits, grads = sg.segment_sweep(stack, params, batch["x"], kernel)
     return jnp.mean(example(logits)), grads

@@ -108,11 +108,9 @@ def _activity_local(stack, spec, params, batch, key):
     """One pass: each module output's tangent reaches only that output's local loss (the
     head's: the global loss)."""
     example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
-    local_loss = lambda h: example(stack.head(params["head"], h))  # noqa: E731
 
     def kernel(fn, p, seg):
-        loss = example if isinstance(seg, str) and seg == "head" else local_loss
-        return sg.local_act_grad(fn, p, spec, key, seg, loss)
+        return sg.local_grad(stack, fn, p, spec, key, seg, params["head"], example)
 
     logits, grads = sg.segment_sweep(stack, params, batch["x"], kernel)
     return jnp.mean(example(logits)), grads

@@ -12,7 +12,8 @@ layer at a time over all micro-batches (``jax.vmap``). So the engines agree by c
   tangent u on each segment's output and give per-example scalars d[k, b]; the weight estimate
   of a segment is then :func:`act_grad` — a vjp through that segment alone with the cotangent
   (1/(K·B)) Σ_k d[k, b] u[k, b];
-* local losses: :func:`local_act_grad` — a segment's output tangent reaches only its own loss.
+* local losses: :func:`local_grad` (:func:`local_act_grad`, :func:`local_weight_grad`) — a
+  segment's tangent reaches only its own loss (the shared head's, or its own local head's).
 
 Activation tangents use ``fold_in(fold_in(key, ACTIVITY), segment)`` with the segment keyed
 as weights are (embed 0, block l via ``block_key``, head 2), in the activations' dtype.
@@ -239,6 +240,32 @@ def local_weight_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, s
     d = d.astype(acc)
     return out, jax.tree.map(lambda t: (jnp.tensordot(d, t.astype(acc), axes=1)
                                         / spec.num).astype(t.dtype), v)
+
+
+def local_grad(stack: Stack, fn: Callable, p: Any, spec: TangentSpec, key: jax.Array,
+               segment: Any, head: Any, example: Callable, weights: bool = False):
+    """``(out, estimate)`` of a segment ``out = fn(p)`` under its local loss, activity
+    perturbed (:func:`local_act_grad`) or with ``weights`` weight perturbed
+    (:func:`local_weight_grad`): the one rule every engine runs.
+
+    The head's local loss is the global one (``example(logits) -> (B,)``). Another segment's is
+    ``example`` of the shared head ``head`` (held fixed) applied to its output; or, on a stack
+    with its own local heads (``stack.local_head``, :func:`jaxstream.models.with_local_heads`),
+    of the segment's own head ``p["local_head"]``: the tangents then perturb the segment's
+    module ``p["module"]`` only, and the local head follows the exact gradient of its loss
+    (the segment's output held fixed), as Ren et al. (2023) train theirs.
+    """
+    kernel = local_weight_grad if weights else local_act_grad
+    if isinstance(segment, str) and segment == "head":
+        return kernel(fn, p, spec, key, segment, example)
+    if stack.local_head is None:
+        return kernel(fn, p, spec, key, segment, lambda h: example(stack.head(head, h)))
+    own = p["local_head"]
+    out, g = kernel(lambda m: fn({"module": m, "local_head": own}), p["module"], spec, key,
+                    segment, lambda h: example(stack.local_head(own, h)))
+    fixed = jax.lax.stop_gradient(out)
+    g_own = jax.grad(lambda q: jnp.mean(example(stack.local_head(q, fixed))))(own)
+    return out, {"module": g, "local_head": g_own}
 
 
 # ----------------------------------------------------------------------- one given direction

@@ -1,6 +1,7 @@
 """Models as stacks (embed -> L identical blocks -> head -> loss, over a params pytree with stacked
 blocks, the fast path) and as sequences of layers written as an ``nnx.Sequential``."""
 
+from jaxstream.models.local_heads import with_local_heads
 from jaxstream.models.nnx_stack import from_nnx, nnx_stack_factory
 from jaxstream.models.padded_stack import PaddedView, as_padded_stack, to_stack
 from jaxstream.models.seq_stack import StackView, as_stack
@@ -36,4 +37,5 @@ __all__ = [
     "nnx_stack_factory",
     "slice_blocks",
     "to_stack",
+    "with_local_heads",
 ]

@@ -42,6 +42,9 @@ class Stack:
       shared_head: False where the head reads only the last block's output (a padded stack,
         whose blocks' outputs differ): local losses, which apply the head to every block's
         output, are then refused.
+      local_head: ``(local_head_params, h) -> logits`` where the embed and every block carry
+        their own local head (``params["embed"|"blocks"] = {"module", "local_head"}``, built by
+        :func:`jaxstream.models.with_local_heads`); None: local losses use the shared head.
 
     Example:
       >>> stack = mlp(in_dim=64, width=32, depth=2, num_classes=10)
@@ -57,6 +60,7 @@ class Stack:
     num_layers: int
     name: str = "stack"
     shared_head: bool = True
+    local_head: Callable[[Any, jax.Array], jax.Array] | None = None
 
     def __call__(self, params: Params, batch: Batch) -> jax.Array:
         """Mean loss of ``batch``."""

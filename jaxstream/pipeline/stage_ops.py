@@ -92,13 +92,10 @@ class StageOps:
         segment's tangent reaches only its own loss (the head applied to its output). Tangents
         on the segments' outputs (activity), or with ``weights`` on their weights (LG-FG-W)."""
         st, spec = self.stack, self.spec
-        seg_kernel = sg.local_weight_grad if weights else sg.local_act_grad
         example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
-        local = lambda h: example(st.head(p["head"], h))  # noqa: E731
 
         def kernel(fn, pp, seg):
-            loss = example if isinstance(seg, str) and seg == "head" else local
-            return seg_kernel(fn, pp, spec, key, seg, loss)
+            return sg.local_grad(st, fn, pp, spec, key, seg, p["head"], example, weights)
 
         last = position in ("last", "only")
         out, g = sg.segment_sweep(st, p, inp, kernel, self.first_layer,

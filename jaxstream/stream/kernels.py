@@ -201,15 +201,14 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
     """``(out, weight estimate)`` of a unit under its local loss (the head applied to its
     output, the head held fixed; the head's own loss for the head): activity perturbation, or
     with ``weights`` its weights perturbed (LG-FG-W)."""
-    kernel = sg.local_weight_grad if weights else sg.local_act_grad
     fn = {"embed": stack.embed, "block": stack.block, "head": stack.head}[unit]
     seg = layer if unit == "block" else unit
     n = inp.shape[0]
 
     def one(i, kn, bn):
         example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)  # noqa: E731
-        loss = example if unit == "head" else (lambda h: example(stack.head(head, h)))
-        out, g = kernel(lambda pp: fn(pp, i), p, spec, kn, seg, loss)
+        out, g = sg.local_grad(stack, lambda pp: fn(pp, i), p, spec, kn, seg, head, example,
+                               weights)
         return out, jax.tree.map(lambda a: a / n, g)
 
     out, g = jax.vmap(one)(inp, keys, batch)

@@ -328,3 +328,27 @@ def test_a_report_shows_baselines_beside_the_arms(tmp_path):
     assert "| chance | 90.00 |" in text and "| BP |" in text
     frontier_plot(rows, str(tmp_path / "f.png"))
     assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_ren_arms_train_their_own_heads_and_get_ren_figures():
+    """An arm with ``local_heads`` trains the model with a head per block (the row says so);
+    Ren et al.'s LG figures sit beside it, not beside the shared-head arm of the same
+    estimator; a local_heads arm without local losses is refused by name."""
+    from jaxstream.experiment.table_report import markdown
+
+    over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
+            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
+            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
+            "arms=[{name: LG-FG-A, estimator: {type: forward, perturb: activations, "
+            "local_losses: true}, lrs: [0.001]}, {name: LG-FG-A-Ren, estimator: {type: forward, "
+            "perturb: activations, local_losses: true}, local_heads: true, lrs: [0.001]}]"]
+    shared, own = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    assert (shared["local_heads"], own["local_heads"]) == ("shared", "own")
+    assert own["test_error_by_seed"] != shared["test_error_by_seed"]
+    text = markdown({"rows": [shared, own], "command": "c", "machine": "m"})
+    line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))  # noqa
+    assert line("LG-FG-A").endswith("| — | — |")
+    assert line("LG-FG-A-Ren").endswith("| 3.24 | 2.55 |")
+    with pytest.raises(ValueError, match=r"arms\[BP\]\.local_heads"):
+        ft.load_table_config(ft.QUICK, ["arms=[{name: BP, estimator: {type: backprop}, "
+                                        "local_heads: true}]"])
