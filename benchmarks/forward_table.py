@@ -27,7 +27,7 @@ from pathlib import Path
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
 from jaxstream.experiment.docblock import machine
 from jaxstream.experiment.forward_table import ROW_KEYS, load_table_config, run_table
-from jaxstream.experiment.table_report import frontier_plot, markdown
+from jaxstream.experiment.table_report import equivalents_plot, frontier_plot, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "experiments" / "forward_table_quick.yaml"
@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--from-json", nargs="+", default=None,
                         help="reuse rows of one or more runs (each with its PATH.meta), no training")
     parser.add_argument("--plot", type=str, default=None, help="frontier plot (PNG)")
+    parser.add_argument("--cost-plot", type=str, default=None,
+                        help="test error against forward-pass equivalents (PNG)")
     parser.add_argument("--docs", type=str, default=None, help="write a markdown report here")
     parser.add_argument("--memory-json", type=str, default=None,
                         help="add a memory_time.py --json output (and its .meta) to the report")
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         Path(args.json + ".meta").write_text(json.dumps(meta, indent=1))
     if args.plot:
         frontier_plot(payload["rows"], args.plot)
+    cost = args.cost_plot if args.cost_plot and equivalents_plot(payload["rows"], args.cost_plot) else None
     memory = None
     if args.memory_json:
         meta = Path(args.memory_json + ".meta")
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   "rows": json.loads(Path(args.memory_json).read_text())}
     if args.docs:
         payload = {**payload, "report_command": command}
-        Path(args.docs).write_text(markdown(payload, args.plot, memory))
+        Path(args.docs).write_text(markdown(payload, args.plot, memory, cost))
     return payload["rows"]
 
 

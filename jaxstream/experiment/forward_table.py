@@ -25,7 +25,9 @@ regression; unigram and bigram tables for text: :mod:`.table_baselines`).
 Batches are drawn with replacement from the train set (seeded per seed and step), the same for
 every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
 ``frontier.png``, rewritten after every (data set, arm) row, so a killed run keeps its rows and
-``jaxstream run ... --resume`` runs only the rows it lacks.
+``jaxstream run ... --resume`` runs only the rows it lacks. Each row also counts its step's cost
+in forward passes (``forward_equivalents_per_step``, from the compiled step's matmul FLOPs),
+and ``cost.png`` plots test error against it.
 
 Example (YAML):
     kind: forward_table
@@ -60,7 +62,7 @@ from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.experiment.table_baselines import baselines
 from jaxstream.models import with_local_heads
-from jaxstream.experiment.table_report import frontier_plot, markdown
+from jaxstream.experiment.table_report import equivalents_plot, frontier_plot, markdown
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
 BASELINE_NAMES = (BASELINES, "chance", "logistic regression", "unigram", "bigram")
@@ -210,6 +212,21 @@ def pick_lr(final: np.ndarray, metric: str) -> int:
     return int(np.lexsort(keys)[0])
 
 
+def _forward_equivalents(step: Any, stack: Any, params: Any, batch: dict):
+    """``(matmul FLOPs of one compiled training step, the same over one primal forward pass of
+    the batch)``: a step's cost in forward passes, counted from what XLA runs
+    (:func:`jaxstream.quality.flops.matmul_flops`); ``(None, None)`` where the counter refuses
+    the program (a convolution)."""
+    from jaxstream.quality.flops import matmul_flops
+
+    try:
+        forward = matmul_flops(jax.jit(stack).lower(params, batch).compile())
+        total = matmul_flops(step)
+    except ValueError:
+        return None, None
+    return total, (total / forward if forward else None)
+
+
 def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
             evaluate: Any = None) -> dict:
     """Train every (lr, seed) lane of one arm together; the row at the picked learning rate.
@@ -298,6 +315,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     keys = jax.random.split(jax.random.fold_in(base, 11), max(cfg.cosine_keys, cfg.timing_steps))
     one = jax.jit(probe).lower(p0, o0, batch0, keys[0]).compile()
     temp = int(one.memory_analysis().temp_size_in_bytes)
+    flops, equivalents = _forward_equivalents(one, stack, p0, sample(0, 0))
     exact = _flat(jax.jit(jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch0))
                                    if n_micro > 1 else stack(p, batch0)))(p0))
     times, cos, rel_mse = [], [], []
@@ -327,6 +345,8 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "local_heads": "own" if arm.local_heads else "shared",
         "seeds": cfg.seeds, "steps": dcfg.steps,
         "peak_temp_bytes": temp, "step_ms": step_ms,
+        "tangents": est.plan.spec.num if est.plan.forward != "none" else 0,
+        "flops_per_step": flops, "forward_equivalents_per_step": equivalents,
         "cosine_mean": float(cos.mean()), "cosine_sd": float(cos.std(ddof=1)) if len(cos) > 1 else 0.0,
         "relative_mse": float(rel_mse.mean()),
         "target_accuracy": dcfg.target_accuracy, "seeds_reaching_target": len(hit),
@@ -409,7 +429,9 @@ def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "ja
                    "seconds": time.perf_counter() - t0}
         write_json(run_dir / "rows.json", rows)
         frontier_plot(rows, str(run_dir / "frontier.png"))
-        (run_dir / "results.md").write_text(markdown(payload, str(run_dir / "frontier.png")))
+        cost = str(run_dir / "cost.png") if equivalents_plot(rows, str(run_dir / "cost.png")) else None
+        (run_dir / "results.md").write_text(markdown(payload, str(run_dir / "frontier.png"),
+                                                     cost_plot=cost))
 
     rows = run_table(cfg, done=done, on_row=write)
     write(rows)

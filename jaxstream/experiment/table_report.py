@@ -235,8 +235,8 @@ def _edges(rows: list[dict], dataset: str) -> str:
 def loss_table(rows: list[dict], dataset: str) -> str:
     """A markdown table for a ``metric: loss`` data set (no published rows beside it)."""
     lines = [("| arm | lr | test loss | train loss | test token error % | steps to target loss "
-             "(seeds) | s to target | peak temp MiB | ms / step | cosine at init | "
-             "rel. sq. error at init |"), "|" + "---|" * 11]
+             "(seeds) | s to target | peak temp MiB | ms / step | K | forward passes / step | "
+             "cosine at init | rel. sq. error at init |"), "|" + "---|" * 13]
     for r in (x for x in rows if x["dataset"] == dataset):
         lines.append(
             f"| {r['arm']} | {_lr(r)} | {r['test_loss_mean']:.3f} ± "
@@ -244,9 +244,14 @@ def loss_table(rows: list[dict], dataset: str) -> str:
             f"{r.get('train_loss_sd', 0.0):.3f} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
             f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
-            f"{r['step_ms']:.2f} | {r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f} | "
-            f"{r.get('relative_mse', float('nan')):.3g} |")
+            f"{r['step_ms']:.2f} | {_cost(r)} | {r['cosine_mean']:.3f} ± "
+            f"{r.get('cosine_sd', 0.0):.3f} | {r.get('relative_mse', float('nan')):.3g} |")
     return "\n".join(lines)
+
+
+def _cost(r: dict) -> str:
+    """The K and forward-passes-per-step cells (— where a row predates them)."""
+    return f"{_fmt(r.get('tangents'), 'd')} | {_fmt(r.get('forward_equivalents_per_step'), '.2f')}"
 
 
 def table(rows: list[dict], dataset: str) -> str:
@@ -254,9 +259,10 @@ def table(rows: list[dict], dataset: str) -> str:
     if any(_is_loss(r) for r in rows if r["dataset"] == dataset):
         return loss_table(rows, dataset)
     head = ("| arm | lr | test error % | train error % | test loss | steps to target (seeds) | "
-            "s to target | peak temp MiB | ms / step | cosine at init | rel. sq. error at init | "
-            + " | ".join(f"Ren MNIST {s}" for s in REN_SETTINGS) + " |")
-    lines = [head, "|" + "---|" * 13]
+            "s to target | peak temp MiB | ms / step | K | forward passes / step | cosine at init "
+            "| rel. sq. error at init | " + " | ".join(f"Ren MNIST {s}" for s in REN_SETTINGS)
+            + " |")
+    lines = [head, "|" + "---|" * 15]
     for r in (x for x in rows if x["dataset"] == dataset):
         ren = ren_figures(r)
         lines.append(
@@ -265,8 +271,8 @@ def table(rows: list[dict], dataset: str) -> str:
             f"{r.get('test_loss_mean', float('nan')):.3f} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
             f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
-            f"{r['step_ms']:.2f} | {r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f} | "
-            f"{r.get('relative_mse', float('nan')):.3g} | "
+            f"{r['step_ms']:.2f} | {_cost(r)} | {r['cosine_mean']:.3f} ± "
+            f"{r.get('cosine_sd', 0.0):.3f} | {r.get('relative_mse', float('nan')):.3g} | "
             + " | ".join(_fmt(ren.get(s), ".2f") for s in REN_SETTINGS) + " |")
     return "\n".join(lines)
 
@@ -351,9 +357,10 @@ def memory_parts_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def markdown(payload: dict, plot: str | None = None, memory: dict | None = None) -> str:
+def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
+             cost_plot: str | None = None) -> str:
     """The whole report as markdown (``memory``: optional memory_time rows, see
-    :func:`memory_table`)."""
+    :func:`memory_table`; ``cost_plot``: an :func:`equivalents_plot` to show)."""
     every = payload["rows"]
     rows = [r for r in every if not is_baseline(r)]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
@@ -420,7 +427,69 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None)
                   "", ("Final test accuracy (test loss for data sets judged by loss) against peak "
                   "temporary memory and against training time (steps × step time), one point "
                   "per arm.")]
+    if cost_plot:
+        parts += ["", f"![cost]({os.path.basename(cost_plot)})", "",
+                  ("Test error (test loss for data sets judged by loss) during training against "
+                   "its cost in forward passes: steps × the matmul FLOPs of one compiled step "
+                   "over those of one forward pass of the batch (the 'forward passes / step' "
+                   "column, counted from what XLA runs), mean over seeds at the picked rate.")]
     return "\n".join(parts) + "\n"
+
+
+def equivalents_plot(rows: list[dict], path: str) -> bool:
+    """Test error (test loss for data sets judged by loss) against training cost in forward
+    passes (steps × the step's matmul FLOPs over one forward pass's), mean over seeds at the
+    picked rate, one line per arm in the colours of :func:`frontier_plot`; baselines as grey
+    lines. Rows without a counted cost are left out (said in the legend title). False where
+    no row has one (nothing written)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = [r for r in rows if is_baseline(r)]
+    rows = [r for r in rows if not is_baseline(r)]
+    counted = [r for r in rows if r.get("forward_equivalents_per_step")]
+    if not counted:
+        return False
+    styles = arm_styles(list(dict.fromkeys(r["arm"] for r in rows)))
+    datasets = list(dict.fromkeys(r["dataset"] for r in counted))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        for r in (x for x in counted if x["dataset"] == ds):
+            loss = _is_loss(r)
+            y = [v if loss else 100 * v for v in
+                 (r["curve_test_loss_mean"] if loss else r["curve_test_error_mean"])]
+            x = [(i + 1) * r["eval_every"] * r["forward_equivalents_per_step"]
+                 for i in range(len(y))]
+            ax.plot(x, y, color=styles[r["arm"]]["color"], marker=styles[r["arm"]]["marker"],
+                    markevery=max(1, len(x) // 6), ms=4, lw=1.2, label=r["arm"])
+        for b in (x for x in base if x["dataset"] == ds):
+            ax.axhline(b["test_loss_mean"] if _is_loss(b) else 100 * b["test_error_mean"],
+                       color="0.5", lw=0.8, ls=":")
+            ax.annotate(b["arm"], (1.0, b["test_loss_mean"] if _is_loss(b)
+                                   else 100 * b["test_error_mean"]),
+                        xycoords=("axes fraction", "data"), fontsize="x-small", color="0.4",
+                        ha="right", va="bottom")
+        ax.set_xscale("log")
+        ax.set_xlabel("training cost (forward-pass equivalents, matmul FLOPs)")
+        ax.set_ylabel("test loss (nats / char)" if any(_is_loss(r) for r in counted
+                                                        if r["dataset"] == ds)
+                      else "test error (%)")
+        ax.set_title(ds)
+        ax.grid(alpha=0.3)
+    left = sorted({r["arm"] for r in rows} - {r["arm"] for r in counted})
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    for ax in axes[0][1:]:
+        seen.update(dict(zip(*reversed(ax.get_legend_handles_labels()))))
+    fig.legend(list(seen.values()), list(seen.keys()), loc="center left",
+               bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False,
+               title="arm" + (f" (no cost counted: {', '.join(left)})" if left else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
 
 
 def arm_styles(arms: list[str]) -> dict[str, dict]:

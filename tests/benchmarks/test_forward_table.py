@@ -352,3 +352,29 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     with pytest.raises(ValueError, match=r"arms\[BP\]\.local_heads"):
         ft.load_table_config(ft.QUICK, ["arms=[{name: BP, estimator: {type: backprop}, "
                                         "local_heads: true}]"])
+
+
+def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
+    """Backprop's step on an MLP 64 → 8 → 8 → 10, batch 8, costs its forward pass, the weight
+    cotangents of every layer and the input cotangents of all but the first (hand count); K
+    tangents cost more than one; the cost plot draws the counted rows."""
+    from jaxstream.experiment.table_report import equivalents_plot
+
+    over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
+            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
+            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
+            "{name: FG-W, estimator: {type: forward, num_tangents: 1}, lrs: [0.001]}, "
+            "{name: FG-W-K4, estimator: {type: forward, num_tangents: 4}, lrs: [0.001]}]"]
+    bp, k1, k4 = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    layers = [(64, 8), (8, 8), (8, 10)]
+    forward = sum(2 * 8 * a * b for a, b in layers)
+    backward = forward + sum(2 * 8 * a * b for a, b in layers[1:])
+    assert bp["flops_per_step"] == forward + backward
+    assert bp["forward_equivalents_per_step"] == pytest.approx((forward + backward) / forward)
+    assert (bp["tangents"], k1["tangents"], k4["tangents"]) == (0, 1, 4)
+    assert k4["forward_equivalents_per_step"] > k1["forward_equivalents_per_step"] > 1.0
+    assert equivalents_plot([bp, k1, k4], str(tmp_path / "c.png"))
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert not equivalents_plot([{**bp, "forward_equivalents_per_step": None}],
+                                str(tmp_path / "none.png"))
