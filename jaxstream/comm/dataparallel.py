@@ -131,6 +131,12 @@ class DataParallel:
                 )
         if self.batch_axis < 0:
             raise ValueError(f"batch_axis: must be >= 0, got {self.batch_axis}")
+        plan = getattr(self.estimator, "plan", None)
+        if plan is not None and plan.forward == "local_guess" and self.tangents == "shared":
+            raise ValueError("tangents: 'shared' promises the in-memory estimator of the whole "
+                             "batch, but local_guess's guess is each shard's own local "
+                             "gradients; use tangents='independent' (each shard's estimate, "
+                             "averaged)")
         if _is_activity(self.estimator) and self.tangents == "shared" and self.batch_axis:
             raise ValueError(
                 "batch_axis: activity perturbation splits the examples' axis 0; "

@@ -195,6 +195,18 @@ class LocalForwardWeightsConfig(EstimatorConfig):
         return f"forward(local weights, K={self.num_tangents})"
 
 
+@register_choice(EstimatorConfig, "local_guess")
+@dataclasses.dataclass(frozen=True)
+class LocalGuessConfig(EstimatorConfig):
+    """Local guess (Fournier et al., 2023): the gradient projected on the local losses' exact
+    gradients, with one jvp (no options)."""
+
+    def build(self) -> Estimator:
+        import jaxstream.grad as jg
+
+        return jg.local_guess()
+
+
 @register_choice(EstimatorConfig, "hybrid_activity")
 @dataclasses.dataclass(frozen=True)
 class HybridActivityConfig(EstimatorConfig):

@@ -85,10 +85,11 @@ class TableArm:
     def __post_init__(self):
         if not self.lrs or any(lr <= 0 for lr in self.lrs):
             raise ValueError(f"arms[{self.name}].lrs: list positive learning rates, got {self.lrs}")
-        if self.local_heads and self.estimator.build().plan.forward not in ("local", "local_weights"):
+        if self.local_heads and self.estimator.build().plan.forward not in (
+                "local", "local_weights", "local_guess"):
             raise ValueError(f"arms[{self.name}].local_heads: only local losses read local heads "
-                             "(estimator: {type: forward, local_losses: true} or {type: "
-                             "local_forward_weights}); allowed: false")
+                             "(estimator: {type: forward, local_losses: true}, {type: "
+                             "local_forward_weights} or {type: local_guess}); allowed: false")
 
     def sweep(self, dataset: str) -> tuple[float, ...]:
         return tuple(self.lrs_by_dataset.get(dataset, self.lrs))

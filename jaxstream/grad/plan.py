@@ -21,9 +21,9 @@ import jax
 from jaxstream.grad.combine import Rule, get
 from jaxstream.grad.tangents import TangentSpec
 
-ForwardPass = Literal["none", "weights", "activity", "local", "local_weights"]
+ForwardPass = Literal["none", "weights", "activity", "local", "local_weights", "local_guess"]
 ExactPass = Literal["none", "all", "selected"]
-FORWARD_PASSES = ("none", "weights", "activity", "local", "local_weights")
+FORWARD_PASSES = ("none", "weights", "activity", "local", "local_weights", "local_guess")
 EXACT_PASSES = ("none", "all", "selected")
 
 
@@ -35,7 +35,8 @@ class Plan:
       forward: the forward pass: ``"none"``; ``"weights"`` (tangents on the parameters, K
         derivatives per micro-batch); ``"activity"`` (tangents on each block's outputs, weight
         estimates formed locally after); ``"local"`` (activity tangents, each block's own
-        loss); ``"local_weights"`` (weight tangents, each block's own loss).
+        loss); ``"local_weights"`` (weight tangents, each block's own loss); ``"local_guess"``
+        (one jvp along the local losses' exact gradients, :mod:`.local_guess`).
       exact: reverse-mode gradients for ``"none"``, ``"all"`` micro-batches or the
         ``"selected"`` ones (:attr:`select`).
       combine: the rule of :mod:`jaxstream.grad.combine` that forms the estimate from the two
@@ -104,7 +105,7 @@ class Plan:
             return f"exact_subset({self.num_exact})"
         if not self.mixes:
             what = {"weights": "weights", "activity": "activations", "local": "local activations",
-                    "local_weights": "local weights"}[self.forward]
+                    "local_weights": "local weights", "local_guess": "local guess"}[self.forward]
             agg = "" if self.combine in (None, "mean") else f", {self.combine}"
             return f"forward({what}{agg}, {k})"
         sel = (f"{len(self.fixed)} fixed" if self.fixed is not None

@@ -61,6 +61,8 @@ class PipelineCarry(NamedTuple):
     valid: jax.Array
 
 
+RUNS = ("none", "weights", "activity", "local", "local_weights")  # the forward passes it runs
+
 def _param_specs():
     return {"embed": P(), "blocks": P(AXIS), "head": P()}
 
@@ -175,6 +177,10 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
                          f"available (one stage per device); on CPU set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={m} before JAX starts")
+    if plan.forward not in RUNS:
+        raise ValueError(f"pipeline: {plan.describe()} needs a {plan.forward!r} forward pass, which "
+                         f"the pipeline does not run (it runs {RUNS}); run it in memory or data "
+                         f"parallel")
     check_local_losses(stack, plan.forward in ("local", "local_weights"), "pipeline")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "

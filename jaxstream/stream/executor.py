@@ -76,12 +76,18 @@ class StreamConfig:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
 
 
+RUNS = ("none", "weights", "activity", "local", "local_weights")  # the forward passes it runs
+
 def plan_of(estimator: Any, update: str = "eager") -> Plan:
     """The estimator's plan, checked against what the streamed sweeps run; errors name it."""
     plan = getattr(estimator, "plan", None)
     if not isinstance(plan, Plan):
         raise TypeError("stream: estimator must be a jaxstream.grad estimator (one with a "
                         f".plan), got {type(estimator).__name__}")
+    if plan.forward not in RUNS:
+        raise ValueError(f"stream: {plan.describe()} needs a {plan.forward!r} forward pass, which "
+                         f"the streamed sweeps do not run (they run {RUNS}); run it in memory or "
+                         f"data parallel")
     if plan.mixes and plan.forward != "weights":
         raise TypeError(f"stream: estimator must be one that mixes exact gradients with weight "
                         f"tangents; got "

@@ -27,6 +27,7 @@ SECTIONS = {
     "local_forward_weights": ("type: local_forward_weights\nnum_tangents: 2",
                               jg.local_forward_weights(2)),
     "hybrid_activity": ("type: hybrid_activity\nnum_exact: 3", jg.hybrid_activity(3)),
+    "local_guess": ("type: local_guess", jg.local_guess()),
 }
 
 
@@ -62,7 +63,7 @@ def test_every_factory_has_a_config_type():
     assert exported == classes | {jg.Hybrid}
     assert set(choices(EstimatorConfig)) == {
         "backprop", "forward", "hybrid", "exact_subset", "local_forward_weights",
-        "hybrid_activity"}
+        "hybrid_activity", "local_guess"}
 
 
 @pytest.mark.parametrize("section, match", [
