@@ -196,11 +196,14 @@ def _evaluator(stack: Any, ds: Any, train_eval_size: int):
     return jax.jit(jax.vmap(metrics))
 
 
+ONE_RATE_STEP = 3.0  # the geometric step past a "sweep" of one rate
+
+
 def extension(lrs: tuple[float, ...], side: str) -> float:
     """The next rate beyond a sweep's ``side`` ("largest" / "smallest"): one geometric step of
-    the sweep (its mean ratio between neighbours) past the edge."""
+    the sweep (its mean ratio between neighbours; ×3 for a single rate) past the edge."""
     lo, hi = min(lrs), max(lrs)
-    step = (hi / lo) ** (1.0 / (len(lrs) - 1))
+    step = (hi / lo) ** (1.0 / (len(lrs) - 1)) if len(lrs) > 1 else ONE_RATE_STEP
     return float(f"{(hi * step if side == 'largest' else lo / step):.3g}")
 
 
@@ -232,9 +235,10 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
             evaluate: Any = None) -> dict:
     """Train every (lr, seed) lane of one arm together; the row at the picked learning rate.
 
-    A pick at either edge of a sweep of two or more rates extends the sweep by one geometric
-    step past that edge and trains the new rate's lanes, up to ``cfg.extend_sweeps`` times; a
-    pick still at an edge after that is flagged in the row (``lr_at_edge``)."""
+    A pick at either edge of its sweep extends the sweep by one geometric step past that edge
+    (a single rate: both neighbours, ×3 and ÷3) and trains the new rates' lanes, up to
+    ``cfg.extend_sweeps`` times; a pick still at an edge after that (a single rate never
+    extended included) is flagged in the row (``lr_at_edge``)."""
     est = arm.estimator.build()
     if arm.local_heads:
         stack = with_local_heads(stack)
@@ -286,12 +290,16 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     lrs = tuple(sorted(arm.sweep(dcfg.name)))
     curve = lanes(lrs)
     pick, added = pick_lr(curve[:, :, -1], dcfg.metric), []
-    while len(lrs) >= 2 and len(added) < cfg.extend_sweeps and pick in (0, len(lrs) - 1):
-        new = extension(lrs, "largest" if pick == len(lrs) - 1 else "smallest")
-        more = lanes((new,))
-        lrs, curve = ((lrs + (new,), np.concatenate([curve, more])) if new > lrs[-1]
-                      else ((new,) + lrs, np.concatenate([more, curve])))
-        added.append(new)
+    while len(added) < cfg.extend_sweeps and pick in (0, len(lrs) - 1):
+        # one rate is at both edges: both neighbours, as one extension
+        sides = ("smallest", "largest") if len(lrs) == 1 else (
+            ("largest",) if pick == len(lrs) - 1 else ("smallest",))
+        new = tuple(extension(lrs, side) for side in sides)
+        more = lanes(new)
+        order = np.argsort(lrs + new)
+        lrs = tuple(np.asarray(lrs + new)[order].tolist())
+        curve = np.concatenate([curve, more])[order]
+        added += list(new)
         pick = pick_lr(curve[:, :, -1], dcfg.metric)
     train_seconds = time.perf_counter() - t0
     final = curve[:, :, -1]
@@ -335,7 +343,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     sd = (lambda x: float(np.std(x, ddof=1))) if cfg.seeds > 1 else (lambda x: 0.0)
     return {
         "dataset": dcfg.name, "arm": arm.name, "lr": float(lrs[pick]), "lrs": list(lrs),
-        "lrs_added": added, "lr_at_edge": len(lrs) >= 2 and pick in (0, len(lrs) - 1),
+        "lrs_added": added, "lr_at_edge": pick in (0, len(lrs) - 1),
         "test_error_mean": float(fin[:, 0].mean()), "test_error_sd": float(fin[:, 0].std(ddof=1))
         if cfg.seeds > 1 else 0.0,
         "train_error_mean": float(fin[:, 1].mean()),

@@ -201,29 +201,36 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
 
 
 def lr_edge(row: dict) -> str | None:
-    """``"largest"`` / ``"smallest"`` when the picked rate is the edge of a sweep of two or
-    more rates (the best rate may lie outside it), else None."""
+    """``"largest"`` / ``"smallest"`` when the picked rate is the edge of its sweep, ``"only"``
+    when the arm tried one rate (no sweep: the best rate may lie on either side), else
+    None."""
     lrs = [float(x) for x in row.get("lrs") or []]
-    if len(lrs) < 2:
+    if not lrs:
         return None
+    if len(lrs) == 1:
+        return "only"
     if row["lr"] >= max(lrs):
         return "largest"
     return "smallest" if row["lr"] <= min(lrs) else None
 
 
 def _lr(row: dict) -> str:
-    mark = {"largest": " ↑", "smallest": " ↓", None: ""}[lr_edge(row)]
+    mark = {"largest": " ↑", "smallest": " ↓", "only": " ·", None: ""}[lr_edge(row)]
     return f"{row['lr']:.0e}{mark}"
 
 
 def _edges(rows: list[dict], dataset: str) -> str:
     """Sentences: which sweeps were extended past an edge, and how many picks still sit at
     the edge of their sweep."""
+    single = [r["arm"] for r in rows if r["dataset"] == dataset and lr_edge(r) == "only"]
     mine = [r for r in rows if r["dataset"] == dataset and len(r.get("lrs") or []) >= 2]
     grown = [f"{r['arm']} (+{', '.join(f'{x:.0e}' for x in r['lrs_added'])})" for r in mine
              if r.get("lrs_added")]
     said = ("Sweeps extended past an edge their pick sat at, one geometric step per added "
             f"rate: {'; '.join(grown)}. " if grown else "")
+    if single:
+        said += (f"{len(single)} arms tried one rate (· in the table: not swept, so the pick is "
+                 f"at both edges): {', '.join(single)}. ")
     edge = [r["arm"] for r in mine if lr_edge(r)]
     if not edge:
         return said + f"Every swept arm's rate lies inside its sweep ({len(mine)} swept arms)."

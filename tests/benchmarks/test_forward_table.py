@@ -193,7 +193,7 @@ def test_picks_at_the_edge_of_their_sweep_are_marked():
     rows[1].update(lr=1e-3, lrs=[1e-3, 3e-3])         # smallest tried
     rows[2].update(lr=3e-3, lrs=[1e-3, 3e-3, 1e-2])   # inside
     assert [lr_edge(r) for r in rows] == ["largest", "smallest", None]
-    assert lr_edge({**rows[0], "lrs": [1e-2]}) is None  # one rate: no sweep to be at the edge of
+    assert lr_edge({**rows[0], "lrs": [1e-2]}) == "only"  # one rate: at both edges
     text = markdown({"rows": rows, "command": "c", "machine": "m"})
     assert "| BP | 1e-02 ↑ |" in text and "| FG-W | 1e-03 ↓ |" in text and "| FG-A | 3e-03 |" in text
     assert "2 of 3 swept arms picked the edge of their sweep" in text and "BP, FG-W" in text
@@ -243,7 +243,7 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
     by the sweep's own ratio (×3) past it, twice (extend_sweeps=2), and the pick is still
     flagged at the edge; the rates tried before keep the figures they had without the
     extension, and every rate keeps its per-seed finals."""
-    over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false",
+    over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=2",
             "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
             "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
             "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003, 0.0001]}]"]
@@ -262,6 +262,13 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
 
     text = markdown({"rows": [grown], "command": "c", "machine": "m"})
     assert "BP (+9e-04, 3e-03)" in text and "1 of 1 swept arms picked the edge" in text
+    # one rate: both neighbours at once
+    one = over[:-1] + ["arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003]}]",
+                       "extend_sweeps=1"]
+    (single,) = ft.run_table(ft.load_table_config(ft.QUICK, one))
+    assert single["lrs"] == [1e-4, 3e-4, 9e-4] and single["lrs_added"] == [1e-4, 9e-4]
+    np.testing.assert_allclose(single["train_loss_by_lr_seed"][1],
+                               plain["train_loss_by_lr_seed"][1], rtol=1e-5)
 
 
 def test_extension_and_pick_rules():
@@ -271,6 +278,7 @@ def test_extension_and_pick_rules():
 
     assert extension((1e-3, 3e-3, 1e-2), "largest") == pytest.approx(10 ** -1.5, rel=1e-2)
     assert extension((1e-3, 1e-2), "smallest") == pytest.approx(1e-4)
+    assert extension((1e-3,), "largest") == pytest.approx(3e-3)  # one rate: ×3 either way
     final = np.zeros((3, 2, 4))
     final[:, :, 3] = [[0.5, 0.5], [0.2, 0.3], [np.nan, np.nan]]  # train loss per lr, seed
     final[:, :, 1] = [[0.1, 0.1], [0.0, 0.0], [np.nan, np.nan]]  # train error

@@ -241,8 +241,9 @@ def test_streamed_forward_equals_in_memory_forward(tmp_path, data):
     for n in range(N):
         one = jax.tree.map(lambda a, n=n: a[n], micro)
         loss, dn = jax.jit(stack_directional, static_argnums=(0, 1))(STACK, est.spec, params, one, key)
+        # fp32 sums in another order (a layer at a time against one scan): the engines' 1e-5
         np.testing.assert_allclose(losses[n], loss, rtol=1e-6)
-        np.testing.assert_allclose(d[n], dn, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(d[n], dn, rtol=1e-5, atol=1e-7)
     logits = STACK.apply(params, micro["x"][0])
     assert np.allclose(losses[0], float(jnp.mean(STACK.example_loss(logits, jax.tree.map(lambda a: a[0], micro)))), rtol=1e-6)
 
