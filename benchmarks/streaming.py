@@ -268,10 +268,11 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
     ev = sorted(runs["streamed"], key=lambda v: v[0])[len(runs["streamed"]) // 2][2]
     threads = {k: {f: float(np.median([v[-1][f] for v in runs[k]])) for f in runs[k][0][-1]}
                for k in runs}
-    blocks = [e for e in ev if isinstance(e.unit, int)]
+    blocks = [e for e in ev if e.unit.is_block]
     # loads of later layers started while layer l computed (p expected: l+1 .. l+p)
     pairs = list(itertools.pairwise(blocks))[: max(0, len(blocks) - max(prefetch, 1))]
-    ahead = [sum(1 for f in blocks if f.unit > e.unit and f.load_start < n.compute_start - n.stall)
+    ahead = [sum(1 for f in blocks if f.unit.layers > e.unit.layers
+                 and f.load_start < n.compute_start - n.stall)
              for e, n in pairs]
     timeline = {
         "loads_started_during_compute_median": float(np.median(ahead)) if ahead else 0.0,
@@ -279,7 +280,7 @@ def bench_overlap(path: Path, store: LayerStore, stack, rounds: int, prefetch: i
                                         / max(1, len(blocks) - 1)),
         "ready_slack_ms_median": 1e3 * float(np.median([e.compute_start - e.load_end
                                                         for e in blocks[1:]] or [0])),
-        "events_ms": [[e.unit, *(round(1e3 * t, 2)
+        "events_ms": [[str(e.unit), *(round(1e3 * t, 2)
                                  for t in (e.load_start, e.load_end, e.compute_start, e.stall))]
                       for e in ev],
     }

@@ -47,6 +47,7 @@ from jaxstream.models.stack import Stack
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor, plan_of
 from jaxstream.stream.placement import Placement, agree_across_processes
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.units import Unit, block
 from jaxstream.stream.values import host_value
 
 SCHEDULES = ("circular", "chunked")
@@ -176,15 +177,12 @@ class StageChunks(Placement):
         return {"ticks": ticks, "fill_ratio": fill}
 
     # ------------------------------------------------------------------ units and values
-    def chunks(self, layers: Sequence[int]) -> list:
+    def chunks(self, layers: Sequence[int]) -> list[Unit]:
         m = self.num_stages
         if len(layers) % m:
             raise ValueError(f"depth: a step's {len(layers)} layers must divide into the "
                              f"{m} stages (use a depth policy with multiples of {m})")
-        return [tuple(int(l) for l in layers[i:i + m]) for i in range(0, len(layers), m)]
-
-    def layers_of(self, unit: Any) -> tuple[int, ...]:
-        return unit if isinstance(unit, tuple) else (unit,)
+        return [block(*layers[i:i + m]) for i in range(0, len(layers), m)]
 
     def merge_micro_batches(self, plan: Plan) -> bool:
         # the micro-batches are what the pipeline overlaps; activity and LG-FG-W compute them as
@@ -199,16 +197,16 @@ class StageChunks(Placement):
                              f"data = {self.mesh.shape[DATA]}")
         return self._global(jax.tree.map(self._cast, batch), ACT)
 
-    def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
+    def split(self, unit: Unit, g: Any, hosts: list | None, fn: Callable) -> None:
         leaves = jax.tree.leaves(g)
         if all(isinstance(a, jax.Array) and a.is_fully_addressable for a in leaves):
             part = _stage_part  # one layer at a time from its device: no gathered chunk
         else:
             g, part = host_value(g), lambda a, i: a[i]  # across processes: gathered once
-        for i, l in enumerate(unit):
+        for i, l in enumerate(unit.layers):
             fn(l, jax.tree.map(lambda a, i=i: part(a, i), g), None if hosts is None else hosts[i])
 
-    def put(self, unit: Any, hosts: list) -> Any:
+    def put(self, unit: Unit, hosts: list) -> Any:
         return self._put(hosts, self._stage)
 
     def _put(self, trees: list, sharding: NamedSharding) -> Any:
@@ -237,7 +235,7 @@ class StageChunks(Placement):
         return self._global(jax.tree.map(self._cast, tree), P())
 
     # ------------------------------------------------------------------ the passes
-    def _go(self, name: str, kw: dict, dev, u: tuple, stage_aux, state, mb_aux, consts, slots,
+    def _go(self, name: str, kw: dict, dev, u: Unit, stage_aux, state, mb_aux, consts, slots,
             emitted: Callable | None = None):
         """Runs unit ``u`` of a sweep through the pass ``name``: ``(state, done)``.
 
@@ -289,13 +287,13 @@ class StageChunks(Placement):
             slots[np.asarray(idx)] = np.arange(len(idx), dtype=np.int32)
         return slots, (0 if idx is None else len(idx))
 
-    def _layers(self, u: tuple) -> jax.Array:
-        return self._put([np.int32(l) for l in u], self._stage)
+    def _layers(self, u: Unit) -> jax.Array:
+        return self._put([np.int32(l) for l in u.layers], self._stage)
 
     def _unstash(self, stash: dict) -> Callable:
-        def emitted(u: tuple, em: Any) -> None:
+        def emitted(u: Unit, em: Any) -> None:
             em = host_value(em)
-            for i, l in enumerate(u):
+            for i, l in enumerate(u.layers):
                 stash[l] = em[i]
         return emitted
 
@@ -324,7 +322,7 @@ class StageChunks(Placement):
 
     def vjp(self, dev, u, stash: dict, state, each: bool):
         s = self._n(state)
-        st = self._put([stash[l] for l in u], self._stash)
+        st = self._put([stash[l] for l in u.layers], self._stash)
         if each:
             kw, slots = {"num_slots": s, "reverse": True}, np.arange(s, dtype=np.int32)
         else:
@@ -357,7 +355,7 @@ class _Flight:
         self.circ, self.carry, self.prev, self.rest = circ, carry, None, None
 
 
-def _handed(u: tuple, em: Any) -> tuple:
+def _handed(u: Unit, em: Any) -> tuple:
     """A unit's gradient, handed back to the executor."""
     return u, em
 

@@ -40,6 +40,7 @@ from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.prefetch import Event, Prefetcher
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block, of_key, parse_key
 from jaxstream.stream.values import host_value
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -144,9 +145,10 @@ class StreamedExecutor:
     def _to_device(self, tree: Any) -> Any:
         return self.placement.to_device(tree)
 
-    def _apply_pending(self, unit: Any, params: Any) -> Any:
-        """Applies the lazy records of ``unit`` (host, fp32) and stages the result (a step's
-        commit makes it visible; :meth:`estimate` and :meth:`forward` drop it)."""
+    def _apply_pending(self, unit: LayerKey, params: Any) -> Any:
+        """Applies the lazy records of store address ``unit`` (host, fp32) and stages the
+        result (a step's commit makes it visible; :meth:`estimate` and :meth:`forward` drop
+        it)."""
         recs = lazy.take(self._pending, unit)
         if not recs:
             return params
@@ -161,22 +163,26 @@ class StreamedExecutor:
         self._applied.add(str(unit))
         return params
 
-    def _block_hosts(self, unit: Any, staged: bool = False) -> list:
+    def _block_hosts(self, unit: Unit, staged: bool = False) -> list:
         """Host params of each layer of a block unit (lazy updates applied unless ``staged``:
         the reverse sweep reads what this step staged)."""
-        layers = self.placement.layers_of(unit)
+        layers = unit.layers
         futures = [self.store.read(l, staged=staged) for l in layers]
         hosts = [f.result() for f in futures]
         return hosts if staged else [self._apply_pending(l, h) for l, h in zip(layers, hosts)]
 
-    def _load(self, unit: Any) -> tuple[Any, Any]:
+    def _load(self, unit: Unit) -> tuple[Any, Any]:
         """(host params of the embed / head, or None for a block unit; device params)."""
-        if isinstance(unit, str):
-            host = self._apply_pending(unit, self.store.read(unit).result())
+        if not unit.is_block:
+            host = self._apply_pending(unit.key, self.store.read(unit.key).result())
             return host, self._to_device(host)
         return None, self.placement.put(unit, self._block_hosts(unit))
 
-    def _sweep(self, units: Sequence, load: Callable, t0: float, name: str):
+    def _units(self, layers: Sequence[int]) -> list[Unit]:
+        """A sweep's units: the embed, the placement's block units of ``layers``, the head."""
+        return [EMBED, *self.placement.chunks(layers), HEAD]
+
+    def _sweep(self, units: Sequence[Unit], load: Callable, t0: float, name: str):
         pf = Prefetcher(load, units, self.cfg.prefetch, t0, name)
         yield from pf
         self.events.extend(pf.events)
@@ -185,7 +191,7 @@ class StreamedExecutor:
         return self.placement.cast_batch(batch)
 
     # ------------------------------------------------------------------ updates
-    def _update(self, unit: Any, grads: Any, params: Any = None, opt: Any = None) -> None:
+    def _update(self, unit: LayerKey, grads: Any, params: Any = None, opt: Any = None) -> None:
         """Hands one unit's update to the host worker and returns: the update and its write
         overlap the next unit's compute. At most one update is in flight (the previous one is
         waited for first), so host memory holds one unit's update more, whatever the depth."""
@@ -215,7 +221,8 @@ class StreamedExecutor:
             f.exception()
         self._inflight = []
 
-    def _apply_update(self, unit: Any, grads: Any, params: Any = None, opt: Any = None) -> None:
+    def _apply_update(self, unit: LayerKey, grads: Any, params: Any = None,
+                      opt: Any = None) -> None:
         """fp32 optax update of one unit on the host, then staged into the store."""
         if params is None:
             params = self.store.read(unit, staged=True).result()
@@ -277,8 +284,7 @@ class StreamedExecutor:
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)), **self.clock,
-                "layers_read": sum(len(self.placement.layers_of(e.unit))
-                                   for e in self.events if not isinstance(e.unit, str)),
+                "layers_read": sum(len(e.unit.layers) for e in self.events),
                 **self.placement.metrics()}
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
@@ -331,9 +337,8 @@ class StreamedExecutor:
         if not any(self._pending.values()):
             return
         self._applied = set()
-        for unit in [u for u, r in self._pending.items() if r]:
-            u = int(unit) if unit.isdigit() else unit
-            self._apply_pending(u, self.store.read(u).result())
+        for unit in [parse_key(u) for u, r in self._pending.items() if r]:
+            self._apply_pending(unit, self.store.read(unit).result())
         self._pending = {}
         self.store.commit(self.store.step if step is None else step,
                           extra={**self.store.extra, "pending": {}})
@@ -363,18 +368,17 @@ class StreamedExecutor:
     def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        units = ["embed", *self.placement.chunks(layers), "head"]
-        for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
-            if u == "embed":
+        for u, (host, dev) in self._sweep(self._units(layers), self._load, t0, "forward"):
+            if u == EMBED:
                 state = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
-            elif u == "head":
+            elif u == HEAD:
                 (h, dh), _ = self.placement.land(state)
                 losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
                 stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
             else:
                 state = self.placement.jvp(dev, u, keys, state, stash, stash_idx)
             if host is not None:
-                hosts[u] = host
+                hosts[u.key] = host
         return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
 
     def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
@@ -382,28 +386,29 @@ class StreamedExecutor:
         keys = jnp.stack([key] * n)
         losses, d, hosts, _, _ = self._forward_sweep(batch, keys, layers, t0)
         dk = d.mean(axis=0)  # (K,): derivative of the mean loss over all micro-batches
-        units = ["embed", *layers, "head"]
+        every: list[LayerKey] = ["embed", *layers, "head"]
         with jax.default_device(self.host):
             coeffs = coefficients(self.spec, self.plan.combine, jnp.asarray(dk), lambda: sum(
-                K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts)) for u in units))
+                K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts)) for u in every))
         coeffs = np.asarray(coeffs, np.float32)[None]
         lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
-        eager_units = [u for u in units if u not in lazy_units]
+        eager_units = [of_key(u) for u in every if u not in lazy_units]
 
-        def load(u):
-            p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
+        def load(u: Unit):
+            p = self._like(u.key, hosts, staged=True)
             with jax.default_device(self.host):
-                g = K.unit_estimate(self.spec, K.seg_keys(key[None], u), jnp.asarray(coeffs), p)
+                g = K.unit_estimate(self.spec, K.seg_keys(key[None], u.key), jnp.asarray(coeffs),
+                                    p)
             return p, g
 
         for u, (p, g) in self._sweep(eager_units, load, t0, "update"):
-            sink(u, g, p)
+            sink(u.key, g, p)
         new = lazy.add({}, lazy_units, key, coeffs) if lazy_units else {}
         return float(np.mean(losses)), new
 
-    def _load_both(self, unit: Any) -> tuple[Any, Any]:
+    def _load_both(self, unit: Unit) -> tuple[Any, Any]:
         """(host fp32 params — a list per layer for a block unit —, device params) of a unit."""
-        if isinstance(unit, str):
+        if not unit.is_block:
             return self._load(unit)
         hosts = self._block_hosts(unit)
         return hosts, self.placement.put(unit, hosts)
@@ -415,7 +420,7 @@ class StreamedExecutor:
         estimate needs only its own output and the head: one sweep."""
         x = self._cast_batch(batch)
         keys = key[None]
-        units = ["embed", *self.placement.chunks(layers), "head"]
+        units = self._units(layers)
         z = jnp.int32(0)
         if self.plan.forward in ("local", "local_weights"):
             weights = self.plan.forward == "local_weights"
@@ -423,12 +428,12 @@ class StreamedExecutor:
             state, hosts = (x["x"],), {}
             for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
                 hosts[u] = host
-                if isinstance(u, str):
-                    if u == "head":
+                if not u.is_block:
+                    if u == HEAD:
                         state, done = self.placement.land(state)
                         self._done(done, hosts, sink)
-                    out, g = K.unit_local_grad(self.stack, self.spec, u, dev, z, keys, state[0],
-                                               head_dev, x, weights)
+                    out, g = K.unit_local_grad(self.stack, self.spec, u.kind, dev, z, keys,
+                                               state[0], head_dev, x, weights)
                     state, done = (out,), [(u, g)]
                 else:
                     state, done = self.placement.local_grad(dev, u, keys, state, head_dev, x,
@@ -438,9 +443,9 @@ class StreamedExecutor:
                 o.astype(jnp.float32), b))(out, x))
             return float(loss)
         for u, (_, dev) in self._sweep(units, self._load, t0, "forward"):
-            if u == "embed":
+            if u == EMBED:
                 state = K.embed_act(self.stack, self.spec, dev, x["x"], keys)
-            elif u == "head":
+            elif u == HEAD:
                 (h, dh), _ = self.placement.land(state)
                 ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
             else:
@@ -448,19 +453,20 @@ class StreamedExecutor:
         state, hosts = (x["x"],), {}
         for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
             hosts[u] = host
-            if isinstance(u, str):
-                if u == "head":
+            if not u.is_block:
+                if u == HEAD:
                     state, done = self.placement.land(state)
                     self._done(done, hosts, sink)
-                h, g = K.unit_act_grad(self.stack, self.spec, u, dev, z, keys, state[0], d)
+                h, g = K.unit_act_grad(self.stack, self.spec, u.kind, dev, z, keys, state[0], d)
                 state, done = (h,), [(u, g)]
             else:
                 state, done = self.placement.act_grad(dev, u, keys, state, d)
             self._done(done, hosts, sink)
         return float(jnp.mean(ex_loss))
 
-    def _like(self, u, hosts):
-        return hosts[u] if u in hosts else self.store.read(u).result()
+    def _like(self, key: LayerKey, hosts: dict, staged: bool = False) -> Any:
+        """Host params of a store address: the sweep's copy, else the store's."""
+        return hosts[key] if key in hosts else self.store.read(key, staged=staged).result()
 
     def _run_reverse(self, batch, key, layers, sink, t0):
         """The reverse sweep: exact gradients of every micro-batch (backprop, exact subsets) or
@@ -492,7 +498,7 @@ class StreamedExecutor:
                 return sink(u, _f32(g, self.host), p)
             with jax.default_device(self.host):
                 g, p_h = _f32(g, self.host), jax.device_put(p, self.host)
-                m = jnp.asarray(members[str(u)])
+                m = jnp.asarray(members[u])
                 h_u = K.unit_group(g, m, p_h)
                 st = {**common, "h": h_u, "member": m}
                 sk, dj = K.seg_keys(keys, u), jnp.asarray(d)
@@ -516,8 +522,8 @@ class StreamedExecutor:
         finish("head", g, hosts["head"])
 
         state, rhosts = (ct,), {}
-        for u, (host, dev) in self._sweep(list(reversed(self.placement.chunks(layers))),
-                                          self._rload, t0, "reverse"):
+        for u, (host, dev) in self._sweep(self.placement.chunks(layers)[::-1], self._rload, t0,
+                                          "reverse"):
             rhosts[u] = host
             state, done = self.placement.vjp(dev, u, stash, state, mixes)
             for v, g in done:
@@ -541,7 +547,7 @@ class StreamedExecutor:
                                 members=members, common=common, scale=scale)
         return float(np.mean(losses)), {}
 
-    def _common_stats(self, idx, n: int, layers, hosts) -> dict:
+    def _common_stats(self, idx, n: int, layers: Sequence[int], hosts: dict) -> dict:
         """The combine statistics every unit shares: the selection, the micro-batches outside
         it (the head's group holds every selected one) and the model's parameter count."""
         outside = np.ones(n, np.float32)
@@ -559,36 +565,38 @@ class StreamedExecutor:
         ``totals`` (along a direction: u_unit = h_u · ``scale``)."""
         rule = self.plan.rule
 
-        def uload(u):
-            p = hosts[u] if u in hosts else self.store.read(u, staged=True).result()
-            h_u = self.store.read_scratch(u).result()
+        def uload(u: Unit):
+            p = self._like(u.key, hosts, staged=True)
+            h_u = self.store.read_scratch(u.key).result()
             with jax.default_device(self.host):
-                st = {**common, "h": h_u, "member": jnp.asarray(members[str(u)])}
+                st = {**common, "h": h_u, "member": jnp.asarray(members[u.key])}
                 if scale is not None:
                     st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(scale),
                                                    h_u)
-                return p, K.unit_combine(rule, self.spec, K.seg_keys(keys, u), jnp.asarray(d),
-                                         jax.device_put(p, self.host), st, totals)
+                return p, K.unit_combine(rule, self.spec, K.seg_keys(keys, u.key),
+                                         jnp.asarray(d), jax.device_put(p, self.host), st, totals)
 
-        for u, (p, g) in self._sweep(["embed", *layers, "head"], uload, t0, "update"):
-            sink(u, g, p)
+        units = [EMBED, *map(block, layers), HEAD]
+        for u, (p, g) in self._sweep(units, uload, t0, "update"):
+            sink(u.key, g, p)
 
     def _along_sweep(self, batch, layers, hosts, t0, scale: float) -> np.ndarray:
         """A forward sweep along u = h · ``scale`` (h from the store's scratch): each
         micro-batch's derivative ∇L_n·u, (N,)."""
         x = self._cast_batch(batch)
 
-        def gload(u):
-            if isinstance(u, str):
-                dev = self._to_device(hosts[u])
-                v = jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(u).result())
+        def gload(u: Unit):
+            if not u.is_block:
+                dev = self._to_device(hosts[u.key])
+                v = jax.tree.map(lambda a: np.asarray(a) * scale,
+                                 self.store.read_scratch(u.key).result())
                 return dev, self._to_device(v)
             return self._load_along(u, scale)
 
-        for u, (dev, v) in self._sweep(["embed", *self.placement.chunks(layers), "head"], gload, t0, "guess"):
-            if u == "embed":
+        for u, (dev, v) in self._sweep(self._units(layers), gload, t0, "guess"):
+            if u == EMBED:
                 state = K.embed_along(self.stack, dev, v, x["x"])
-            elif u == "head":
+            elif u == HEAD:
                 (h, dh), _ = self.placement.land(state)
                 _, dg = K.head_along(self.stack, dev, v, h, dh, x)
             else:
@@ -601,25 +609,26 @@ class StreamedExecutor:
         for u, g in done:
             self._each(u, g, hosts.pop(u), lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
 
-    def _each(self, u: Any, g: Any, host: Any, fn: Callable) -> None:
-        """``fn(layer or "embed"/"head", gradient, host params)`` for each layer of unit ``u``."""
-        if isinstance(u, str):
-            return fn(u, g, host)
+    def _each(self, u: Unit, g: Any, host: Any, fn: Callable) -> None:
+        """``fn(store address, gradient, host params)`` for each layer of unit ``u`` (the
+        embed's and the head's own)."""
+        if not u.is_block:
+            return fn(u.key, g, host)
         self.placement.split(u, g, host, fn)
 
-    def _rload(self, u: Any) -> tuple[Any, Any]:
+    def _rload(self, u: Unit) -> tuple[Any, Any]:
         """(host, device) params of a unit as staged this step (the reverse sweep)."""
-        if isinstance(u, str):
-            host = self.store.read(u, staged=True).result()
+        if not u.is_block:
+            host = self.store.read(u.key, staged=True).result()
             return host, self._to_device(host)
         hosts = self._block_hosts(u, staged=True)
         return hosts, self.placement.put(u, hosts)
 
-    def _load_along(self, u: Any, scale: float) -> tuple[Any, Any]:
+    def _load_along(self, u: Unit, scale: float) -> tuple[Any, Any]:
         """(device params, device direction) of a block unit for the ``guess`` sweep."""
         dev = self.placement.put(u, self._block_hosts(u))
         vs = [jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(l).result())
-              for l in self.placement.layers_of(u)]
+              for l in u.layers]
         return dev, self.placement.put(u, vs)
 
     # ------------------------------------------------------------------ helpers
@@ -627,8 +636,8 @@ class StreamedExecutor:
         """Per unit, which selected micro-batches have its exact gradient (nested groups:
         micro-batch i reaches block l iff depth[i] <= l, the embed iff depth[i] <= 0)."""
         depth = np.asarray(self.plan.select(n, key, self.store.num_layers)[1])
-        out = {"embed": (depth <= 0), "head": np.ones_like(depth, bool)}
-        out.update({str(l): depth <= l for l in layers})
+        out: dict[LayerKey, np.ndarray] = {"embed": (depth <= 0), "head": np.ones_like(depth, bool)}
+        out.update({int(l): depth <= l for l in layers})
         return {u: m.astype(np.float32) for u, m in out.items()}
 
     def _selection(self, key, n):
@@ -638,17 +647,16 @@ class StreamedExecutor:
         """Forward sweep without tangents, stashing every block's input (backprop)."""
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        units = ["embed", *self.placement.chunks(layers), "head"]
-        for u, (host, dev) in self._sweep(units, self._load, t0, "forward"):
-            if u == "embed":
+        for u, (host, dev) in self._sweep(self._units(layers), self._load, t0, "forward"):
+            if u == EMBED:
                 state = (K.embed_apply(self.stack, dev, x["x"]),)
-            elif u == "head":
+            elif u == HEAD:
                 (h,), _ = self.placement.land(state)
                 stash["head"] = host_value(h)
             else:
                 state = self.placement.apply(dev, u, state, stash)
             if host is not None:
-                hosts[u] = host
+                hosts[u.key] = host
         return None, hosts, stash, x
 
 

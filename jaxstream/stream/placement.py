@@ -28,16 +28,17 @@ from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.stream import kernels as K
 from jaxstream.stream.prefetch import to_device
+from jaxstream.stream.units import LayerKey, Unit, block
 from jaxstream.stream.values import host_value
 
 
 class Placement(abc.ABC):
     """What a streamed executor needs to know about where block units run.
 
-    A block unit is hashable and names one or more layers (:meth:`layers_of`); the kernels take
-    a unit's device parameters (:meth:`put`) and the activations of every micro-batch
+    A block unit (:class:`~jaxstream.stream.units.Unit`) names one or more layers; the kernels
+    take a unit's device parameters (:meth:`put`) and the activations of every micro-batch
     (leaves (N, B, ...)) and return what the same kernel of :mod:`jaxstream.stream.kernels`
-    returns for each layer in order.
+    returns for each layer in order. Stashed block inputs are keyed by layer.
     """
 
     stack: Stack
@@ -46,12 +47,8 @@ class Placement(abc.ABC):
 
     # ---------------------------------------------------------------- units and values
     @abc.abstractmethod
-    def chunks(self, layers: Sequence[int]) -> list:
+    def chunks(self, layers: Sequence[int]) -> list[Unit]:
         """The block units of a sweep over ``layers`` (in order)."""
-
-    @abc.abstractmethod
-    def layers_of(self, unit: Any) -> tuple[int, ...]:
-        """The layers of a block unit."""
 
     @abc.abstractmethod
     def merge_micro_batches(self, plan: Plan) -> bool:
@@ -66,11 +63,12 @@ class Placement(abc.ABC):
         """The micro-batched batch on the device, floating leaves in the compute dtype."""
 
     @abc.abstractmethod
-    def put(self, unit: Any, hosts: list) -> Any:
+    def put(self, unit: Unit, hosts: list) -> Any:
         """Device values of a block unit from one host pytree per layer."""
 
     @abc.abstractmethod
-    def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
+    def split(self, unit: Unit, g: Any, hosts: list | None,
+              fn: Callable[[LayerKey, Any, Any], None]) -> None:
         """``fn(layer, gradient, host params or None)`` for each layer of ``unit``."""
 
     def agree(self, store: Any) -> None:
@@ -151,11 +149,8 @@ class OneDevice(Placement):
     def __init__(self, stack: Stack, spec: TangentSpec, dtype: Any, device: Any):
         self.stack, self.spec, self.dtype, self.device = stack, spec, jnp.dtype(dtype), device
 
-    def chunks(self, layers: Sequence[int]) -> list:
-        return list(layers)
-
-    def layers_of(self, unit: Any) -> tuple[int, ...]:
-        return (unit,)
+    def chunks(self, layers: Sequence[int]) -> list[Unit]:
+        return [block(l) for l in layers]
 
     def merge_micro_batches(self, plan: Plan) -> bool:
         # one shared tangent / exact gradient of the mean over all samples: the N
@@ -171,18 +166,18 @@ class OneDevice(Placement):
             return a.astype(self.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
         return jax.device_put({k: c(v) for k, v in batch.items()}, self.device)
 
-    def put(self, unit: Any, hosts: list) -> Any:
+    def put(self, unit: Unit, hosts: list) -> Any:
         return self.to_device(hosts[0])
 
-    def split(self, unit: Any, g: Any, hosts: list | None, fn: Callable) -> None:
-        fn(unit, g, None if hosts is None else hosts[0])
+    def split(self, unit: Unit, g: Any, hosts: list | None, fn: Callable) -> None:
+        fn(unit.key, g, None if hosts is None else hosts[0])
 
     def jvp(self, dev, unit, keys, state, stash: dict, stash_idx):
         h, dh = state
         if stash_idx is not None:
-            stash[unit] = host_value(h[stash_idx])
+            stash[unit.key] = host_value(h[stash_idx])
         h_in = h
-        h, dh = K.block_jvp(self.stack, self.spec, dev, np.int32(unit), keys, h, dh)
+        h, dh = K.block_jvp(self.stack, self.spec, dev, np.int32(unit.key), keys, h, dh)
         # wait for the previous block, not this one: this block is queued behind it, so the
         # device never idles while Python fetches the next layer and dispatches it, and no
         # more layers are held than with a wait per block
@@ -190,21 +185,21 @@ class OneDevice(Placement):
         return h, dh
 
     def act(self, dev, unit, keys, state):
-        return K.block_act(self.stack, self.spec, dev, jnp.int32(unit), keys, *state)
+        return K.block_act(self.stack, self.spec, dev, jnp.int32(unit.key), keys, *state)
 
     def act_grad(self, dev, unit, keys, state, d):
-        h, g = K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys,
+        h, g = K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(unit.key), keys,
                                state[0], d)
         return (h,), [(unit, g)]
 
     def local_grad(self, dev, unit, keys, state, head_dev, x, weights: bool):
-        h, g = K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit), keys,
-                                 state[0], head_dev, x, weights)
+        h, g = K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit.key),
+                                 keys, state[0], head_dev, x, weights)
         return (h,), [(unit, g)]
 
     def vjp(self, dev, unit, stash: dict, state, each: bool):
         vjp = K.block_vjp_each if each else K.block_vjp
-        g, ct = vjp(self.stack, dev, jax.device_put(stash[unit], self.device), state[0])
+        g, ct = vjp(self.stack, dev, jax.device_put(stash[unit.key], self.device), state[0])
         return (ct,), [(unit, g)]
 
     def along(self, dev, unit, v, state):
@@ -212,5 +207,5 @@ class OneDevice(Placement):
 
     def apply(self, dev, unit, state, stash: dict):
         (h,) = state
-        stash[unit] = host_value(h)
+        stash[unit.key] = host_value(h)
         return (K.block_apply(self.stack, dev, h),)
