@@ -187,6 +187,28 @@ class StreamedExecutor:
         yield from pf
         self.events.extend(pf.events)
 
+    def _drive(self, layers: Sequence[int], load: Callable, t0: float, name: str,
+               end: Callable, blocks: Callable, done: Callable | None = None,
+               state: Any = None) -> Any:
+        """One embed → blocks → head sweep over ``layers`` (the one driver of every sweep but
+        the reverse one): ``end(unit, loaded, state)`` runs the embed and the head,
+        ``blocks(unit, loaded, state)`` a block unit, each returning ``(state, done)``;
+        before the head the placement lands the blocks' pass (:meth:`Placement.land`).
+        ``done(list of (unit, gradient))`` receives the gradients as they complete. Returns
+        the head's state."""
+        for u, loaded in self._sweep(self._units(layers), load, t0, name):
+            if u.is_block:
+                state, finished = blocks(u, loaded, state)
+            else:
+                if u == HEAD:
+                    state, landed = self.placement.land(state)
+                    if done is not None:
+                        done(landed)
+                state, finished = end(u, loaded, state)
+            if done is not None:
+                done(finished)
+        return state
+
     def _cast_batch(self, batch: dict) -> dict:
         return self.placement.cast_batch(batch)
 
@@ -368,17 +390,17 @@ class StreamedExecutor:
     def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        for u, (host, dev) in self._sweep(self._units(layers), self._load, t0, "forward"):
+
+        def end(u, loaded, state):
+            hosts[u.key], dev = loaded
             if u == EMBED:
-                state = K.embed_jvp(self.stack, self.spec, dev, x["x"], keys)
-            elif u == HEAD:
-                (h, dh), _ = self.placement.land(state)
-                losses, d = K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys)
-                stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
-            else:
-                state = self.placement.jvp(dev, u, keys, state, stash, stash_idx)
-            if host is not None:
-                hosts[u.key] = host
+                return K.embed_jvp(self.stack, self.spec, dev, x["x"], keys), []
+            h, dh = state
+            stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
+            return K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys), []
+
+        losses, d = self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
+            self.placement.jvp(loaded[1], u, keys, st, stash, stash_idx), []))
         return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
 
     def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
@@ -420,49 +442,54 @@ class StreamedExecutor:
         estimate needs only its own output and the head: one sweep."""
         x = self._cast_batch(batch)
         keys = key[None]
-        units = self._units(layers)
         z = jnp.int32(0)
+        hosts: dict = {}
+
+        def kept(kernel):
+            """A block kernel that keeps the unit's host params until its gradient is done."""
+            def run(u, loaded, state):
+                hosts[u], dev = loaded
+                return kernel(u, dev, state)
+            return run
+
+        def done(finished):
+            self._done(finished, hosts, sink)
+
         if self.plan.forward in ("local", "local_weights"):
             weights = self.plan.forward == "local_weights"
             head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
-            state, hosts = (x["x"],), {}
-            for u, (host, dev) in self._sweep(units, self._load_both, t0, "forward"):
-                hosts[u] = host
-                if not u.is_block:
-                    if u == HEAD:
-                        state, done = self.placement.land(state)
-                        self._done(done, hosts, sink)
-                    out, g = K.unit_local_grad(self.stack, self.spec, u.kind, dev, z, keys,
-                                               state[0], head_dev, x, weights)
-                    state, done = (out,), [(u, g)]
-                else:
-                    state, done = self.placement.local_grad(dev, u, keys, state, head_dev, x,
-                                                            weights)
-                self._done(done, hosts, sink)
+            (out,) = self._drive(
+                layers, self._load_both, t0, "forward",
+                kept(lambda u, dev, st: self._unit_grad(u, K.unit_local_grad(
+                    self.stack, self.spec, u.kind, dev, z, keys, st[0], head_dev, x, weights))),
+                kept(lambda u, dev, st: self.placement.local_grad(dev, u, keys, st, head_dev, x,
+                                                                  weights)),
+                done, state=(x["x"],))
             loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
                 o.astype(jnp.float32), b))(out, x))
             return float(loss)
-        for u, (_, dev) in self._sweep(units, self._load, t0, "forward"):
+
+        def end(u, loaded, state):
+            dev = loaded[1]
             if u == EMBED:
-                state = K.embed_act(self.stack, self.spec, dev, x["x"], keys)
-            elif u == HEAD:
-                (h, dh), _ = self.placement.land(state)
-                ex_loss, d = K.head_act(self.stack, self.spec, dev, h, dh, x, keys)
-            else:
-                state = self.placement.act(dev, u, keys, state)
-        state, hosts = (x["x"],), {}
-        for u, (host, dev) in self._sweep(units, self._load_both, t0, "update"):
-            hosts[u] = host
-            if not u.is_block:
-                if u == HEAD:
-                    state, done = self.placement.land(state)
-                    self._done(done, hosts, sink)
-                h, g = K.unit_act_grad(self.stack, self.spec, u.kind, dev, z, keys, state[0], d)
-                state, done = (h,), [(u, g)]
-            else:
-                state, done = self.placement.act_grad(dev, u, keys, state, d)
-            self._done(done, hosts, sink)
+                return K.embed_act(self.stack, self.spec, dev, x["x"], keys), []
+            return K.head_act(self.stack, self.spec, dev, *state, x, keys), []
+
+        ex_loss, d = self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
+            self.placement.act(loaded[1], u, keys, st), []))
+        self._drive(
+            layers, self._load_both, t0, "update",
+            kept(lambda u, dev, st: self._unit_grad(u, K.unit_act_grad(
+                self.stack, self.spec, u.kind, dev, z, keys, st[0], d))),
+            kept(lambda u, dev, st: self.placement.act_grad(dev, u, keys, st, d)),
+            done, state=(x["x"],))
         return float(jnp.mean(ex_loss))
+
+    @staticmethod
+    def _unit_grad(u: Unit, out: tuple) -> tuple:
+        """``((h,), [(u, gradient)])`` from an embed / head kernel's ``(h, gradient)``."""
+        h, g = out
+        return (h,), [(u, g)]
 
     def _like(self, key: LayerKey, hosts: dict, staged: bool = False) -> Any:
         """Host params of a store address: the sweep's copy, else the store's."""
@@ -593,14 +620,14 @@ class StreamedExecutor:
                 return dev, self._to_device(v)
             return self._load_along(u, scale)
 
-        for u, (dev, v) in self._sweep(self._units(layers), gload, t0, "guess"):
+        def end(u, loaded, state):
+            dev, v = loaded
             if u == EMBED:
-                state = K.embed_along(self.stack, dev, v, x["x"])
-            elif u == HEAD:
-                (h, dh), _ = self.placement.land(state)
-                _, dg = K.head_along(self.stack, dev, v, h, dh, x)
-            else:
-                state = self.placement.along(dev, u, v, state)
+                return K.embed_along(self.stack, dev, v, x["x"]), []
+            return K.head_along(self.stack, dev, v, *state, x), []
+
+        _, dg = self._drive(layers, gload, t0, "guess", end, lambda u, loaded, st: (
+            self.placement.along(loaded[0], u, loaded[1], st), []))
         return np.asarray(host_value(dg), np.float32)
 
     # ------------------------------------------------------------------ units
@@ -647,16 +674,16 @@ class StreamedExecutor:
         """Forward sweep without tangents, stashing every block's input (backprop)."""
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
-        for u, (host, dev) in self._sweep(self._units(layers), self._load, t0, "forward"):
+
+        def end(u, loaded, state):
+            hosts[u.key], dev = loaded
             if u == EMBED:
-                state = (K.embed_apply(self.stack, dev, x["x"]),)
-            elif u == HEAD:
-                (h,), _ = self.placement.land(state)
-                stash["head"] = host_value(h)
-            else:
-                state = self.placement.apply(dev, u, state, stash)
-            if host is not None:
-                hosts[u.key] = host
+                return (K.embed_apply(self.stack, dev, x["x"]),), []
+            stash["head"] = host_value(state[0])
+            return None, []
+
+        self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
+            self.placement.apply(loaded[1], u, st, stash), []))
         return None, hosts, stash, x
 
 
