@@ -47,6 +47,7 @@ from jaxstream.pipeline.metrics import (
 )
 from jaxstream.pipeline.render import render_png, render_text
 from jaxstream.pipeline.table import BW, FBW, IDLE, OP_NAMES, B, F, Schedule, W
+from jaxstream.pipeline.unequal import unequal_stages
 from jaxstream.pipeline.validate import ScheduleError, peak_stash, stash_intervals, validate
 
 __all__ = [
@@ -98,4 +99,5 @@ __all__ = [
     "truncated",
     "validate",
     "weighted_makespan",
+    "unequal_stages",
 ]

@@ -184,7 +184,8 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
     check_local_losses(stack, plan.forward in ("local", "local_weights"), "pipeline")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
-                         f"equal stages")
+                         f"equal stages; for stages of unequal size pad them with "
+                         f"jaxstream.pipeline.unequal_stages(stack, sizes)")
     lowered = lower(schedule)  # raises ScheduleError before anything is compiled
     if plan.forward == "none" and plan.exact == "selected":
         return _subset(stack, schedule, plan, lowered, devices)

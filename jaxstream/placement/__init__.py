@@ -3,12 +3,15 @@
 from jaxstream.placement.stages import (
     Placement,
     evaluate_placement,
+    evaluate_split,
     measure_layer_costs,
+    place_by_type,
     place_stages,
+    type_times,
     uniform_placement,
 )
 
 __all__ = [
-    "Placement", "evaluate_placement", "measure_layer_costs", "place_stages",
-    "uniform_placement",
+    "Placement", "evaluate_placement", "evaluate_split", "measure_layer_costs", "place_by_type",
+    "place_stages", "type_times", "uniform_placement",
 ]  # fmt: skip

@@ -1,0 +1,84 @@
+"""Pipeline stages of unequal size: stage s holds ``sizes[s]`` consecutive blocks.
+
+The pipeline executor runs M stages of equal shape under one ``shard_map``; unequal stages are
+made equal by padding every stage to the largest with *skipped* blocks. :func:`unequal_stages`
+returns the padded model and the maps of parameters in and gradients out: a padded block
+carries ``{"block": params, "on": 1.0 or 0.0}`` and runs ``lax.cond(on, block, identity)``,
+so a skipped block computes nothing (the branch not taken is not run) and passes its input
+through; its gradient is dropped when the gradients come back. The padded model computes the
+same function and, for backprop, the same gradient as the original (tested against ``jax.grad``
+of the sequential model).
+
+Place the split with :func:`jaxstream.placement.place_stages` (measured layer costs, device
+speeds) or :func:`jaxstream.placement.place_by_type` (device kinds × layer types).
+
+What the padding changes: tangents are drawn per padded block and per leaf of the padded
+tree, so a forward estimate on the padded pipeline equals the in-memory estimator run on the
+*padded* model (same key), not on the original; and every stage holds ``max(sizes)`` blocks of
+parameters (the skipped ones are zeros).
+
+Example:
+  >>> plan = place_stages(layer_costs, device_speeds=(1, 1, 2, 4))
+  >>> padded, pad, unpad = unequal_stages(stack, plan.sizes)
+  >>> loss, g = pipeline(padded, gpipe_backprop(4, 8), backprop())(pad(params), micro, key)[:2]
+  >>> grads = unpad(g)                     # shaped like params
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxstream.models.stack import Stack
+
+
+def _layout(sizes: Sequence[int], num_layers: int) -> np.ndarray:
+    """(M, P) index of each padded slot's layer, −1 for a skipped slot."""
+    sizes = [int(s) for s in sizes]
+    if not sizes or min(sizes) < 1 or sum(sizes) != num_layers:
+        raise ValueError(f"sizes: one positive number of blocks per stage, summing to the "
+                         f"model's {num_layers} blocks; got {tuple(sizes)}")
+    width = max(sizes)
+    out = np.full((len(sizes), width), -1, np.int64)
+    start = 0
+    for s, n in enumerate(sizes):
+        out[s, :n] = np.arange(start, start + n)
+        start += n
+    return out
+
+
+def unequal_stages(stack: Stack, sizes: Sequence[int]) -> tuple[Stack, Callable, Callable]:
+    """``(padded stack, pad(params), unpad(grads))`` for stages of ``sizes`` blocks.
+
+    Raises:
+      ValueError: ``sizes`` not positive or not summing to ``stack.num_layers``.
+    """
+    slots = _layout(sizes, stack.num_layers).ravel()
+    on = slots >= 0
+    take = np.where(on, slots, 0)
+    back = np.array([int(np.nonzero(slots == l)[0][0]) for l in range(stack.num_layers)])
+
+    def block(p, h):
+        return jax.lax.cond(p["on"] > 0, lambda: stack.block(p["block"], h), lambda: h)
+
+    def pad(params: dict) -> dict:
+        blocks = jax.tree.map(lambda a: jnp.where(
+            jnp.asarray(on).reshape((-1,) + (1,) * (jnp.ndim(a) - 1)), jnp.asarray(a)[take],
+            jnp.zeros((), jnp.asarray(a).dtype)), params["blocks"])
+        return {**params, "blocks": {"block": blocks,
+                                     "on": jnp.asarray(on, jnp.float32)}}
+
+    def unpad(grads: dict) -> dict:
+        return {**grads, "blocks": jax.tree.map(lambda a: jnp.asarray(a)[back],
+                                                grads["blocks"]["block"])}
+
+    def init(key: jax.Array) -> dict:
+        return pad(stack.init(key))
+
+    padded = dataclasses.replace(stack, block=block, init=init, num_layers=int(slots.size),
+                                 name=f"{stack.name}|stages{tuple(int(s) for s in sizes)}")
+    return padded, pad, unpad
