@@ -29,6 +29,8 @@ Example::
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.dataparallel import ShardRows
 from jaxstream.compose.circular import Circular
+from jaxstream.compose.peers import PeerWatch, lost_peer, wait_for_peers
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
 from jaxstream.grad.plan import Plan
@@ -89,13 +92,20 @@ class ComposedExecutor(StreamedExecutor):
       mesh: from :func:`make_mesh`.
       schedule: ``"circular"`` (default: each sweep is one circular pass over its chunks,
         :mod:`.circular`) or ``"chunked"`` (one GPipe pass per chunk, :mod:`.pipe`).
+      peer_timeout_s: on a mesh over several processes, a step after the first (which
+        compiles its passes) that makes no progress for this long ends the process with one
+        line and exit status 2 (a lost peer, :mod:`.peers`); keep it above the slowest unit's
+        time and below ``jax.distributed``'s heartbeat timeout.
+      startup_timeout_s: on a mesh over several processes, how long opening the store waits
+        for every process to arrive (start-up skew) before it refuses with one line.
 
     A step's metrics add ``ticks`` (the pipeline ticks its passes ran) and ``fill_ratio`` (the
     share of stage-ticks that computed).
     """
 
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
-                 config: StreamConfig | None = None, *, mesh: Mesh, schedule: str = "circular"):
+                 config: StreamConfig | None = None, *, mesh: Mesh, schedule: str = "circular",
+                 peer_timeout_s: float = 60.0, startup_timeout_s: float = 300.0):
         if tuple(mesh.axis_names) != (DATA, STAGE):
             raise ValueError(f"mesh: axes must be {(DATA, STAGE)}, got {tuple(mesh.axis_names)} "
                              "(use jaxstream.compose.make_mesh)")
@@ -109,7 +119,8 @@ class ComposedExecutor(StreamedExecutor):
                              f"computes, so prefetch must be >= 1, got {config.prefetch} (or "
                              f"use schedule='chunked')")
         placement = StageChunks(stack, plan_of(estimator, config.update).spec,
-                                config.compute_dtype, mesh, schedule)
+                                config.compute_dtype, mesh, schedule, peer_timeout_s,
+                                startup_timeout_s)
         super().__init__(stack, estimator, optimizer, store, config, placement=placement)
         self.mesh, self.num_stages = mesh, m
 
@@ -123,29 +134,56 @@ class ComposedExecutor(StreamedExecutor):
         self.placement.ticks = value
 
 
+_OPENED = itertools.count()  # every process opens its executors in the same order
+
+
 class StageChunks(Placement):
     """Block units are chunks of M consecutive layers, layer cM + s on stage s of a
     ``data × stage`` mesh; each kernel is a GPipe pass of the micro-batches (:mod:`.pipe`),
     examples split over ``data``."""
 
     def __init__(self, stack: Stack, spec: Any, dtype: Any, mesh: Mesh,
-                 schedule: str = "circular"):
+                 schedule: str = "circular", peer_timeout_s: float = 60.0,
+                 startup_timeout_s: float = 300.0):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        for name, value in (("peer_timeout_s", peer_timeout_s),
+                            ("startup_timeout_s", startup_timeout_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: a finite number of seconds > 0, got {value!r}")
+        self.shared = len({d.process_index for d in mesh.devices.flat}) > 1
+        self.startup_timeout_s, self._opened, self._stepped = float(startup_timeout_s), False, False
+        self.watch = PeerWatch(peer_timeout_s) if self.shared else None
         self.stack, self.spec, self.dtype, self.mesh = stack, spec, jnp.dtype(dtype), mesh
         self.num_stages, self.schedule = mesh.shape[STAGE], schedule
         self._stage = NamedSharding(mesh, P(STAGE))
         self._stash = NamedSharding(mesh, STASH)
-        self.begin_step()
+        self._ticks, self._busy, self._counts = 0, 0, []
 
     def agree(self, store: Any) -> None:
         """Every process of a mesh that spans several streams from its own store copy: they
         must hold the same commit (:func:`~jaxstream.stream.placement.agree_across_processes`)."""
-        if len({d.process_index for d in self.mesh.devices.flat}) > 1:
+        if self.shared:
+            if not self._opened:  # start-up skew: wait for every process, then compare
+                wait_for_peers(f"jaxstream-open-{next(_OPENED)}", self.startup_timeout_s)
+                self._opened = True
             agree_across_processes(store)
 
     def begin_step(self) -> None:
         self._ticks, self._busy, self._counts = 0, 0, []
+        if self.watch is not None and self._stepped:  # the first step compiles: not watched
+            self.watch.begin()
+
+    def progress(self) -> None:
+        if self.watch is not None:
+            self.watch.beat()
+
+    def end_step(self, error: BaseException | None = None) -> None:
+        self._stepped = True
+        if self.watch is not None:
+            self.watch.end()
+            if isinstance(error, jax.errors.JaxRuntimeError):  # a collective with a lost peer
+                lost_peer(error)
 
     def _settle(self) -> None:
         """Adds the counts the circular windows reported (device values) to the totals."""

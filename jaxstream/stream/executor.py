@@ -184,7 +184,9 @@ class StreamedExecutor:
 
     def _sweep(self, units: Sequence[Unit], load: Callable, t0: float, name: str):
         pf = Prefetcher(load, units, self.cfg.prefetch, t0, name)
-        yield from pf
+        for item in pf:
+            self.placement.progress()
+            yield item
         self.events.extend(pf.events)
 
     def _drive(self, layers: Sequence[int], load: Callable, t0: float, name: str,
@@ -297,12 +299,14 @@ class StreamedExecutor:
             tc = time.perf_counter()
             self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
             self.clock["wait_write_s"] += time.perf_counter() - tc
-        except BaseException:
+        except BaseException as e:
             self._drop_updates()
             self._pending = pending  # a failed step leaves no trace: a retry redoes it exactly
             self.store.abort()
+            self.placement.end_step(e)
             raise
         self.placement.agree(self.store)  # the copies committed the same step, or this raises
+        self.placement.end_step()
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)), **self.clock,

@@ -79,6 +79,14 @@ class Placement(abc.ABC):
     def begin_step(self) -> None:
         """Called when a step (or an estimate) begins."""
 
+    def progress(self) -> None:
+        """Called each time a unit of a sweep is ready (a placement over several processes
+        watches it: :class:`~jaxstream.compose.peers.PeerWatch`)."""
+
+    def end_step(self, error: BaseException | None = None) -> None:
+        """Called when a step ends: committed, or aborted by ``error`` (the store has already
+        dropped what the step staged)."""
+
     def metrics(self) -> dict:
         """What the placement adds to a step's metrics."""
         return {}

@@ -11,6 +11,7 @@ ahead: each process writes the refusal it got to DIR/refused<ID>.txt.
 
 import os
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -18,7 +19,8 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
 
 port, pid, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-disagree = sys.argv[4:] == ["disagree"]
+mode = sys.argv[4] if len(sys.argv) > 4 else ""
+disagree = mode == "disagree"
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=pid, local_device_ids=[0, 1, 2, 3])
 
@@ -50,6 +52,18 @@ if disagree:
             fh.write(str(e))
     jax.distributed.shutdown()
     sys.exit(0)
+if mode.startswith("skew"):  # process 1 opens its executor late (start-up skew)
+    if pid == 1:
+        time.sleep(float(mode[4:]))
+if mode == "lost":  # process 1 dies after the first step: process 0 must stop, in one line
+    ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4), peer_timeout_s=5)
+    ex.step(batch, jax.random.key(0))
+    if pid == 1:
+        os._exit(9)  # as a SIGKILL: no clean-up, no shutdown
+    with open(os.path.join(root, "lost_at.txt"), "w") as fh:
+        fh.write(str(time.time()))
+    ex.step(batch, jax.random.key(1))  # blocks in a collective with the lost peer
+    sys.exit(0)  # not reached: the peer watch ends the process with status 2
 ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
 losses = [ex.step(batch, jax.random.key(s))["loss"] for s in range(2)]
 if pid == 0:
