@@ -25,6 +25,9 @@ REN_MNIST = {
 }
 REN = "-Ren"  # suffix of the arms that run Ren et al.'s local losses (a head per block)
 FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "LG-FG-W" + REN, "LG-FG-A" + REN)
+#: The arms :func:`equivalents_plot` draws where a table has them (the rest: the table).
+MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN, "local-guess",
+             "exact-subset", "hybrid-control_variate", "hybrid-weighted", "hybrid-activity")
 
 
 def ren_figures(row: dict) -> dict:
@@ -436,19 +439,20 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
                   "per arm.")]
     if cost_plot:
         parts += ["", f"![cost]({os.path.basename(cost_plot)})", "",
-                  ("Test error (test loss for data sets judged by loss) during training against "
-                   "its cost in forward passes: steps × the matmul FLOPs of one compiled step "
-                   "over those of one forward pass of the batch (the 'forward passes / step' "
-                   "column, counted from what XLA runs), mean over seeds at the picked rate.")]
+                  ("Test error (log scale; test loss for data sets judged by loss) during "
+                   "training against its cost in forward passes: steps × the matmul FLOPs of "
+                   "one compiled step over those of one forward pass of the batch (the "
+                   "'forward passes / step' column, counted from what XLA runs), mean over "
+                   "seeds at the picked rate; the main arms (the others: the tables).")]
     return "\n".join(parts) + "\n"
 
 
-def equivalents_plot(rows: list[dict], path: str) -> bool:
-    """Test error (test loss for data sets judged by loss) against training cost in forward
-    passes (steps × the step's matmul FLOPs over one forward pass's), mean over seeds at the
-    picked rate, one line per arm in the colours of :func:`frontier_plot`; baselines as grey
-    lines. Rows without a counted cost are left out (said in the legend title). False where
-    no row has one (nothing written)."""
+def equivalents_plot(rows: list[dict], path: str, arms: tuple[str, ...] = MAIN_ARMS) -> bool:
+    """Test error (log scale; test loss for data sets judged by loss) against training cost
+    in forward passes (steps × the step's matmul FLOPs over one forward pass's), mean over
+    seeds at the picked rate, one line per arm of ``arms`` (every arm where the rows have
+    none of them); baselines as grey lines. Rows without a counted cost are left out (said
+    in the legend title). False where no row has one (nothing written)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -456,6 +460,8 @@ def equivalents_plot(rows: list[dict], path: str) -> bool:
 
     base = [r for r in rows if is_baseline(r)]
     rows = [r for r in rows if not is_baseline(r)]
+    if any(r["arm"] in arms for r in rows):
+        rows = [r for r in rows if r["arm"] in arms]
     counted = [r for r in rows if r.get("forward_equivalents_per_step")]
     if not counted:
         return False
@@ -479,6 +485,9 @@ def equivalents_plot(rows: list[dict], path: str) -> bool:
                         xycoords=("axes fraction", "data"), fontsize="x-small", color="0.4",
                         ha="right", va="bottom")
         ax.set_xscale("log")
+        if not any(_is_loss(r) for r in counted if r["dataset"] == ds):
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("training cost (forward-pass equivalents, matmul FLOPs)")
         ax.set_ylabel("test loss (nats / char)" if any(_is_loss(r) for r in counted
                                                         if r["dataset"] == ds)
@@ -500,10 +509,19 @@ def equivalents_plot(rows: list[dict], path: str) -> bool:
 
 
 def arm_styles(arms: list[str]) -> dict[str, dict]:
-    """One colour and marker per arm, the same in every panel: ten colours, then the next
-    marker (o, s, D, ^) for arms beyond each ten."""
-    return {a: {"color": f"C{i % 10}", "marker": "osD^"[(i // 10) % 4]}
+    """One colour and marker per arm, the same in every panel: matplotlib's ten default
+    colours for up to ten arms, else tab20's twenty; beyond those, the next marker (o, s, D,
+    ^)."""
+    import matplotlib
+
+    if len(arms) <= 10:
+        colours = [f"C{i}" for i in range(10)]
+    else:
+        colours = [matplotlib.colors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors]
+    n = len(colours)
+    return {a: {"color": colours[i % n], "marker": "osD^"[(i // n) % 4]}
             for i, a in enumerate(arms)}
+
 
 
 def frontier_plot(rows: list[dict], path: str) -> None:
@@ -521,7 +539,9 @@ def frontier_plot(rows: list[dict], path: str) -> None:
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     arms = list(dict.fromkeys(r["arm"] for r in rows))
     styles = arm_styles(arms)
-    lines = {b: ls for b, ls in zip(dict.fromkeys(r["arm"] for r in base), ("--", ":", "-."))}
+    styles_b = ("--", ":", "-.", (0, (5, 2, 1, 2, 1, 2)))
+    lines = {b: styles_b[i % len(styles_b)]
+             for i, b in enumerate(dict.fromkeys(r["arm"] for r in base))}
     fig, axes = plt.subplots(len(datasets), 2, figsize=(11, 3.6 * len(datasets)), squeeze=False)
     for i, ds in enumerate(datasets):
         rs = [r for r in rows if r["dataset"] == ds]

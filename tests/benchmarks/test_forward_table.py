@@ -330,7 +330,9 @@ def test_a_report_shows_baselines_beside_the_arms(tmp_path):
     base = {"dataset": "d", "kind": "baseline", "metric": "error", "train_error_mean": 0.02,
             "test_loss_mean": 0.2, "train_loss_mean": 0.1, "how": "h"}
     rows = [{**base, "arm": "logistic regression", "test_error_mean": 0.04},
-            {**base, "arm": "chance", "test_error_mean": 0.9}, _row("BP", 0.03)]
+            {**base, "arm": "chance", "test_error_mean": 0.9}, _row("BP", 0.03),
+            *({**base, "dataset": "t", "metric": "loss", "arm": a, "test_error_mean": 0.7,
+               "test_loss_mean": 2.5} for a in ("unigram", "bigram"))]  # 4 baselines in all
     text = markdown({"rows": rows, "command": "c", "machine": "m"})
     assert "| logistic regression | 4.00 | 2.00 | 0.200 | h |" in text
     assert "| chance | 90.00 |" in text and "| BP |" in text
