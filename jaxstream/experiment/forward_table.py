@@ -231,6 +231,119 @@ def _forward_equivalents(step: Any, stack: Any, params: Any, batch: dict):
     return total, (total / forward if forward else None)
 
 
+class _Arm:
+    """One arm's training on one data set: its estimator, batches, keys and vmapped lanes."""
+
+    def __init__(self, cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
+                 stack: Any, evaluate: Any = None):
+        self.cfg, self.dcfg, self.est = cfg, dcfg, arm.estimator.build()
+        if arm.local_heads:
+            stack = with_local_heads(stack)
+            evaluate = None  # its parameters carry the local heads
+        self.stack, self.n_micro = stack, getattr(arm.estimator, "micro_batches", 1)
+        self.train = {k: jnp.asarray(v) for k, v in ds.train.items()}
+        self.tx, self.base = optax.adam(1.0), jax.random.key(cfg.seed)
+        self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
+        self.run = jax.jit(jax.vmap(self._chunk, in_axes=(0, 0, 0, None)))
+
+    def sample(self, seed, step) -> dict:
+        """The batch of ``step`` for ``seed`` (with replacement; the same for every arm)."""
+        n = len(self.train["y"])
+        idx = jax.random.randint(jax.random.fold_in(jax.random.fold_in(self.base, seed), step),
+                                 (self.dcfg.batch_size,), 0, n)
+        return jax.tree.map(lambda a: a[idx], self.train)
+
+    def init(self, seed) -> Any:
+        return self.stack.init(jax.random.fold_in(jax.random.fold_in(self.base, 3), seed))
+
+    def _step(self, state, lr, seed, t):
+        params, opt = state
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(self.base, 7), seed), t)
+        loss, grads = self.est(self.stack, params, _micro(self.sample(seed, t), self.n_micro),
+                               key)[:2]
+        updates, opt = self.tx.update(grads, opt, params)
+        params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
+        return (params, opt), loss
+
+    def _chunk(self, state, lr, seed, t0):
+        return jax.lax.scan(lambda s, t: self._step(s, lr, seed, t0 + t), state,
+                            jnp.arange(self.dcfg.eval_every))
+
+    def lanes(self, rates: tuple[float, ...]) -> np.ndarray:
+        """Train the lanes of ``rates`` × seeds; their curve (lr, seed, eval, metric)."""
+        seeds = self.cfg.seeds
+        lane_lr = jnp.repeat(jnp.asarray(rates, jnp.float32), seeds)
+        lane_seed = jnp.tile(jnp.arange(seeds), len(rates))
+        params = jax.vmap(self.init)(lane_seed)
+        state = (params, jax.vmap(self.tx.init)(params))
+        # The shared training loop, one loop step per chunk of eval_every steps (all lanes);
+        # the chunk's first step is its "batch" (batches are drawn inside), evaluation a hook.
+        every = self.dcfg.eval_every
+        loop = TrainLoop(lambda st, t0, _: (self.run(st, lane_lr, lane_seed, t0)[0], {}),
+                         batch_at=lambda c: c * every, key_at=lambda c: None, timed=False)
+        curve: list[np.ndarray] = []
+        loop.add_hook(lambda i: curve.append(np.asarray(self.evaluate(i.state[0]))))
+        loop.run(state, start=0, stop=self.dcfg.steps // every)
+        return np.stack(curve, axis=1).reshape(len(rates), seeds, -1, 4)
+
+    def sweep(self, rates: tuple[float, ...]) -> tuple[tuple, np.ndarray, list, int]:
+        """``(rates tried, curve, rates added, pick)``: the sweep, extended past the edge its
+        pick sits at, up to ``extend_sweeps`` times (a single rate: both neighbours)."""
+        lrs = tuple(sorted(rates))
+        curve = self.lanes(lrs)
+        pick, added = pick_lr(curve[:, :, -1], self.dcfg.metric), []
+        while len(added) < self.cfg.extend_sweeps and pick in (0, len(lrs) - 1):
+            sides = ("smallest", "largest") if len(lrs) == 1 else (
+                ("largest",) if pick == len(lrs) - 1 else ("smallest",))
+            new = tuple(extension(lrs, side) for side in sides)
+            more = self.lanes(new)
+            order = np.argsort(lrs + new)
+            lrs = tuple(np.asarray(lrs + new)[order].tolist())
+            curve = np.concatenate([curve, more])[order]
+            added += list(new)
+            pick = pick_lr(curve[:, :, -1], self.dcfg.metric)
+        return lrs, curve, added, pick
+
+    def probe(self) -> dict:
+        """One lane alone, compiled once: temporary memory, the step's cost in forward passes,
+        step time, and (same program, several keys, one batch, initial params) the cosine and
+        relative squared error to the exact gradient."""
+        cfg, est, stack, tx = self.cfg, self.est, self.stack, self.tx
+
+        def probe(p, o, batch, key):
+            _, grads = est(stack, p, batch, key)[:2]
+            updates, o = tx.update(grads, o, p)
+            return optax.apply_updates(p, jax.tree.map(lambda u: 1e-3 * u, updates)), o, grads
+
+        p0 = self.init(0)  # seed 0's start
+        o0 = tx.init(p0)
+        flat = self.sample(0, 0)
+        batch0 = _micro(flat, self.n_micro)
+        keys = jax.random.split(jax.random.fold_in(self.base, 11),
+                                max(cfg.cosine_keys, cfg.timing_steps))
+        one = jax.jit(probe).lower(p0, o0, batch0, keys[0]).compile()
+        flops, equivalents = _forward_equivalents(one, stack, p0, flat)
+        exact = _flat(jax.jit(jax.grad(stack))(p0, flat))
+        times, cos, rel_mse = [], [], []
+        jax.block_until_ready(one(p0, o0, batch0, keys[0]))
+        for i, k in enumerate(keys):
+            s0 = time.perf_counter()
+            out = jax.block_until_ready(one(p0, o0, batch0, k))
+            times.append(time.perf_counter() - s0)
+            if i < cfg.cosine_keys:
+                g = _flat(out[2])
+                cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact)
+                                              + 1e-30)))
+                rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
+        return {"peak_temp_bytes": int(one.memory_analysis().temp_size_in_bytes),
+                "step_ms": float(np.median(times[: max(cfg.timing_steps, 1)]) * 1e3),
+                "tangents": est.plan.spec.num if est.plan.forward != "none" else 0,
+                "flops_per_step": flops, "forward_equivalents_per_step": equivalents,
+                "cosine_mean": float(np.mean(cos)),
+                "cosine_sd": float(np.std(cos, ddof=1)) if len(cos) > 1 else 0.0,
+                "relative_mse": float(np.mean(rel_mse))}
+
+
 def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
             evaluate: Any = None) -> dict:
     """Train every (lr, seed) lane of one arm together; the row at the picked learning rate.
@@ -239,68 +352,9 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     (a single rate: both neighbours, ×3 and ÷3) and trains the new rates' lanes, up to
     ``cfg.extend_sweeps`` times; a pick still at an edge after that (a single rate never
     extended included) is flagged in the row (``lr_at_edge``)."""
-    est = arm.estimator.build()
-    if arm.local_heads:
-        stack = with_local_heads(stack)
-        evaluate = None  # its parameters carry the local heads
-    n_micro = getattr(arm.estimator, "micro_batches", 1)
-    train = {k: jnp.asarray(v) for k, v in ds.train.items()}
-    n_train = len(ds.train["y"])
-    tx = optax.adam(1.0)
-    base = jax.random.key(cfg.seed)
-
-    def sample(seed, step):
-        idx = jax.random.randint(jax.random.fold_in(jax.random.fold_in(base, seed), step),
-                                 (dcfg.batch_size,), 0, n_train)
-        return jax.tree.map(lambda a: a[idx], train)
-
-    def step(state, lr, seed, t):
-        params, opt = state
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, 7), seed), t)
-        loss, grads = est(stack, params, _micro(sample(seed, t), n_micro), key)[:2]
-        updates, opt = tx.update(grads, opt, params)
-        params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
-        return (params, opt), loss
-
-    def chunk(state, lr, seed, t0):
-        return jax.lax.scan(lambda s, t: step(s, lr, seed, t0 + t), state,
-                            jnp.arange(dcfg.eval_every))
-
-    init = jax.vmap(lambda s: stack.init(jax.random.fold_in(jax.random.fold_in(base, 3), s)))
-    run = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)))
-    evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
-
-    def lanes(rates: tuple[float, ...]) -> np.ndarray:
-        """Train the lanes of ``rates`` × seeds; their curve (lr, seed, eval, metric)."""
-        lane_lr = jnp.repeat(jnp.asarray(rates, jnp.float32), cfg.seeds)
-        lane_seed = jnp.tile(jnp.arange(cfg.seeds), len(rates))
-        params = init(lane_seed)
-        state = (params, jax.vmap(tx.init)(params))
-        # The shared training loop, one loop step per chunk of eval_every steps (all lanes);
-        # the chunk's first step is its "batch" (batches are drawn inside), evaluation a hook.
-        loop = TrainLoop(lambda st, t0, _: (run(st, lane_lr, lane_seed, t0)[0], {}),
-                         batch_at=lambda c: c * dcfg.eval_every, key_at=lambda c: None,
-                         timed=False)
-        curve: list[np.ndarray] = []
-        loop.add_hook(lambda i: curve.append(np.asarray(evaluate(i.state[0]))))  # (lanes, 4)
-        loop.run(state, start=0, stop=dcfg.steps // dcfg.eval_every)
-        return np.stack(curve, axis=1).reshape(len(rates), cfg.seeds, -1, 4)
-
+    runner = _Arm(cfg, dcfg, arm, ds, stack, evaluate)
     t0 = time.perf_counter()
-    lrs = tuple(sorted(arm.sweep(dcfg.name)))
-    curve = lanes(lrs)
-    pick, added = pick_lr(curve[:, :, -1], dcfg.metric), []
-    while len(added) < cfg.extend_sweeps and pick in (0, len(lrs) - 1):
-        # one rate is at both edges: both neighbours, as one extension
-        sides = ("smallest", "largest") if len(lrs) == 1 else (
-            ("largest",) if pick == len(lrs) - 1 else ("smallest",))
-        new = tuple(extension(lrs, side) for side in sides)
-        more = lanes(new)
-        order = np.argsort(lrs + new)
-        lrs = tuple(np.asarray(lrs + new)[order].tolist())
-        curve = np.concatenate([curve, more])[order]
-        added += list(new)
-        pick = pick_lr(curve[:, :, -1], dcfg.metric)
+    lrs, curve, added, pick = runner.sweep(arm.sweep(dcfg.name))
     train_seconds = time.perf_counter() - t0
     final = curve[:, :, -1]
     by_err, by_loss = final[:, :, 1].mean(axis=1), final[:, :, 3].mean(axis=1)
@@ -310,58 +364,23 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     else:
         reached = cur[:, :, 0] <= 1.0 - dcfg.target_accuracy
     first = [int((np.argmax(r) + 1) * dcfg.eval_every) if r.any() else None for r in reached]
-
-    # One lane alone, compiled once: temporary memory, step time, and (same program, several
-    # keys, one batch, initial params) the cosine to the exact gradient.
-    def probe(p, o, batch, key):
-        _, grads = est(stack, p, batch, key)[:2]
-        updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, jax.tree.map(lambda u: 1e-3 * u, updates)), o, grads
-
-    p0 = stack.init(jax.random.fold_in(jax.random.fold_in(base, 3), 0))  # seed 0's start
-    o0 = tx.init(p0)
-    batch0 = _micro(sample(0, 0), n_micro)
-    keys = jax.random.split(jax.random.fold_in(base, 11), max(cfg.cosine_keys, cfg.timing_steps))
-    one = jax.jit(probe).lower(p0, o0, batch0, keys[0]).compile()
-    temp = int(one.memory_analysis().temp_size_in_bytes)
-    flops, equivalents = _forward_equivalents(one, stack, p0, sample(0, 0))
-    exact = _flat(jax.jit(jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: stack(p, b))(batch0))
-                                   if n_micro > 1 else stack(p, batch0)))(p0))
-    times, cos, rel_mse = [], [], []
-    jax.block_until_ready(one(p0, o0, batch0, keys[0]))
-    for i, k in enumerate(keys):
-        s0 = time.perf_counter()
-        out = jax.block_until_ready(one(p0, o0, batch0, k))
-        times.append(time.perf_counter() - s0)
-        if i < cfg.cosine_keys:
-            g = _flat(out[2])
-            cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)))
-            rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
-    step_ms = float(np.median(times[: max(cfg.timing_steps, 1)]) * 1e3)
-    cos, rel_mse = np.asarray(cos), np.asarray(rel_mse)
+    probe = runner.probe()
     hit = [f for f in first if f is not None]
     sd = (lambda x: float(np.std(x, ddof=1))) if cfg.seeds > 1 else (lambda x: 0.0)
     return {
         "dataset": dcfg.name, "arm": arm.name, "lr": float(lrs[pick]), "lrs": list(lrs),
         "lrs_added": added, "lr_at_edge": pick in (0, len(lrs) - 1),
-        "test_error_mean": float(fin[:, 0].mean()), "test_error_sd": float(fin[:, 0].std(ddof=1))
-        if cfg.seeds > 1 else 0.0,
-        "train_error_mean": float(fin[:, 1].mean()),
-        "train_error_sd": float(fin[:, 1].std(ddof=1)) if cfg.seeds > 1 else 0.0,
+        "test_error_mean": float(fin[:, 0].mean()), "test_error_sd": sd(fin[:, 0]),
+        "train_error_mean": float(fin[:, 1].mean()), "train_error_sd": sd(fin[:, 1]),
         "test_loss_mean": float(fin[:, 2].mean()), "test_loss_sd": sd(fin[:, 2]),
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
         "local_heads": "own" if arm.local_heads else "shared",
-        "seeds": cfg.seeds, "steps": dcfg.steps,
-        "peak_temp_bytes": temp, "step_ms": step_ms,
-        "tangents": est.plan.spec.num if est.plan.forward != "none" else 0,
-        "flops_per_step": flops, "forward_equivalents_per_step": equivalents,
-        "cosine_mean": float(cos.mean()), "cosine_sd": float(cos.std(ddof=1)) if len(cos) > 1 else 0.0,
-        "relative_mse": float(rel_mse.mean()),
+        "seeds": cfg.seeds, "steps": dcfg.steps, **probe,
         "target_accuracy": dcfg.target_accuracy, "seeds_reaching_target": len(hit),
         "steps_to_target_mean": float(np.mean(hit)) if hit else None,
         "steps_to_target_by_seed": first,
-        "seconds_to_target": float(np.mean(hit)) * step_ms / 1e3 if hit else None,
+        "seconds_to_target": float(np.mean(hit)) * probe["step_ms"] / 1e3 if hit else None,
         "train_seconds_all_lanes": train_seconds,
         "test_error_by_seed": [float(x) for x in fin[:, 0]],
         "test_loss_by_seed": [float(x) for x in fin[:, 2]],

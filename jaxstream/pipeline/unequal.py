@@ -36,28 +36,52 @@ import numpy as np
 from jaxstream.models.stack import Stack
 
 
-def _layout(sizes: Sequence[int], num_layers: int) -> np.ndarray:
-    """(M, P) index of each padded slot's layer, −1 for a skipped slot."""
+LAYOUTS = ("contiguous", "chunked")
+
+
+def _layout(sizes: Sequence[int], num_layers: int, layout: str = "contiguous") -> np.ndarray:
+    """The padded model's slots in order: the layer each runs, −1 for a skipped slot.
+
+    ``contiguous`` (the pipeline: stage s holds padded slots s·P … s·P + P − 1) puts stage
+    s's ``sizes[s]`` layers first in its P slots. ``chunked`` (the composed engine: padded
+    slot c·M + s runs on stage s in chunk c) fills chunk by chunk, stage s taking a layer in
+    chunks 0 … sizes[s] − 1, in model order."""
     sizes = [int(s) for s in sizes]
     if not sizes or min(sizes) < 1 or sum(sizes) != num_layers:
         raise ValueError(f"sizes: one positive number of blocks per stage, summing to the "
                          f"model's {num_layers} blocks; got {tuple(sizes)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: {layout!r}; allowed: {LAYOUTS}")
     width = max(sizes)
     out = np.full((len(sizes), width), -1, np.int64)
-    start = 0
-    for s, n in enumerate(sizes):
-        out[s, :n] = np.arange(start, start + n)
-        start += n
-    return out
+    if layout == "contiguous":
+        start = 0
+        for s, n in enumerate(sizes):
+            out[s, :n] = np.arange(start, start + n)
+            start += n
+        return out.ravel()
+    layer = 0
+    for c in range(width):
+        for s, n in enumerate(sizes):
+            if c < n:
+                out[s, c] = layer
+                layer += 1
+    return out.T.ravel()  # slot c·M + s
 
 
-def unequal_stages(stack: Stack, sizes: Sequence[int]) -> tuple[Stack, Callable, Callable]:
+def unequal_stages(stack: Stack, sizes: Sequence[int],
+                   layout: str = "contiguous") -> tuple[Stack, Callable, Callable]:
     """``(padded stack, pad(params), unpad(grads))`` for stages of ``sizes`` blocks.
 
+    ``layout``: ``"contiguous"`` for :func:`~jaxstream.pipeline.pipeline` (a stage holds
+    consecutive slots), ``"chunked"`` for :class:`~jaxstream.compose.ComposedExecutor` (slot
+    c·M + s runs on stage s; store ``pad(params)`` in its layer store).
+
     Raises:
-      ValueError: ``sizes`` not positive or not summing to ``stack.num_layers``.
+      ValueError: ``sizes`` not positive or not summing to ``stack.num_layers``; an unknown
+        ``layout``.
     """
-    slots = _layout(sizes, stack.num_layers).ravel()
+    slots = _layout(sizes, stack.num_layers, layout)
     on = slots >= 0
     take = np.where(on, slots, 0)
     back = np.array([int(np.nonzero(slots == l)[0][0]) for l in range(stack.num_layers)])

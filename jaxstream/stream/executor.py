@@ -465,7 +465,7 @@ class StreamedExecutor:
             (out,) = self._drive(
                 layers, self._load_both, t0, "forward",
                 kept(lambda u, dev, st: self._unit_grad(u, K.unit_local_grad(
-                    self.stack, self.spec, u.kind, dev, z, keys, st[0], head_dev, x, weights))),
+                    self.stack, self.spec, u.part, dev, z, keys, st[0], head_dev, x, weights))),
                 kept(lambda u, dev, st: self.placement.local_grad(dev, u, keys, st, head_dev, x,
                                                                   weights)),
                 done, state=(x["x"],))
@@ -484,7 +484,7 @@ class StreamedExecutor:
         self._drive(
             layers, self._load_both, t0, "update",
             kept(lambda u, dev, st: self._unit_grad(u, K.unit_act_grad(
-                self.stack, self.spec, u.kind, dev, z, keys, st[0], d))),
+                self.stack, self.spec, u.part, dev, z, keys, st[0], d))),
             kept(lambda u, dev, st: self.placement.act_grad(dev, u, keys, st, d)),
             done, state=(x["x"],))
         return float(jnp.mean(ex_loss))

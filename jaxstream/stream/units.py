@@ -22,21 +22,21 @@ class Unit(NamedTuple):
     """A unit of a streamed sweep.
 
     Attributes:
-      kind: ``"embed"``, ``"block"`` or ``"head"``.
+      part: ``"embed"``, ``"block"`` or ``"head"`` (the part of the model it runs).
       layers: a block unit's layers, in order (empty for the embed and the head).
     """
 
-    kind: Literal["embed", "block", "head"]
+    part: Literal["embed", "block", "head"]
     layers: tuple[int, ...] = ()
 
     @property
     def is_block(self) -> bool:
-        return self.kind == "block"
+        return self.part == "block"
 
     @property
     def keys(self) -> tuple[LayerKey, ...]:
         """The store addresses the unit reads, in order."""
-        return self.layers if self.is_block else (self.kind,)
+        return self.layers if self.is_block else (self.part,)
 
     @property
     def key(self) -> LayerKey:
@@ -46,7 +46,7 @@ class Unit(NamedTuple):
         return self.keys[0]
 
     def __str__(self) -> str:
-        return self.kind if not self.is_block else "layers " + ",".join(map(str, self.layers))
+        return self.part if not self.is_block else "layers " + ",".join(map(str, self.layers))
 
 
 EMBED = Unit("embed")

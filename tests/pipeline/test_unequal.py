@@ -111,3 +111,33 @@ def test_bad_sizes_are_refused_by_name():
     for sizes in [(2, 2, 2), (0, 4, 4), (9,)]:
         with pytest.raises(ValueError, match="sizes: one positive number of blocks per stage"):
             unequal_stages(STACK, sizes)
+
+
+def test_composed_engine_runs_unequal_stages(problem, tmp_path):
+    """The composed engine (chunk c's slot c·M + s on stage s) over stages of (1, 1, 2, 4)
+    layers: backprop equals ``jax.grad`` of the sequential model, and the chunk order puts the
+    layers in model order (the contiguous layout in its store would not)."""
+    import optax
+
+    from jaxstream.compose import ComposedExecutor, make_mesh
+    from jaxstream.stream import LayerStore
+    from jaxstream.stream.executor import StreamConfig
+
+    params, micro = problem
+    sizes = (1, 1, 2, 4)
+    padded, pad, unpad = unequal_stages(STACK, sizes, layout="chunked")
+    host = jax.tree.map(np.asarray, pad(params))
+    store = LayerStore.create(tmp_path / "s", host, optimizer=optax.sgd(0.1))
+    ex = ComposedExecutor(padded, jg.backprop(), optax.sgd(0.1), store,
+                          StreamConfig(compute_dtype="float32", prefetch=1),
+                          mesh=make_mesh(1, 4))
+    _, g = ex.estimate(micro, jax.random.key(0))
+    want = jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: STACK(p, b))(micro)))(params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 unpad(g), want)
+    _, _, unpad_c = unequal_stages(STACK, sizes)  # the pipeline's layout reads other slots
+    with pytest.raises(AssertionError):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5),
+                     unpad_c(g), want)
+    with pytest.raises(ValueError, match="layout: 'spread'"):
+        unequal_stages(STACK, sizes, layout="spread")
