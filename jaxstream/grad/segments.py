@@ -263,9 +263,14 @@ def local_grad(stack: Stack, fn: Callable, p: Any, spec: TangentSpec, key: jax.A
     own = p["local_head"]
     out, g = kernel(lambda m: fn({"module": m, "local_head": own}), p["module"], spec, key,
                     segment, lambda h: example(stack.local_head(own, h)))
+    return out, {"module": g, "local_head": own_head_grad(stack, own, out, example)}
+
+
+def own_head_grad(stack: Stack, own: Any, out: jax.Array, example: Callable) -> Any:
+    """The exact gradient of a segment's own local head ``own`` for its loss
+    ``example(stack.local_head(own, out))``, the segment's output held fixed."""
     fixed = jax.lax.stop_gradient(out)
-    g_own = jax.grad(lambda q: jnp.mean(example(stack.local_head(q, fixed))))(own)
-    return out, {"module": g, "local_head": g_own}
+    return jax.grad(lambda q: jnp.mean(example(stack.local_head(q, fixed))))(own)
 
 
 # ----------------------------------------------------------------------- one given direction

@@ -70,19 +70,8 @@ def evaluate_placement(
 ) -> Placement:
     """Stage times and balance of a given split ``sizes`` (layers per stage, in order)."""
     costs, speeds = _check(layer_costs, device_speeds)
-    sizes = tuple(int(s) for s in sizes)
-    if len(sizes) != speeds.size or sum(sizes) != costs.size or min(sizes) < 1:
-        raise ValueError(
-            f"sizes must be {speeds.size} positive integers summing to {costs.size}; got {sizes}"
-        )
-    starts = tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-    times = tuple(
-        float(costs[a : a + n].sum() / v) for a, n, v in zip(starts, sizes, speeds, strict=True)
-    )
-    slowest = max(times)
-    mean = float(np.mean(times))
-    ideal = float(costs.sum() / speeds.sum())
-    return Placement(sizes, starts, times, slowest, slowest / mean if mean > 0 else 1.0, ideal)
+    split = evaluate_split(costs[None, :] / speeds[:, None], sizes)
+    return split._replace(ideal=float(costs.sum() / speeds.sum()))
 
 
 def uniform_placement(layer_costs: Sequence[float], device_speeds: Sequence[float]) -> Placement:
