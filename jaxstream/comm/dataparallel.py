@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+import typing
 from typing import Any, Literal
 
 import jax
@@ -51,9 +52,10 @@ __all__ = [
     "device_keys",
 ]
 
-ALLREDUCE = ("psum", "ring")
-EXCHANGE = ("gradients", "scalars", "moments")
-TANGENTS = ("independent", "shared")
+AllReduce = Literal["psum", "ring"]
+Exchange = Literal["gradients", "scalars", "moments"]
+Tangents = Literal["independent", "shared"]
+ALLREDUCE, EXCHANGE, TANGENTS = (typing.get_args(t) for t in (AllReduce, Exchange, Tangents))
 
 
 def device_keys(key: jax.Array, num_devices: int) -> jax.Array:

@@ -32,7 +32,8 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+import typing
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,8 @@ from jaxstream.stream.store import LayerStore
 from jaxstream.stream.units import Unit, block
 from jaxstream.stream.values import host_value
 
-SCHEDULES = ("circular", "chunked")
+Schedule = Literal["circular", "chunked"]
+SCHEDULES = typing.get_args(Schedule)
 ACT = P(None, DATA)  # (N, B, ...)
 TAN = P(None, None, DATA)  # (N, K, B, ...)
 STASH = P(STAGE, None, DATA)  # (M, S, B, ...)

@@ -21,13 +21,22 @@ class Dataset(NamedTuple):
     info: dict[str, int]
 
 
+def split_sizes(n: int, test_fraction: float) -> tuple[int, int]:
+    """(train, test) sizes of :func:`train_test_split` of ``n`` examples."""
+    n_test = max(1, round(n * test_fraction))
+    return n - n_test, n_test
+
+
 def train_test_split(n: int, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint sorted train/test index arrays, a deterministic function of (n, fraction, seed)."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction: must be in (0, 1), got {test_fraction}")
     perm = np.random.default_rng(seed).permutation(n)
-    n_test = max(1, round(n * test_fraction))
+    n_test = split_sizes(n, test_fraction)[1]
     return np.sort(perm[n_test:]), np.sort(perm[:n_test])
+
+
+NUM_DIGITS = 1797  # scikit-learn's digits
 
 
 def load_digits(

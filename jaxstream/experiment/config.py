@@ -32,6 +32,8 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from jaxstream.ranges import Seed, declared
+
 T = TypeVar("T")
 
 _CHOICES: dict[type, dict[str, type]] = {}
@@ -353,7 +355,7 @@ def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
         )
     hints = _hints(cls)
     kwargs = {}
-    _check_seeds(value, fields, path)
+    _check_seeds(cls, value, fields, path)
     for name, f in fields.items():
         sub = f"{path}.{name}" if path else name
         fdefault = _MISSING
@@ -381,19 +383,20 @@ def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
         raise ConfigError(msg) from e
 
 
-SEED_RANGE = (0, 2**32 - 1)  # what both JAX keys and NumPy generators take
+SEED_RANGE = typing.get_args(Seed)[1]  # what both JAX keys and NumPy generators take
 
 
-def _check_seeds(value: Mapping, fields: Mapping, path: str) -> None:
-    """Every field named ``seed`` or ``*_seed`` is a seed: an integer in ``SEED_RANGE``
-    (checked before any run directory or compute, whichever config declares it)."""
-    lo, hi = SEED_RANGE
+def _check_seeds(cls: type, value: Mapping, fields: Mapping, path: str) -> None:
+    """A field named ``seed`` or ``*_seed`` that declares no range (a plugin's section) is a
+    seed all the same: an integer in ``SEED_RANGE``, checked before any run directory or
+    compute (declared fields are checked by :func:`jaxstream.ranges.check_fields`)."""
+    ranges = declared(cls)
     for name in fields:
         v = value.get(name)
-        if (name == "seed" or name.endswith("_seed")) and isinstance(v, int) \
-                and not isinstance(v, bool) and not lo <= v <= hi:
+        if (name == "seed" or name.endswith("_seed")) and ranges[name][1] is None \
+                and isinstance(v, int) and not isinstance(v, bool) and v not in SEED_RANGE:
             sub = f"{path}.{name}" if path else name
-            raise ConfigError(f"{sub}: a seed must be an integer in {lo}..{hi}, got {v}")
+            raise ConfigError(f"{sub}: must be {SEED_RANGE}, got {v}")
 
 
 # ----------------------------------------------------------------------------- dataclass -> dict

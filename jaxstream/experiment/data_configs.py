@@ -3,21 +3,65 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Annotated
 
 from jaxstream.data.arrays import load_npz
 from jaxstream.data.chars import load_chars
-from jaxstream.data.digits import Dataset, load_digits
+from jaxstream.data.digits import NUM_DIGITS, Dataset, load_digits, split_sizes
 from jaxstream.data.mnist1d import load_mnist1d
 from jaxstream.data.stored import open_data_store
 from jaxstream.data.text import load_text
 from jaxstream.experiment.config import register_choice
+from jaxstream.ranges import Checked, Count, Fraction, Range, Seed
 
 
-class DataConfig:
+class DataConfig(Checked):
     """Base of the polymorphic ``data:`` section; ``load(seed)`` returns a :class:`Dataset`."""
 
     def load(self, seed: int) -> Dataset:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def dataset(self, seed: int) -> Dataset:
+        """``load(seed)``, loaded once: the check before the run and the run share it."""
+        try:
+            return _cached(self, seed)
+        except TypeError:  # a section with an unhashable field (a plugin's) is not cached
+            return self.load(seed)
+
+    def train_size(self, seed: int) -> int:
+        """Examples in the train split (default: load the data set and count them)."""
+        ds = self.dataset(seed)
+        return int(ds.info.get("num_train", len(ds.train["y"])))
+
+    def nbytes(self) -> int | None:
+        """Bytes the loaded data set holds, where the section alone says (None: unknown)."""
+        return None
+
+    def check_batch(self, batch_size: int, seed: int, field: str = "batch_size") -> None:
+        """Before any write: the data set fits in this machine's memory (where its size is
+        known without loading it), and a batch fits in its train split (it would otherwise hold
+        some examples twice). Errors name ``field`` or the data section."""
+        from jaxstream.experiment.train_config import machine_memory
+
+        need, have = self.nbytes(), machine_memory()
+        if need is not None and need > have:
+            raise ValueError(f"data: holds about {need / 2**30:.3g} GiB; this machine has "
+                             f"{have / 2**30:.3g} GiB of memory; make the data set smaller")
+        n = self.train_size(seed)
+        if batch_size > n:
+            raise ValueError(f"{field}: {batch_size} exceeds the {n} training examples of the "
+                             f"data set; allowed: 1..{n}")
+
+
+@functools.lru_cache(maxsize=8)
+def _cached(cfg: DataConfig, seed: int) -> Dataset:
+    return cfg.load(seed)
+
+
+def forget_datasets() -> None:
+    """Drop the loaded data sets (each run starts afresh: a file may change between runs)."""
+    _cached.cache_clear()
 
 
 @register_choice(DataConfig, "digits")
@@ -31,15 +75,12 @@ class DigitsDataConfig(DataConfig):
       split_seed: seed of the train/test split (None: the experiment seed).
     """
 
-    test_fraction: float = 0.2
+    test_fraction: Fraction = 0.2
     standardize: bool = True
-    split_seed: int | None = None
+    split_seed: Seed | None = None
 
-    def __post_init__(self):
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"test_fraction: must be in (0, 1), got {self.test_fraction}")
-        if self.split_seed is not None and self.split_seed < 0:
-            raise ValueError(f"split_seed: must be >= 0 or null, got {self.split_seed}")
+    def train_size(self, seed: int) -> int:
+        return split_sizes(NUM_DIGITS, self.test_fraction)[0]
 
     def load(self, seed: int) -> Dataset:
         split = seed if self.split_seed is None else self.split_seed
@@ -51,15 +92,16 @@ class DigitsDataConfig(DataConfig):
 class CharsDataConfig(DataConfig):
     """Synthetic character corpus (next-character prediction), see :mod:`jaxstream.data.chars`."""
 
-    seq_len: int = 32
-    num_train: int = 2048
-    num_test: int = 256
-    num_words: int = 24
+    seq_len: Count = 32
+    num_train: Count = 2048
+    num_test: Count = 256
+    num_words: Count = 24
 
-    def __post_init__(self):
-        for name in ("seq_len", "num_train", "num_test", "num_words"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+    def train_size(self, seed: int) -> int:
+        return self.num_train
+
+    def nbytes(self) -> int:  # int32 x and y, and the word list (a few dozen bytes a word)
+        return 2 * 4 * self.seq_len * (self.num_train + self.num_test) + 64 * self.num_words
 
     def load(self, seed: int) -> Dataset:
         return load_chars(seed, self.seq_len, self.num_train, self.num_test, self.num_words)
@@ -76,15 +118,16 @@ class MNIST1DDataConfig(DataConfig):
       train_split: share used for training.
     """
 
-    data_seed: int = 42
-    num_samples: int = 5000
-    train_split: float = 0.8
+    data_seed: Seed = 42
+    num_samples: Annotated[int, Range(20)] = 5000
+    train_split: Fraction = 0.8
 
-    def __post_init__(self):
-        if self.num_samples < 20:
-            raise ValueError(f"num_samples: must be >= 20, got {self.num_samples}")
-        if not 0.0 < self.train_split < 1.0:
-            raise ValueError(f"train_split: must be in (0, 1), got {self.train_split}")
+    def train_size(self, seed: int) -> int:
+        made = self.num_samples // 10 * 10  # mnist1d's make_dataset: whole classes, then
+        return int(made * self.train_split)  # its split
+
+    def nbytes(self) -> int:
+        return 8 * 40 * 2 * self.num_samples  # float64 (n, 40) as generated, then float32
 
     def load(self, seed: int) -> Dataset:
         return load_mnist1d(self.data_seed, self.num_samples, self.train_split)
@@ -95,14 +138,15 @@ class MNIST1DDataConfig(DataConfig):
 class TextDataConfig(DataConfig):
     """Windows of the standard-library source corpus (see :mod:`jaxstream.data.text`)."""
 
-    seq_len: int = 64
-    num_train: int = 4096
-    num_test: int = 512
+    seq_len: Count = 64
+    num_train: Count = 4096
+    num_test: Count = 512
 
-    def __post_init__(self):
-        for name in ("seq_len", "num_train", "num_test"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+    def train_size(self, seed: int) -> int:
+        return self.num_train
+
+    def nbytes(self) -> int:
+        return 2 * 4 * self.seq_len * (self.num_train + self.num_test)  # int32 x and y
 
     def load(self, seed: int) -> Dataset:
         return load_text(seed, self.seq_len, self.num_train, self.num_test)
@@ -121,7 +165,7 @@ class StoreDataConfig(DataConfig):
 
     path: str = ""
 
-    def __post_init__(self):
+    def check(self) -> None:
         if not self.path:
             raise ValueError("path: the data store's directory is required, e.g. "
                              "data: {type: store, path: /ssd2/digits}")
@@ -145,17 +189,15 @@ class NpzDataConfig(DataConfig):
     """
 
     path: str = ""
-    test_fraction: float = 0.2
+    test_fraction: Fraction = 0.2
     standardize: bool = True
     flatten: bool = True
-    split_seed: int | None = None
+    split_seed: Seed | None = None
 
-    def __post_init__(self):
+    def check(self) -> None:
         if not self.path:
             raise ValueError("path: the .npz file is required, e.g. data: {type: npz, path: "
                              "mnist.npz}")
-        if not 0.0 < self.test_fraction < 1.0:
-            raise ValueError(f"test_fraction: must be in (0, 1), got {self.test_fraction}")
 
     def load(self, seed: int) -> Dataset:
         split = seed if self.split_seed is None else self.split_seed

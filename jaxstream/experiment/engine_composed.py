@@ -17,10 +17,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxstream.compose.executor import SCHEDULES
+from jaxstream.compose.executor import Schedule
 from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.experiment.engines import register_engine
 from jaxstream.stream.store import LayerStore
+from jaxstream.ranges import Count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,26 +37,20 @@ class ComposedEngineConfig(StreamEngineConfig):
         GPipe pass per chunk of ``stage`` layers, the earlier schedule).
     """
 
-    data: int = 1
-    stage: int = 1
-    schedule: str = "circular"
+    data: Count = 1
+    stage: Count = 1
+    schedule: Schedule = "circular"
 
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("data", "stage"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"engine.{name}: must be an int >= 1, got {v!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"engine.schedule: must be one of {SCHEDULES}, got "
-                             f"{self.schedule!r}")
+    def check(self) -> None:
+        super().check()
         if self.schedule == "circular" and self.prefetch < 1:
-            raise ValueError(f"engine.prefetch: the circular schedule reads the next chunk while "
+            raise ValueError(f"prefetch: the circular schedule reads the next chunk while "
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "
                              f"engine.schedule: chunked)")
 
     def check_model(self, model: Any) -> None:
         """The model's depth divides into the stages (when the model section says its depth)."""
+        super().check_model(model)
         depth = getattr(model, "depth", None)
         if isinstance(depth, int) and depth % self.stage:
             raise ValueError(f"engine.stage: {self.stage} must divide model.depth = {depth} "

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxstream.comm.dataparallel import ALLREDUCE, EXCHANGE, TANGENTS, DataParallel, data_parallel
+from jaxstream.comm.dataparallel import AllReduce, DataParallel, Exchange, Tangents, data_parallel
 from jaxstream.experiment.engines import (
     EngineConfig,
     LocalEngine,
@@ -39,6 +39,7 @@ from jaxstream.experiment.engines import (
 )
 from jaxstream.experiment.optimizers import OptimizerConfig, build_optimizer
 from jaxstream.optim.exchange import max_adabelief_exchange
+from jaxstream.ranges import Every
 
 __all__ = ["MOMENT_OPTIMIZERS", "DataParallelEngine", "DataParallelEngineConfig",
            "MomentExchangeEngine", "build_dataparallel_engine"]
@@ -59,23 +60,10 @@ class DataParallelEngineConfig(EngineConfig):
       tangents: ``independent`` (fold the device index into the key) or ``shared``.
     """
 
-    devices: int = 0
-    allreduce: str = "psum"
-    exchange: str = "gradients"
-    tangents: str = "independent"
-
-    def __post_init__(self):
-        if self.devices < 0:
-            raise ValueError(f"devices: must be >= 0 (0: all), got {self.devices}")
-        for name, allowed in (
-            ("allreduce", ALLREDUCE),
-            ("exchange", EXCHANGE),
-            ("tangents", TANGENTS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"{name}: {getattr(self, name)!r} is not allowed; choose one of {allowed}"
-                )
+    devices: Every = 0  # 0: every device
+    allreduce: AllReduce = "psum"
+    exchange: Exchange = "gradients"
+    tangents: Tangents = "independent"
 
     def check_optimizer(self, opt_cfg: OptimizerConfig, field: str) -> None:
         """``exchange: moments`` averages Max-AdaBelief's moments: refuse any other optimizer

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
+from jaxstream.ranges import Count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +45,10 @@ class PipelineEngineConfig(EngineConfig):
       micro_batches: N for a forward estimator (a hybrid arm's own micro_batches wins).
     """
 
-    stages: int = 4
+    stages: Count = 4
     policy: Literal["truncated", "delayed", "complete", "crossstep"] = "complete"
-    micro_batches: int = 8
+    micro_batches: Count = 8
     places_blocks: ClassVar[bool] = True  # a sequential model runs as a stack (to_stack)
-
-    def __post_init__(self):
-        if self.stages < 1:
-            raise ValueError(f"engine.stages: must be >= 1, got {self.stages}")
-        if self.policy not in ("truncated", "delayed", "complete", "crossstep"):
-            raise ValueError(f"engine.policy: must be one of 'truncated', 'delayed', 'complete', "
-                             f"'crossstep', got {self.policy!r}")
-        if self.micro_batches < 1:
-            raise ValueError(f"engine.micro_batches: must be >= 1, got {self.micro_batches}")
 
     def check_model(self, model: Any) -> None:
         """The model's depth divides into the stages (when the model section says its depth),

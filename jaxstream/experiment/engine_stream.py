@@ -33,6 +33,7 @@ from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 from jaxstream.stream.layout import kvstore_spec
 from jaxstream.stream.manifest import MANIFEST
 from jaxstream.stream.store import LayerStore
+from jaxstream.ranges import Count, Every
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,24 +56,27 @@ class StreamEngineConfig(EngineConfig):
 
     store: str | None = None
     continue_store: bool = False
-    prefetch: int = 2
+    prefetch: Every = 2
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     update: Literal["eager", "lazy"] = "eager"
-    micro_batches: int = 1
+    micro_batches: Count = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
-    file_io_concurrency: int = 64
+    file_io_concurrency: Count = 64
     streams_layers: ClassVar[bool] = True  # the memory check counts one layer, not the model
     places_blocks: ClassVar[bool] = True  # a sequential model runs as a stack (to_stack)
 
-    def __post_init__(self):
-        if self.prefetch < 0:
-            raise ValueError(f"engine.prefetch: must be >= 0, got {self.prefetch}")
-        if self.micro_batches < 1:
-            raise ValueError(f"engine.micro_batches: must be >= 1, got {self.micro_batches}")
-        if self.file_io_concurrency < 1:
-            raise ValueError(f"engine.file_io_concurrency: must be >= 1, got {self.file_io_concurrency}")
+    def check(self) -> None:
         if self.store is not None and not str(self.store).strip():
-            raise ValueError("engine.store: must be a path, a kvstore URL or null, got ''")
+            raise ValueError("store: must be a path, a kvstore URL or null, got ''")
+
+    def check_model(self, model: Any) -> None:
+        """Read-ahead within the model: at most its units after the computing one (embed,
+        ``depth`` blocks, head), when the model section says its depth."""
+        depth = getattr(model, "depth", None)
+        if isinstance(depth, int) and self.prefetch > depth + 1:
+            raise ValueError(f"engine.prefetch: {self.prefetch} reads past the model's "
+                             f"{depth + 2} units (embed, {depth} blocks, head); allowed: "
+                             f"0..{depth + 1}")
 
     def location(self, arm: str, run_dir: str | Path | None = None) -> str | None:
         """The store of ``arm`` (None for ``store: null`` without a run directory)."""

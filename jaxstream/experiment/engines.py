@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxstream.experiment.config import choices, register_choice
+from jaxstream.ranges import Checked
 
 Metrics = dict[str, Any]
 
@@ -66,7 +67,7 @@ class Engine(Protocol):
         """The current params, for evaluation and diagnostics."""
 
 
-class EngineConfig:
+class EngineConfig(Checked):
     """Base of the polymorphic ``engine:`` section; variants come from :func:`register_engine`
     and subclass it, overriding what they need (levanter's pattern: a config declares its
     capabilities and its checks, the runner asks nothing else of it).

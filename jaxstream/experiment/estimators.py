@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 from jaxstream.experiment.config import register_choice
 from jaxstream.grad.estimators import Aggregation, Perturb
 from jaxstream.grad.tangents import Distribution
+from jaxstream.ranges import Checked, Count, Range
 
 Estimator = Callable  # estimator(loss_fn, params, batch, key) -> (loss, grads)
 
 
-class EstimatorConfig:
+class EstimatorConfig(Checked):
     """Base of the polymorphic ``estimator:`` section (variants are registered below)."""
 
     micro_batches: int = 1
@@ -56,7 +57,7 @@ class BackpropConfig(EstimatorConfig):
 class ForwardConfig(EstimatorConfig):
     """Forward gradient: K jvp tangents on the weights or on each block's activations."""
 
-    num_tangents: int = 1
+    num_tangents: Count = 1
     distribution: Distribution = "rademacher"
     perturb: Perturb = "weights"
     orthogonal: bool = False
@@ -64,9 +65,7 @@ class ForwardConfig(EstimatorConfig):
     aggregation: Aggregation = "mean"
     local_losses: bool = False
 
-    def __post_init__(self):
-        if self.num_tangents < 1:
-            raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+    def check(self) -> None:
         if self.antithetic:
             from jaxstream.grad.tangents import ANTITHETIC
 
@@ -93,30 +92,24 @@ class HybridConfig(EstimatorConfig):
       exact_indices: explicit micro-batch indices with exact gradients.
     """
 
-    micro_batches: int = 8
-    num_exact: int = 2
-    exact_indices: tuple[int, ...] | None = None
+    micro_batches: Count = 8
+    num_exact: Count = 2
+    exact_indices: tuple[Annotated[int, Range(0)], ...] | None = None
     correction: str = "control_variate"  # a rule of jaxstream.grad.combine (checked below)
-    num_tangents: int = 1
+    num_tangents: Count = 1
     distribution: Distribution = "rademacher"
     orthogonal: bool = False
     antithetic: bool = False
 
-    def __post_init__(self):
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches: must be >= 1, got {self.micro_batches}")
-        if self.num_tangents < 1:
-            raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+    def check(self) -> None:
         if self.antithetic:
             from jaxstream.grad.tangents import ANTITHETIC
 
             raise ValueError(ANTITHETIC)
         check_correction(self.correction)
         if self.exact_indices is None:
-            if not 1 <= self.num_exact <= self.micro_batches:
-                raise ValueError(f"num_exact: must be in [1, micro_batches={self.micro_batches}]"
-                                 f", got {self.num_exact}")
-        elif any(not 0 <= i < self.micro_batches for i in self.exact_indices):
+            _check_subset(self.micro_batches, self.num_exact)
+        elif any(i >= self.micro_batches for i in self.exact_indices):
             raise ValueError(f"exact_indices: each index must be in [0, {self.micro_batches}), "
                              f"got {self.exact_indices}")
 
@@ -145,11 +138,10 @@ def check_correction(correction: str) -> None:
                          f"{', '.join(repr(c) for c in allowed)}")
 
 
-def _check_subset(micro_batches: int, num_exact: int, least: int = 1) -> None:
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches: must be >= 1, got {micro_batches}")
-    if not least <= num_exact <= micro_batches:
-        raise ValueError(f"num_exact: must be in [{least}, micro_batches={micro_batches}], "
+def _check_subset(micro_batches: int, num_exact: int, spare: int = 0) -> None:
+    if num_exact > micro_batches - spare:
+        most = f"micro_batches - {spare}" if spare else "micro_batches"
+        raise ValueError(f"num_exact: must be at most {most} = {micro_batches - spare}, "
                          f"got {num_exact}")
 
 
@@ -159,10 +151,10 @@ class ExactSubsetConfig(EstimatorConfig):
     """Exact gradients of ``num_exact`` random micro-batches only: a hybrid without its forward
     part (same selection for the same key)."""
 
-    micro_batches: int = 8
-    num_exact: int = 2
+    micro_batches: Count = 8
+    num_exact: Count = 2
 
-    def __post_init__(self):
+    def check(self) -> None:
         _check_subset(self.micro_batches, self.num_exact)
 
     def build(self) -> Estimator:
@@ -179,12 +171,8 @@ class ExactSubsetConfig(EstimatorConfig):
 class LocalForwardWeightsConfig(EstimatorConfig):
     """LG-FG-W: weight-perturbed forward gradients of per-block local losses."""
 
-    num_tangents: int = 1
+    num_tangents: Count = 1
     distribution: Distribution = "rademacher"
-
-    def __post_init__(self):
-        if self.num_tangents < 1:
-            raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
 
     def build(self) -> Estimator:
         import jaxstream.grad as jg
@@ -212,15 +200,13 @@ class LocalGuessConfig(EstimatorConfig):
 class HybridActivityConfig(EstimatorConfig):
     """Exact subset + activity-perturbed forward estimates, mixed per layer by inverse variance."""
 
-    micro_batches: int = 8
-    num_exact: int = 2
-    num_tangents: int = 1
+    micro_batches: Annotated[int, Range(3)] = 8  # num_exact exact ones and a spare
+    num_exact: Annotated[int, Range(2)] = 2  # two give a variance
+    num_tangents: Count = 1
     shrinkage: Literal["per_layer", "global", "none"] = "per_layer"
 
-    def __post_init__(self):
-        _check_subset(self.micro_batches - 1, self.num_exact, least=2)
-        if self.num_tangents < 1:
-            raise ValueError(f"num_tangents: must be >= 1, got {self.num_tangents}")
+    def check(self) -> None:
+        _check_subset(self.micro_batches, self.num_exact, spare=1)
 
     def build(self) -> Estimator:
         import jaxstream.grad as jg

@@ -45,7 +45,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,7 @@ from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.experiment.table_baselines import baselines
 from jaxstream.models import with_local_heads
+from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
 from jaxstream.experiment.table_report import equivalents_plot, frontier_plot, markdown
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
@@ -71,23 +72,25 @@ ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_m
 
 
 @dataclasses.dataclass(frozen=True)
-class TableArm:
+class TableArm(Checked):
     """An estimator and its learning-rate sweep (``lrs_by_dataset`` overrides per data set);
     ``local_heads``: train the data set's model with a head of its own per block
     (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses)."""
 
     name: str = "BP"
     estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
-    lrs: tuple[float, ...] = (1e-3,)
-    lrs_by_dataset: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    lrs: tuple[Positive, ...] = (1e-3,)
+    lrs_by_dataset: dict[str, tuple[Positive, ...]] = dataclasses.field(default_factory=dict)
     local_heads: bool = False
 
-    def __post_init__(self):
-        if not self.lrs or any(lr <= 0 for lr in self.lrs):
-            raise ValueError(f"arms[{self.name}].lrs: list positive learning rates, got {self.lrs}")
+    def check(self) -> None:
+        for name, lrs in (("lrs", self.lrs), *((f"lrs_by_dataset.{k}", v)
+                                             for k, v in self.lrs_by_dataset.items())):
+            if not lrs:
+                raise ValueError(f"{name}: list one or more learning rates")
         if self.local_heads and self.estimator.build().plan.forward not in (
                 "local", "local_weights", "local_guess"):
-            raise ValueError(f"arms[{self.name}].local_heads: only local losses read local heads "
+            raise ValueError("local_heads: only local losses read local heads "
                              "(estimator: {type: forward, local_losses: true}, {type: "
                              "local_forward_weights} or {type: local_guess}); allowed: false")
 
@@ -96,59 +99,45 @@ class TableArm:
 
 
 @dataclasses.dataclass(frozen=True)
-class TableDataset:
+class TableDataset(Checked):
     """A data set, the model trained on it and the training length."""
 
     name: str = "digits"
     data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
     model: ModelConfig = dataclasses.field(default_factory=MLPConfig)
-    steps: int = 500
-    batch_size: int = 64
-    eval_every: int = 50
-    target_accuracy: float = 0.9
-    train_eval_size: int = 1000
-    metric: str = "error"
-    target_loss: float | None = None
+    steps: Count = 500
+    batch_size: Count = 64
+    eval_every: Count = 50
+    target_accuracy: Probability = 0.9
+    train_eval_size: Count = 1000
+    metric: Literal["error", "loss"] = "error"
+    target_loss: Positive | None = None
 
-    def __post_init__(self):
-        for f in ("steps", "batch_size", "eval_every", "train_eval_size"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"datasets[{self.name}].{f}: must be >= 1")
-        if not 0.0 < self.target_accuracy <= 1.0:
-            raise ValueError(f"datasets[{self.name}].target_accuracy: must be in (0, 1], got "
-                             f"{self.target_accuracy}")
-        if self.metric not in ("error", "loss"):
-            raise ValueError(f"datasets[{self.name}].metric: must be 'error' or 'loss', got "
-                             f"{self.metric!r}")
-        if self.metric == "loss" and (self.target_loss is None or self.target_loss <= 0):
-            raise ValueError(f"datasets[{self.name}].target_loss: metric 'loss' needs a positive "
-                             f"target test loss, got {self.target_loss}")
+    def check(self) -> None:
+        if self.metric == "loss" and self.target_loss is None:
+            raise ValueError("target_loss: metric 'loss' needs a positive target test loss, "
+                             "got null")
         if self.steps % self.eval_every:
-            raise ValueError(f"datasets[{self.name}].steps: must be a multiple of eval_every "
-                             f"({self.eval_every}), got {self.steps}")
+            raise ValueError(f"steps: must be a multiple of eval_every ({self.eval_every}), got "
+                             f"{self.steps}")
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardTableConfig:
+class ForwardTableConfig(Checked):
     """The whole table: data sets x arms, ``seeds`` seeds each; ``extend_sweeps``: rates a
     sweep may add past its edge (:func:`run_arm`); ``baselines``: add each data set's baseline
     rows (:mod:`.table_baselines`)."""
 
-    seed: int = 0
-    seeds: int = 3
-    extend_sweeps: int = 2
+    seed: Seed = 0
+    seeds: Count = 3
+    extend_sweeps: Annotated[int, Range(0, 8)] = 2  # rates added past a sweep's edge
     baselines: bool = True
-    cosine_keys: int = 8
-    timing_steps: int = 10
+    cosine_keys: Count = 8
+    timing_steps: Count = 10
     datasets: tuple[TableDataset, ...] = (TableDataset(),)
     arms: tuple[TableArm, ...] = (TableArm(),)
 
-    def __post_init__(self):
-        if self.seeds < 1 or self.cosine_keys < 1:
-            raise ValueError("seeds, cosine_keys: must be >= 1")
-        if not 0 <= self.extend_sweeps <= 8:
-            raise ValueError(f"extend_sweeps: rates added past a sweep's edge, in [0, 8], got "
-                             f"{self.extend_sweeps}")
+    def check(self) -> None:
         for what, names in (("arms", [a.name for a in self.arms]),
                             ("datasets", [d.name for d in self.datasets])):
             if len(set(names)) != len(names):
@@ -157,12 +146,24 @@ class ForwardTableConfig:
         if taken:
             raise ValueError(f"arms: {sorted(taken)} name(s) a baseline row; rename the arm "
                              f"(baseline names: {list(BASELINE_NAMES)})")
-        for d in self.datasets:
-            for a in self.arms:
+        for i, d in enumerate(self.datasets):
+            for j, a in enumerate(self.arms):
                 n = getattr(a.estimator, "micro_batches", 1)
                 if d.batch_size % n:
-                    raise ValueError(f"arms[{a.name}].estimator.micro_batches: {n} must divide "
-                                     f"datasets[{d.name}].batch_size={d.batch_size}")
+                    raise ValueError(f"arms.{j}.estimator.micro_batches: {n} must divide "
+                                     f"datasets.{i}.batch_size={d.batch_size}")
+
+    def check_run(self, resume: bool) -> None:
+        """Before anything is written: each data set's lanes (rates × seeds) fit in memory and
+        its data set holds a batch."""
+        from jaxstream.experiment.train_config import check_memory, max_tangents
+
+        tangents = max_tangents(a.estimator for a in self.arms)
+        for i, d in enumerate(self.datasets):
+            lanes = self.seeds * max(len(a.sweep(d.name)) for a in self.arms)
+            check_memory(d.model, d.batch_size, lanes=lanes, tangents=tangents,
+                         field=f"datasets.{i}.model")
+            d.data.check_batch(d.batch_size, self.seed, f"datasets.{i}.batch_size")
 
 
 def load_table_config(path: str | Path, overrides: list[str] | None = None) -> ForwardTableConfig:
@@ -416,7 +417,7 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
         if all((dcfg.name, a) in kept for a in names) and (base or not with_baselines):
             rows += (base if with_baselines else []) + [kept[(dcfg.name, a)] for a in names]
             continue
-        ds = dcfg.data.load(cfg.seed)
+        ds = dcfg.data.dataset(cfg.seed)
         if with_baselines:
             rows += base or baselines(dcfg.name, ds, dcfg.metric)
         stack = dcfg.model.build(ds.info)

@@ -40,10 +40,11 @@ from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer, op
 from jaxstream.experiment.progress import arm_bar, bar_hook
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
+from jaxstream.ranges import Checked, Count, Positive, Probability, Seed
 
 
 @dataclasses.dataclass(frozen=True)
-class SweepArm:
+class SweepArm(Checked):
     """An estimator whose learning rate is swept."""
 
     name: str = "backprop"
@@ -51,30 +52,27 @@ class SweepArm:
 
 
 @dataclasses.dataclass(frozen=True)
-class LRSweepConfig:
+class LRSweepConfig(Checked):
     """A learning-rate sweep (constant learning rate; ``optimizer.name`` and ``options`` apply,
     ``clip_norm``/``warmup_steps``/``schedule`` must stay at their defaults)."""
 
-    seed: int = 0
-    steps: int = 1500
-    batch_size: int = 64
-    eval_every: int = 25
-    target_accuracy: float = 0.95
-    stable_accuracy: float = 0.96
-    final_evals: int = 4
-    lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+    seed: Seed = 0
+    steps: Count = 1500
+    batch_size: Count = 64
+    eval_every: Count = 25
+    target_accuracy: Probability = 0.95
+    stable_accuracy: Probability = 0.96
+    final_evals: Count = 4
+    lrs: tuple[Positive, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
     model: ModelConfig = dataclasses.field(default_factory=MLPConfig)
     data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     arms: tuple[SweepArm, ...] = (SweepArm(),)
     progress: bool = True
 
-    def __post_init__(self):
-        for name in ("steps", "batch_size", "eval_every", "final_evals"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if not self.lrs or any(lr <= 0 for lr in self.lrs):
-            raise ValueError(f"lrs: list one or more positive learning rates, got {self.lrs}")
+    def check(self) -> None:
+        if not self.lrs:
+            raise ValueError("lrs: list one or more learning rates")
         if not self.arms:
             raise ValueError("arms: list at least one arm")
         for i, arm in enumerate(self.arms):
@@ -88,6 +86,14 @@ class LRSweepConfig:
             if getattr(self.optimizer, name) != getattr(default, name):
                 raise ValueError(f"optimizer.{name}: not supported by lr_sweep (constant "
                                  "learning rate); leave it at its default")
+
+    def check_run(self, resume: bool) -> None:
+        """Before anything is written: the lanes fit in memory, the data set holds a batch."""
+        from jaxstream.experiment.train_config import check_memory, max_tangents
+
+        check_memory(self.model, self.batch_size, lanes=len(self.lrs),
+                     tangents=max_tangents(a.estimator for a in self.arms))
+        self.data.check_batch(self.batch_size, self.seed)
 
 
 def pick_lr(results: dict[float, dict], stable: float) -> float:
@@ -176,7 +182,7 @@ def format_sweep(summary: dict[str, Any], lrs: tuple[float, ...]) -> str:
 
 def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
     """Sweep every arm; write metrics.jsonl (one record per lr and evaluation); print a table."""
-    data = cfg.data.load(cfg.seed)
+    data = cfg.data.dataset(cfg.seed)
     stack = cfg.model.build(data.info)
     log = MetricsLog(Path(run_dir) / "metrics.jsonl")
     log.rewrite([])

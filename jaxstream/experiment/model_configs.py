@@ -10,30 +10,26 @@ import dataclasses
 from typing import Any, Literal
 
 from jaxstream.experiment.config import register_choice
+from jaxstream.ranges import Checked, Count
 
 
-class ModelConfig:
+class ModelConfig(Checked):
     """Base of the polymorphic ``model:`` section."""
 
     def build(self, info: dict[str, int]) -> Any:  # pragma: no cover - interface
         raise NotImplementedError
 
 
-def _positive(cfg: Any, *names: str) -> None:
-    for name in names:
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
-
-
 def _estimate(layer_params: int, depth: int, acts_per_sample: int, batch: int,
-              per_layer: bool) -> int:
+              per_layer: bool, tangents: int = 1) -> int:
     """Bytes: fp32 parameters x 4 (params, gradients, two optimizer moments) of the whole
-    model (or of one layer when streamed), plus fp32 activations and their tangents. A lower
-    bound: embedding and head are left out, so it never refuses a model that fits."""
+    model (or of one layer when streamed), plus fp32 activations and their tangents, plus
+    the ``tangents`` of one layer's weights and activations that a K-tangent jvp holds at once.
+    A lower bound: embedding and head are left out, so it never refuses a model that fits."""
     params = layer_params * (1 if per_layer else depth)
     acts = 2 * batch * acts_per_sample * (1 if per_layer else depth)
-    return 4 * (4 * params + acts)
+    jvp = (tangents - 1) * (layer_params + batch * acts_per_sample)
+    return 4 * (4 * params + acts + jvp)
 
 
 def _need(info: dict[str, int], key: str, model: str) -> int:
@@ -47,16 +43,19 @@ def _need(info: dict[str, int], key: str, model: str) -> int:
 class MLPConfig(ModelConfig):
     """MLP: Dense(in->width) -> depth x Dense(width->width) -> Linear(width->classes)."""
 
-    width: int = 64
-    depth: int = 2
+    width: Count = 64
+    depth: Count = 2
     activation: Literal["tanh", "relu", "gelu"] = "tanh"
 
-    def __post_init__(self):
-        _positive(self, "width", "depth")
-
-    def memory_estimate(self, batch_size: int, per_layer: bool = False) -> int:
+    def memory_estimate(self, batch_size: int, per_layer: bool = False,
+                        tangents: int = 1) -> int:
         """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
-        return _estimate(self.width * (self.width + 1), self.depth, self.width, batch_size, per_layer)
+        return _estimate(self.width * (self.width + 1), self.depth, self.width, batch_size,
+                         per_layer, tangents)
+
+    def block_params(self) -> int:
+        """Parameters of the blocks (embed and head left out: a lower bound)."""
+        return self.width * (self.width + 1) * self.depth
 
     def build(self, info: dict[str, int]) -> Any:
         from jaxstream.models import mlp
@@ -70,20 +69,24 @@ class MLPConfig(ModelConfig):
 class CNNConfig(ModelConfig):
     """Small residual CNN on 8x8x1 images (inputs may be flat)."""
 
-    channels: int = 16
-    depth: int = 2
-    image_shape: tuple[int, int, int] = (8, 8, 1)
+    channels: Count = 16
+    depth: Count = 2
+    image_shape: tuple[Count, Count, Count] = (8, 8, 1)
 
-    def __post_init__(self):
-        _positive(self, "channels", "depth")
-        if any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.image_shape):
+    def check(self) -> None:
+        if any(isinstance(d, bool) or not isinstance(d, int) for d in self.image_shape):
             raise ValueError(f"image_shape: sizes must be integers >= 1, got {self.image_shape}")
 
-    def memory_estimate(self, batch_size: int, per_layer: bool = False) -> int:
+    def memory_estimate(self, batch_size: int, per_layer: bool = False,
+                        tangents: int = 1) -> int:
         """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
         h, w, _ = self.image_shape
         c = self.channels
-        return _estimate(9 * c * c, self.depth, h * w * c, batch_size, per_layer)
+        return _estimate(9 * c * c, self.depth, h * w * c, batch_size, per_layer, tangents)
+
+    def block_params(self) -> int:
+        """Parameters of the blocks (embed and head left out: a lower bound)."""
+        return 9 * self.channels ** 2 * self.depth
 
     def build(self, info: dict[str, int]) -> Any:
         from jaxstream.models import cnn
@@ -96,18 +99,23 @@ class CNNConfig(ModelConfig):
 class CharTransformerConfig(ModelConfig):
     """Decoder-only character transformer (data: ``type: chars``)."""
 
-    d_model: int = 64
-    num_heads: int = 4
-    depth: int = 2
+    d_model: Count = 64
+    num_heads: Count = 4
+    depth: Count = 2
 
-    def __post_init__(self):
-        _positive(self, "d_model", "num_heads", "depth")
+    def check(self) -> None:
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads: must divide d_model={self.d_model}, got {self.num_heads}")
 
-    def memory_estimate(self, batch_size: int, per_layer: bool = False) -> int:
+    def memory_estimate(self, batch_size: int, per_layer: bool = False,
+                        tangents: int = 1) -> int:
         """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
-        return _estimate(12 * self.d_model ** 2, self.depth, self.d_model, batch_size, per_layer)
+        return _estimate(12 * self.d_model ** 2, self.depth, self.d_model, batch_size, per_layer,
+                         tangents)
+
+    def block_params(self) -> int:
+        """Parameters of the blocks (embed and head left out: a lower bound)."""
+        return 12 * self.d_model ** 2 * self.depth
 
     def build(self, info: dict[str, int]) -> Any:
         from jaxstream.models import char_transformer

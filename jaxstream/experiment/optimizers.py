@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
 import optax
 
 from jaxstream.optim.max_adabelief import max_adabelief
+from jaxstream.ranges import Checked, Decay, Every, NonNegative, Positive, Range
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
 
@@ -41,7 +43,7 @@ def optimizer_names() -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(Checked):
     """Which optax optimizer to use.
 
     Attributes:
@@ -54,18 +56,9 @@ class OptimizerConfig:
 
     name: str = "adam"
     options: dict[str, bool | int | float | str] = dataclasses.field(default_factory=dict)
-    clip_norm: float | None = None
-    warmup_steps: int = 0
+    clip_norm: Positive | None = None
+    warmup_steps: Every = 0
     schedule: Literal["constant", "cosine"] = "constant"
-
-    def __post_init__(self):
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"schedule: {self.schedule!r} is not allowed; choose one of "
-                             "'constant', 'cosine'")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm: must be > 0 or null, got {self.clip_norm}")
 
 
 def check_optimizer(cfg: OptimizerConfig, path: str = "optimizer") -> None:
@@ -102,21 +95,19 @@ def _check_option_type(field: str, value: Any, default: Any) -> None:
         return
     if not ok:
         raise ValueError(f"{field}: expected {want} (the default is {default!r}), got {value!r}")
-    name = field.rsplit(".", 1)[-1]
-    if name in RANGES and not isinstance(value, bool):
-        lo, hi, text = RANGES[name]
-        if not (lo(value) and hi(value)):
-            raise ValueError(f"{field}: must be {text}, got {value!r}")
+    rng = OPTION_RANGES.get(field.rsplit(".", 1)[-1])
+    if rng is not None and not isinstance(value, bool) and value not in rng:
+        raise ValueError(f"{field}: must be {rng}, got {value!r}")
+
+
+def _range(tp: Any) -> Range:
+    return typing.get_args(tp)[1]
 
 
 #: Allowed ranges of the common optimizer options (the optax meaning of each name).
-RANGES: dict[str, tuple[Any, Any, str]] = {
-    "b1": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
-    "b2": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
-    "momentum": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
-    "eps": (lambda v: v > 0, lambda v: True, "> 0"),
-    "eps_root": (lambda v: v >= 0, lambda v: v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, lambda v: True, ">= 0"),
+OPTION_RANGES: dict[str, Range] = {
+    "b1": _range(Decay), "b2": _range(Decay), "momentum": _range(Decay),
+    "eps": _range(Positive), "eps_root": _range(Decay), "weight_decay": _range(NonNegative),
 }
 
 

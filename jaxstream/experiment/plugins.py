@@ -47,10 +47,32 @@ from jaxstream.experiment.engines import Engine, EngineConfig, register_engine
 from jaxstream.experiment.model_configs import ModelConfig
 from jaxstream.experiment.optimizers import register_optimizer
 from jaxstream.experiment.registry import ENTRY_POINT_GROUP, load_plugins, register_experiment
+from jaxstream.ranges import (
+    Checked,
+    Count,
+    Decay,
+    Every,
+    Fraction,
+    NonNegative,
+    Positive,
+    Probability,
+    Range,
+    Seed,
+)
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Checked",
+    "Count",
     "DataConfig",
+    "Decay",
+    "Every",
+    "Fraction",
+    "NonNegative",
+    "Positive",
+    "Probability",
+    "Range",
+    "Seed",
     "Dataset",
     "Engine",
     "EngineConfig",

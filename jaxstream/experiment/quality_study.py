@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import jax
 import numpy as np
@@ -34,6 +34,7 @@ from jaxstream.data import load_digits
 from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
+from jaxstream.ranges import Checked, Count, Every, Positive, Range, Seed
 from jaxstream.quality.baselines import ExactSubset, MicrobatchForward
 from jaxstream.quality.compare import compare
 from jaxstream.quality.report import write_outputs
@@ -44,7 +45,7 @@ FORWARD, SUBSET = "forward", "exact subset"
 
 
 @dataclasses.dataclass(frozen=True)
-class GradQualityConfig:
+class GradQualityConfig(Checked):
     """Configuration of the gradient-quality study (``kind: grad_quality``).
 
     Attributes:
@@ -69,34 +70,25 @@ class GradQualityConfig:
       theory_seeds: keys for the single-tangent Gaussian cosine check (0: skip it).
     """
 
-    seed: int = 0
+    seed: Seed = 0
     model: ModelConfig = dataclasses.field(default_factory=lambda: MLPConfig(width=32, depth=3))
-    pretrain_steps: int = 0
-    pretrain_lr: float = 0.01
-    num_microbatches: int = 16
-    microbatch_size: int = 16
-    num_exact: int = 2
-    num_tangents: int = 1
+    pretrain_steps: Every = 0
+    pretrain_lr: Positive = 0.01
+    num_microbatches: Count = 16
+    microbatch_size: Count = 16
+    num_exact: Count = 2
+    num_tangents: Count = 1
     distribution: Literal["rademacher", "gaussian"] = "rademacher"
-    tangent_counts: tuple[int, ...] = (1, 4, 16)
-    exact_counts: tuple[int, ...] = (1, 2, 4, 8, 16)
+    tangent_counts: tuple[Count, ...] = (1, 4, 16)
+    exact_counts: tuple[Count, ...] = (1, 2, 4, 8, 16)
     corrections: tuple[str, ...] = ("replace", "control_variate", "guess", "weighted")
     settings: tuple[Setting, ...] = ("correlated", "shuffled")
-    correlated_classes: int = 2
-    num_batches: int = 1
-    num_seeds: int = 32
-    theory_seeds: int = 512
+    correlated_classes: Annotated[int, Range(1, 10)] = 2  # digits has 10 classes
+    num_batches: Count = 1
+    num_seeds: Annotated[int, Range(2)] = 32  # two keys give a variance
+    theory_seeds: Every = 512  # 0: skip the check
 
-    def __post_init__(self):
-        def positive(name: str, minimum: int = 1) -> None:
-            if getattr(self, name) < minimum:
-                raise ValueError(f"{name}: must be >= {minimum}, got {getattr(self, name)}")
-
-        for name in ("num_microbatches", "microbatch_size", "num_tangents", "num_batches"):
-            positive(name)
-        positive("num_seeds", 2)
-        positive("pretrain_steps", 0)
-        positive("theory_seeds", 0)
+    def check(self) -> None:
         from jaxstream.experiment.estimators import check_correction
 
         for i, c in enumerate(self.corrections):
@@ -105,16 +97,22 @@ class GradQualityConfig:
             except ValueError as err:
                 raise ValueError(f"corrections.{i}: {str(err).split(': ', 1)[1]}") from None
         n = self.num_microbatches
-        if not 1 <= self.num_exact <= n:
-            raise ValueError(f"num_exact: must be in 1..num_microbatches={n}, got {self.num_exact}")
-        if not self.tangent_counts or min(self.tangent_counts) < 1:
-            raise ValueError(f"tangent_counts: need positive ints, got {self.tangent_counts}")
-        if not self.exact_counts or not all(1 <= m <= n for m in self.exact_counts):
+        if self.num_exact > n:
+            raise ValueError(f"num_exact: must be at most num_microbatches = {n}, got "
+                             f"{self.num_exact}")
+        if not self.tangent_counts:
+            raise ValueError("tangent_counts: list one or more tangent counts")
+        if not self.exact_counts or max(self.exact_counts) > n:
             raise ValueError(f"exact_counts: each must be in 1..{n}, got {self.exact_counts}")
         if not self.settings:
             raise ValueError("settings: choose at least one of 'correlated', 'shuffled'")
-        if not 1 <= self.correlated_classes <= 10:
-            raise ValueError(f"correlated_classes: must be in 1..10, got {self.correlated_classes}")
+
+    def check_run(self, resume: bool) -> None:
+        """Before anything is written: a batch of the study fits in memory."""
+        from jaxstream.experiment.train_config import check_memory
+
+        check_memory(self.model, self.num_microbatches * self.microbatch_size,
+                     tangents=max(self.tangent_counts + (self.num_tangents,)))
 
 
 def microbatches(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxstream.experiment.config import ConfigError, diff_configs, dump_yaml
+from jaxstream.experiment.data_configs import forget_datasets
 from jaxstream.experiment.registry import get_experiment, load_experiment
 from jaxstream.experiment.rundir import (
     environment,
@@ -65,7 +66,15 @@ def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
     before anything is written or computed. ``on_start(run_dir)`` is called once the run
     directory holds its config, before the experiment runs (e.g. to follow its metrics live).
     """
-    overrides = list(overrides)
+    forget_datasets()
+    try:
+        return _run(config_path, list(overrides), out, resume, on_start)
+    finally:
+        forget_datasets()
+
+
+def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, resume: bool,
+         on_start: Callable[[Path], None] | None) -> tuple[Path, dict]:
     kind, cfg = load_experiment(config_path, overrides)
     exp = get_experiment(kind)
     check_run = getattr(cfg, "check_run", None)  # memory, existing stores: before any write

@@ -158,7 +158,7 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
     """Train every arm; write metrics.jsonl, plots; print and return the summary."""
     run_dir = Path(run_dir)
     status(f"loading data ({type(cfg.data).__name__})")
-    data = cfg.data.load(cfg.seed)
+    data = cfg.data.dataset(cfg.seed)
     stack = model_for(cfg, data.info, data.train["x"][:2])
     init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
     _check_arms_trace(cfg, stack, init_params, batch_at(data.train, cfg.batch_size, cfg.seed, 0))

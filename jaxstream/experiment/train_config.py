@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
+from pathlib import Path
+from typing import Any
 
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer
+from jaxstream.ranges import Checked, Count, Every, Positive, Probability, Seed
 
 
 @dataclasses.dataclass(frozen=True)
-class ArmConfig:
+class ArmConfig(Checked):
     """One estimator to train and compare.
 
     Attributes:
@@ -36,18 +40,16 @@ class ArmConfig:
 
     name: str = "backprop"
     estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
-    lr: float = 1e-3
+    lr: Positive = 1e-3
     optimizer: OptimizerConfig | None = None
 
-    def __post_init__(self):
+    def check(self) -> None:
         if not self.name or "/" in self.name:
             raise ValueError(f"name: must be a non-empty label without '/', got {self.name!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: must be > 0, got {self.lr}")
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Checked):
     """A training experiment.
 
     Attributes:
@@ -67,14 +69,14 @@ class TrainConfig:
       progress: show a progress bar (on a terminal).
     """
 
-    seed: int = 0
-    steps: int = 300
-    max_steps: int | None = None
-    batch_size: int = 64
-    eval_every: int = 25
-    diag_every: int = 50
-    checkpoint_every: int = 100
-    target_accuracy: float = 0.95
+    seed: Seed = 0
+    steps: Count = 300
+    max_steps: Count | None = None
+    batch_size: Count = 64
+    eval_every: Count = 25
+    diag_every: Every = 50
+    checkpoint_every: Every = 100
+    target_accuracy: Probability = 0.95  # 0 is reached before the first step
     model: ModelConfig = dataclasses.field(default_factory=MLPConfig)
     data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -83,19 +85,10 @@ class TrainConfig:
     plots: bool = True
     progress: bool = True
 
-    def __post_init__(self):
-        if self.seed < 0:
-            raise ValueError(f"seed: must be >= 0, got {self.seed}")
-        if not 0.0 < self.target_accuracy <= 1.0:  # 0 is reached before the first step
-            raise ValueError(f"target_accuracy: must be in (0, 1], got {self.target_accuracy}")
-        for name in ("steps", "batch_size", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("diag_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps: must be >= 1 or null, got {self.max_steps}")
+    def check(self) -> None:
+        if self.max_steps is not None and self.max_steps > self.steps:
+            raise ValueError(f"max_steps: stops before steps = {self.steps}, so at most "
+                             f"{self.steps} (or null), got {self.max_steps}")
         if not self.arms:
             raise ValueError("arms: list at least one arm")
         names = [a.name for a in self.arms]
@@ -113,6 +106,11 @@ class TrainConfig:
                 self.arm_optimizer(arm),
                 f"arms.{i}.optimizer" if arm.optimizer is not None else "optimizer")
         check_optimizer(self.optimizer, "optimizer")
+        for field, opt in (("optimizer", self.optimizer), *((f"arms.{i}.optimizer", a.optimizer)
+                                                          for i, a in enumerate(self.arms))):
+            if opt is not None and opt.warmup_steps > self.steps:
+                raise ValueError(f"{field}.warmup_steps: the warm-up must end within steps = "
+                                 f"{self.steps}, got {opt.warmup_steps}")
         self.engine.check_arms(names)
         self.engine.check_model(self.model)  # e.g. depth against stages
 
@@ -120,21 +118,61 @@ class TrainConfig:
         """Checks that need the machine or the disk, before anything is written: the memory
         estimate of the model against the machine's memory, and the engine's own checks
         (e.g. a new run must not reuse an existing layer store)."""
-        streamed = self.engine.streams_layers
-        estimate = getattr(self.model, "memory_estimate", None)
-        if estimate is not None:
-            need = estimate(self.batch_size, per_layer=streamed)
-            have = machine_memory()
-            if need > have:
-                raise ValueError(
-                    f"model: needs about {need / 2**30:.3g} GiB ({'one streamed layer' if streamed else 'parameters'}"
-                    f" with optimizer state, plus activations of batch_size={self.batch_size}); "
-                    f"this machine has {have / 2**30:.3g} GiB of memory; make the model smaller")
+        check_memory(self.model, self.batch_size, streamed=self.engine.streams_layers,
+                     tangents=max_tangents(a.estimator for a in self.arms))
+        if self.engine.streams_layers:
+            check_disk(self.model, self.engine.location(self.arms[0].name))
+        self.data.check_batch(self.batch_size, self.seed)
         self.engine.check_run([a.name for a in self.arms], resume)
 
     def arm_optimizer(self, arm: ArmConfig) -> OptimizerConfig:
         """The optimizer section that applies to ``arm``."""
         return arm.optimizer if arm.optimizer is not None else self.optimizer
+
+
+def check_memory(model: Any, batch_size: int, lanes: int = 1, streamed: bool = False,
+                 tangents: int = 1, field: str = "model") -> None:
+    """Refuse a model whose memory estimate (its parameters with optimizer state, or one
+    streamed layer, plus activations of ``batch_size`` and the ``tangents`` a jvp holds;
+    ``lanes`` copies trained side by side) exceeds this machine's memory, naming ``field``,
+    before anything is written."""
+    estimate = getattr(model, "memory_estimate", None)
+    if estimate is None:
+        return
+    need = lanes * estimate(batch_size, per_layer=streamed, tangents=tangents)
+    have = machine_memory()
+    if need > have:
+        what = "one streamed layer" if streamed else "parameters"
+        extra = "".join([f", {tangents} tangents" if tangents > 1 else "",
+                         f", {lanes} lanes side by side" if lanes > 1 else ""])
+        raise ValueError(f"{field}: needs about {need / 2**30:.3g} GiB ({what} with optimizer "
+                         f"state, plus activations of batch_size={batch_size}{extra}); this "
+                         f"machine has {have / 2**30:.3g} GiB of memory; make the model smaller"
+                         f"{', or use fewer lanes' if lanes > 1 else ''}"
+                         f"{' or fewer tangents' if tangents > 1 else ''}")
+
+
+def check_disk(model: Any, where: str | None, field: str = "model") -> None:
+    """Refuse a streamed model whose layer store cannot fit on the disk at ``where`` (a local
+    path; None: the current directory, where run directories go by default): fp32 parameters
+    and two optimizer moments, in the store's two slots, of the blocks (a lower bound)."""
+    count = getattr(model, "block_params", None)
+    if count is None or (where is not None and "://" in where):
+        return
+    need = 4 * 3 * 2 * count()
+    path = Path(where or ".").absolute()
+    while not path.exists():
+        path = path.parent
+    have = shutil.disk_usage(path).free
+    if need > have:
+        raise ValueError(f"{field}: its layer store needs about {need / 2**30:.3g} GiB and {path} "
+                         f"has {have / 2**30:.3g} GiB free; make the model smaller or put "
+                         f"engine.store on a larger disk")
+
+
+def max_tangents(estimators: Any) -> int:
+    """The most jvp tangents any of ``estimators`` (config sections) draws at once."""
+    return max([getattr(e, "num_tangents", 1) for e in estimators] + [1])
 
 
 def machine_memory() -> int:

@@ -12,11 +12,13 @@ from typing import Literal
 
 import numpy as np
 
+from jaxstream.ranges import Checked, Count, Probability, Seed
+
 KINDS = ("all", "stochastic", "progressive")
 
 
 @dataclasses.dataclass(frozen=True)
-class DepthPolicy:
+class DepthPolicy(Checked):
     """Names the layers of each step.
 
     Attributes:
@@ -33,21 +35,11 @@ class DepthPolicy:
     """
 
     kind: Literal["all", "stochastic", "progressive"] = "all"
-    keep_prob: float = 0.8
-    start: int = 1
-    grow: int = 1
-    every: int = 100
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"depth.kind must be one of {KINDS}, got {self.kind!r}")
-        if not 0.0 < self.keep_prob <= 1.0:
-            raise ValueError(f"depth.keep_prob must be in (0, 1], got {self.keep_prob!r}")
-        for name in ("start", "grow", "every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"depth.{name} must be an int >= 1, got {v!r}")
+    keep_prob: Probability = 0.8
+    start: Count = 1
+    grow: Count = 1
+    every: Count = 100
+    seed: Seed = 0
 
     def layers(self, step: int, num_layers: int) -> tuple[int, ...]:
         """The ordered global layer indices run at ``step``."""

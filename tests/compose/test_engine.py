@@ -24,9 +24,12 @@ def test_shipped_config_parses():
 
 @pytest.mark.parametrize("overrides, match", [
     (["engine.stage=3"], r"engine.stage: 3 must divide model.depth = 8"),
-    (["engine.data=0"], r"engine.data: must be an int >= 1"),
-    (["engine.schedule=looped"], r"engine.schedule: must be one of \('circular', 'chunked'\)"),
+    (["engine.data=0"], r"engine.data: must be >= 1, got 0"),
+    (["engine.schedule=looped"], r"engine.schedule: 'looped' is not allowed; choose one of "
+                                 r"'circular', 'chunked'"),
     (["engine.prefetch=0"], r"engine.prefetch: the circular schedule .* must be >= 1, got 0"),
+    (["engine.prefetch=10"], r"engine.prefetch: 10 reads past the model's 10 units \(embed, 8 "
+                             r"blocks, head\); allowed: 0..9"),
 ])
 def test_bad_mesh_is_named_at_load(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -67,11 +67,16 @@ def test_every_factory_has_a_config_type():
 
 
 @pytest.mark.parametrize("section, match", [
-    ({"type": "hybrid", "num_exact": 0}, r"num_exact: must be in \[1, micro_batches=8\]"),
+    ({"type": "hybrid", "num_exact": 0}, r"num_exact: must be >= 1, got 0"),
+    ({"type": "hybrid", "num_exact": 9}, r"num_exact: must be at most micro_batches = 8, got 9"),
     ({"type": "hybrid", "correction": "mean"}, r"correction: 'mean' is not allowed"),
     ({"type": "hybrid", "correction": "nope"}, r"choose one of 'control_variate', 'replace'"),
-    ({"type": "exact_subset", "num_exact": 0}, r"num_exact: must be in \[1"),
-    ({"type": "hybrid_activity", "num_exact": 1}, r"num_exact: must be in \[2"),
+    ({"type": "exact_subset", "num_exact": 0}, r"num_exact: must be >= 1"),
+    ({"type": "hybrid_activity", "num_exact": 1}, r"num_exact: must be >= 2"),
+    ({"type": "hybrid_activity", "num_exact": 8},
+     r"num_exact: must be at most micro_batches - 1 = 7, got 8"),
+    ({"type": "hybrid", "exact_indices": [0, -1]}, r"exact_indices.1: must be >= 0, got -1"),
+    ({"type": "hybrid", "exact_indices": [8]}, r"exact_indices: each index must be in \[0, 8\)"),
 ])
 def test_config_refuses_what_the_estimator_refuses(section, match):
     with pytest.raises(ConfigError, match=match):
