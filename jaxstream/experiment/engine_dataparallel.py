@@ -28,7 +28,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxstream.comm.dataparallel import AllReduce, DataParallel, Exchange, Tangents, data_parallel
+from jaxstream.comm.dataparallel import (
+    EXCHANGE,
+    AllReduce,
+    DataParallel,
+    Exchange,
+    Tangents,
+    data_parallel,
+)
 from jaxstream.experiment.engines import (
     EngineConfig,
     LocalEngine,

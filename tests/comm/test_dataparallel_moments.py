@@ -132,6 +132,6 @@ def test_moments_refuse_other_optimizers_before_compute():
     with pytest.raises(ValueError, match=r"needs arms.0.optimizer.name in .*got 'sgd'"):
         _config(arm_opt=OptimizerConfig(name="sgd"))
     with pytest.raises(ValueError, match=r"exchange: 'pmean' is not allowed; choose one of "
-                                         r"\('gradients', 'scalars', 'moments'\)"):
+                                         r"'gradients', 'scalars', 'moments'"):
         DataParallelEngineConfig(exchange="pmean")
     _config(exchange="gradients", optimizer="adam")  # any optimizer with a gradient all-reduce

@@ -25,9 +25,9 @@ def test_shipped_configs_parse(name):
 
 
 def test_bad_engine_options_name_the_field():
-    with pytest.raises(ValueError, match="engine.policy"):
+    with pytest.raises(ValueError, match="policy: 'bogus' is not allowed; choose one of"):
         PipelineEngineConfig(policy="bogus")
-    with pytest.raises(ValueError, match="engine.stages"):
+    with pytest.raises(ValueError, match="stages: must be >= 1, got 0"):
         PipelineEngineConfig(stages=0)
     with pytest.raises(ValueError, match="estimator.exact_from"):
         PipelineEngine(PipelineEngineConfig(stages=2), stack=mlp(4, 4, 2, 3),
