@@ -39,6 +39,7 @@ from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxstream.compose.peers import Together
 from jaxstream.compose.pipe import BY_STAGE, STAGE, WHOLE
 
 _is_spec = lambda x: isinstance(x, P)  # noqa: E731
@@ -80,17 +81,17 @@ class Circular:
         carry = (_staged(state_specs), _staged(state_specs, 1), emit_specs)
         self.carry_specs = carry
         sm = functools.partial(shard_map, mesh=mesh, check_vma=False)
-        self.begin = jax.jit(sm(self._begin, in_specs=(
+        self.begin = Together(jax.jit(sm(self._begin, in_specs=(
             P(STAGE), state_specs, aux_specs, stage_aux_specs, const_specs, P()),
-            out_specs=carry))
+            out_specs=carry)))
         win_in = (P(STAGE), P(STAGE), carry, aux_specs, stage_aux_specs, stage_aux_specs,
                   const_specs, P(), P())
         win_out = (carry, emit_specs, (P(STAGE), P(STAGE)))
-        self._win = jax.jit(sm(functools.partial(self._window, ticks=self.period),
-                               in_specs=win_in, out_specs=win_out))
-        self._tail = jax.jit(sm(functools.partial(self._window, ticks=self.tail_ticks),
-                                in_specs=win_in, out_specs=win_out))
-        self.end = jax.jit(sm(self._end, in_specs=(carry,), out_specs=state_specs))
+        self._win = Together(jax.jit(sm(functools.partial(self._window, ticks=self.period),
+                                        in_specs=win_in, out_specs=win_out)))
+        self._tail = Together(jax.jit(sm(functools.partial(self._window, ticks=self.tail_ticks),
+                                         in_specs=win_in, out_specs=win_out)))
+        self.end = Together(jax.jit(sm(self._end, in_specs=(carry,), out_specs=state_specs)))
 
     # ------------------------------------------------------------------ host entry points
     def window(self, prev, cur, carry, mb_aux, prev_aux, cur_aux, consts, slots, has_prev: bool):

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.dataparallel import ShardRows
 from jaxstream.compose.circular import Circular
+from jaxstream.compose import peers
 from jaxstream.compose.peers import PeerWatch, lost_peer, wait_for_peers
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
@@ -99,7 +100,9 @@ class ComposedExecutor(StreamedExecutor):
         line and exit status 2 (a lost peer, :mod:`.peers`); keep it above the slowest unit's
         time and below ``jax.distributed``'s heartbeat timeout.
       startup_timeout_s: on a mesh over several processes, how long opening the store waits
-        for every process to arrive (start-up skew) before it refuses with one line.
+        for every process to arrive (start-up skew), and how long each program, compiled
+        ahead of its first run, waits for every process to compile it (compile skew), before
+        it refuses with one line.
 
     A step's metrics add ``ticks`` (the pipeline ticks its passes ran) and ``fill_ratio`` (the
     share of stage-ticks that computed).
@@ -156,6 +159,8 @@ class StageChunks(Placement):
         self.shared = len({d.process_index for d in mesh.devices.flat}) > 1
         self.startup_timeout_s, self._opened, self._stepped = float(startup_timeout_s), False, False
         self.watch = PeerWatch(peer_timeout_s) if self.shared else None
+        if self.shared:  # compile skew: each program waits for every process's compile
+            peers.compile_timeout_s = self.startup_timeout_s
         self.stack, self.spec, self.dtype, self.mesh = stack, spec, jnp.dtype(dtype), mesh
         self.num_stages, self.schedule = mesh.shape[STAGE], schedule
         self._stage = NamedSharding(mesh, P(STAGE))

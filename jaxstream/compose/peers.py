@@ -26,17 +26,20 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 EXIT_LOST_PEER = 2
 
 
-def wait_for_peers(name: str, timeout_s: float) -> None:
+def wait_for_peers(name: str, timeout_s: float, what: str = "startup_timeout_s") -> None:
     """Waits until every process of the run reaches the barrier ``name`` (the coordination
     service's, not a collective: a late peer is waited for up to ``timeout_s``).
 
@@ -54,8 +57,52 @@ def wait_for_peers(name: str, timeout_s: float) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RuntimeError(
             f"process {jax.process_index()} of {jax.process_count()}: not every process reached "
-            f"{name!r} within startup_timeout_s={timeout_s:g} s ({first}); start every process "
-            f"of the run, or raise startup_timeout_s") from None
+            f"{name!r} within {what}={timeout_s:g} s ({first}); start every process "
+            f"of the run, or raise {what}") from None
+
+
+#: How long a process waits for its peers to compile a program before the first run of it
+#: (the composed executor sets it from ``startup_timeout_s``).
+compile_timeout_s: float = 300.0
+_COMPILES = itertools.count()
+
+
+class Together:
+    """A jitted program that, on a mesh over several processes, is compiled ahead of its first
+    run for each argument signature, then waits at a coordination-service barrier until every
+    process has compiled it too (up to :data:`compile_timeout_s`), then runs.
+
+    Without it a process that compiles slower than its peers (another machine, a cold cache)
+    leaves them waiting inside the program's first collective, and Gloo fails a collective
+    after a fixed 30 s (``DEADLINE_EXCEEDED``). Every process compiles the same programs in the
+    same order (one SPMD program), so the barriers' names agree. In one process it only runs
+    the program.
+    """
+
+    def __init__(self, jitted: Callable):
+        self.jitted = jitted
+        self._compiled: dict[Any, Callable] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        from jax._src import distributed
+
+        if distributed.global_state.client is None:
+            return self.jitted(*args)
+        leaves, tree = jax.tree.flatten(args)
+        sig = (tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
+                            getattr(x, "sharding", None)) for x in leaves))
+        run = self._compiled.get(sig)
+        if run is None:
+            run = compile_program(self.jitted, args)
+            wait_for_peers(f"jaxstream-compiled-{next(_COMPILES)}", compile_timeout_s,
+                           what="compile_timeout_s")
+            self._compiled[sig] = run
+        return run(*args)
+
+
+def compile_program(jitted: Callable, args: tuple) -> Callable:
+    """Lowers and compiles ``jitted`` for ``args`` (no collective runs)."""
+    return jitted.lower(*args).compile()
 
 
 def lost_peer(error: BaseException) -> None:

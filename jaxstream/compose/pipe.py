@@ -30,6 +30,8 @@ from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxstream.compose.peers import Together
+
 DATA, STAGE = "data", "stage"
 BY_STAGE, WHOLE = P(STAGE), P()  # a leading stage axis; the same value on every device
 
@@ -101,4 +103,4 @@ def build_pipe(mesh: Mesh, fn: Callable, *, state_specs: Any, aux_specs: Any,
     run = shard_map(body, mesh=mesh,
                     in_specs=(P(STAGE), state_specs, aux_specs, stage_aux_specs, const_specs, P()),
                     out_specs=(state_specs, emit_specs), check_vma=False)
-    return jax.jit(run)
+    return Together(jax.jit(run))

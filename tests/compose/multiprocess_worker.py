@@ -6,7 +6,9 @@ Each process has 4 CPU devices; the 2 × 4 mesh spans both through ``jax.distrib
 local disk) and applies the same host updates. Two hybrid steps; then process 0 writes the max
 relative error of its store's parameters against a single-process run of the same steps on one
 device (the streamed executor) to DIR/err.txt. With ``disagree``, process 1's copy is one step
-ahead: each process writes the refusal it got to DIR/refused<ID>.txt.
+ahead: each process writes the refusal it got to DIR/refused<ID>.txt. ``skewN``: process 1
+opens its executor N s late; ``lateN``: it runs its first step N s late (compile skew: process
+0 has compiled and waits for it); ``lost``: process 1 dies after step 1.
 """
 
 import os
@@ -65,6 +67,8 @@ if mode == "lost":  # process 1 dies after the first step: process 0 must stop, 
     ex.step(batch, jax.random.key(1))  # blocks in a collective with the lost peer
     sys.exit(0)  # not reached: the peer watch ends the process with status 2
 ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
+if mode.startswith("late") and pid == 1:  # compile skew: process 1 reaches its first program
+    time.sleep(float(mode[4:]))  # (and compiles it) this much later than process 0
 losses = [ex.step(batch, jax.random.key(s))["loss"] for s in range(2)]
 if pid == 0:
     ref_store = LayerStore.create(os.path.join(root, "ref"), params, optimizer=opt)

@@ -14,6 +14,16 @@ def test_two_processes_match_one(tmp_path):
     assert err <= 1e-5 and loss_err <= 1e-5 and moved > 1e-3
 
 
+def test_compile_skew_past_gloos_deadline_is_waited_for(tmp_path):
+    """Process 1 reaches its first program 35 s after process 0, past Gloo's fixed 30 s
+    deadline for a collective (before: process 0 failed with DEADLINE_EXCEEDED and process 1
+    aborted). Each program is compiled ahead and the processes meet at a coordination-service
+    barrier before its first run, so both run their steps, equal to one process."""
+    run_two(WORKER, str(tmp_path), "late35")
+    err, loss_err, moved = map(float, (tmp_path / "err.txt").read_text().split())
+    assert err <= 1e-5 and loss_err <= 1e-5 and moved > 1e-3
+
+
 def test_store_copies_at_different_commits_are_refused_on_every_process(tmp_path):
     """Each process streams from its own store copy: a copy that moved on alone is refused
     before any step, on both processes, naming each copy's step (after every commit the copies
