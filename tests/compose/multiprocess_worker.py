@@ -8,7 +8,8 @@ relative error of its store's parameters against a single-process run of the sam
 device (the streamed executor) to DIR/err.txt. With ``disagree``, process 1's copy is one step
 ahead: each process writes the refusal it got to DIR/refused<ID>.txt. ``skewN``: process 1
 opens its executor N s late; ``lateN``: it runs its first step N s late (compile skew: process
-0 has compiled and waits for it); ``lost``: process 1 dies after step 1.
+0 has compiled and waits for it); ``lost``: process 1 dies after step 1; ``resume``: both
+restart on their copies and run the steps left.
 """
 
 import os
@@ -42,7 +43,10 @@ batch = {"x": rng.standard_normal((4, 2, 5), dtype=np.float32),
          "y": rng.integers(0, 3, (4, 2), dtype=np.int32)}
 est, opt = jg.hybrid(num_exact=2, num_tangents=2, correction="weighted"), optax.adam(1e-2)
 cfg = StreamConfig(compute_dtype="float32", prefetch=1)
-store = LayerStore.create(os.path.join(root, f"store{pid}"), params, optimizer=opt)
+if mode == "resume":  # a restart after a lost peer: each process opens its own copy
+    store = LayerStore.open(os.path.join(root, f"store{pid}"), template=params, optimizer=opt)
+else:
+    store = LayerStore.create(os.path.join(root, f"store{pid}"), params, optimizer=opt)
 if disagree:
     if pid == 1:  # this copy moved on alone
         store.write(0, jax.tree.map(lambda x: x + 1, store.read(0).result()))
@@ -69,7 +73,8 @@ if mode == "lost":  # process 1 dies after the first step: process 0 must stop, 
 ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
 if mode.startswith("late") and pid == 1:  # compile skew: process 1 reaches its first program
     time.sleep(float(mode[4:]))  # (and compiles it) this much later than process 0
-losses = [ex.step(batch, jax.random.key(s))["loss"] for s in range(2)]
+steps = range(store.step, 2)  # a resumed run continues from the step every copy committed
+losses = [ex.step(batch, jax.random.key(s))["loss"] for s in steps]
 if pid == 0:
     ref_store = LayerStore.create(os.path.join(root, "ref"), params, optimizer=opt)
     one = StreamedExecutor(stack, est, opt, ref_store, cfg, device=jax.local_devices()[0])
@@ -79,7 +84,7 @@ if pid == 0:
               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
     moved = max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
                                                                jax.tree.leaves(params)))
-    loss_err = max(abs(x - y) for x, y in zip(losses, ref_losses))
+    loss_err = max(abs(x - ref_losses[s]) for x, s in zip(losses, steps))
     with open(os.path.join(root, "err.txt"), "w") as fh:
         fh.write(f"{err} {loss_err} {moved}\n")
 jax.distributed.shutdown()

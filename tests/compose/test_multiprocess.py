@@ -39,7 +39,7 @@ def test_a_lost_peer_ends_the_survivor_in_one_line_and_bounded_time(tmp_path):
     """Process 1 dies (as by SIGKILL) after the first step; process 0's second step fails in a
     collective, and the process ends at once with exit status 2 and one line that says so
     (not after the coordination service's 100 s heartbeat timeout with an abort), its store
-    at the last commit (step 1)."""
+    at the last commit (step 1). Restarting both processes resumes from that commit."""
     import subprocess
     import sys
     import time
@@ -68,3 +68,9 @@ def test_a_lost_peer_ends_the_survivor_in_one_line_and_bounded_time(tmp_path):
     from jaxstream.stream import LayerStore
 
     assert LayerStore.open(tmp_path / "store0").step == 1
+    assert LayerStore.open(tmp_path / "store1").step == 1
+    # Restarting both processes resumes from the step every copy committed: the one step left
+    # brings both copies to the uninterrupted two-step run of one process.
+    run_two(WORKER, str(tmp_path), "resume")
+    err, loss_err, moved = map(float, (tmp_path / "err.txt").read_text().split())
+    assert err <= 1e-5 and loss_err <= 1e-5 and moved > 1e-3
