@@ -72,6 +72,13 @@ class DataParallelEngineConfig(EngineConfig):
     exchange: Exchange = "gradients"
     tangents: Tangents = "independent"
 
+    def check_run(self, names: list[str], resume: bool) -> None:
+        """Before anything is written: the devices asked for exist."""
+        available = jax.device_count()
+        if self.devices > available:
+            raise ValueError(f"engine.devices: {self.devices} requested but only {available} "
+                             f"devices exist; allowed: 0 (all) .. {available}")
+
     def check_optimizer(self, opt_cfg: OptimizerConfig, field: str) -> None:
         """``exchange: moments`` averages Max-AdaBelief's moments: refuse any other optimizer
         (``field`` names the optimizer section, e.g. ``arms.1.optimizer``)."""

@@ -95,9 +95,11 @@ class TrainConfig(Checked):
         for i, arm in enumerate(self.arms):
             if names.index(arm.name) != i:
                 raise ValueError(f"arms.{i}.name: {arm.name!r} is used twice; names must be unique")
-            n = getattr(arm.estimator, "micro_batches", 1)
+            n, field = getattr(arm.estimator, "micro_batches", 1), f"arms.{i}.estimator"
+            if n == 1 and getattr(self.engine, "micro_batches", 1) > 1:  # the engine's N
+                n, field = self.engine.micro_batches, "engine"
             if self.batch_size % n:
-                raise ValueError(f"arms.{i}.estimator.micro_batches: batch_size={self.batch_size}"
+                raise ValueError(f"{field}.micro_batches: batch_size={self.batch_size}"
                                  f" is not divisible by micro_batches={n}")
             if arm.optimizer is not None:
                 check_optimizer(arm.optimizer, f"arms.{i}.optimizer")
