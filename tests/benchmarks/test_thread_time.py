@@ -26,22 +26,32 @@ def _spin(seconds: float) -> None:
 
 
 def test_busiest_is_the_thread_that_computed():
+    """Of the threads alive over the window, the one that spun is found, not one that slept.
+    Threads that existed before (a loaded test process has busy ones of earlier tests) are
+    left out, as the benchmark leaves out its main thread."""
     box, spun, release = {}, threading.Event(), threading.Event()
 
     def worker():
         box["tid"] = threading.get_native_id()
-        _spin(0.6)  # long enough to outweigh another thread of a loaded test process
+        _spin(0.6)
         spun.set()
         release.wait()  # alive at the second snapshot, as XLA's compute thread is
 
-    t = threading.Thread(target=worker)
-    t.start()
+    def sleeper():
+        box["idle"] = threading.get_native_id()
+        release.wait()
+
+    before = set(tt.snapshot())
+    threads = [threading.Thread(target=f) for f in (sleeper, worker)]
+    for t in threads:
+        t.start()
     try:
-        found = tt.busiest(spun.wait, {threading.main_thread().native_id})
+        found = tt.busiest(spun.wait, before)
     finally:
         release.set()
-        t.join()
-    assert found == box["tid"]
+        for t in threads:
+            t.join()
+    assert found == box["tid"] != box["idle"]
 
 
 def test_split_adds_up_against_a_known_snapshot():
