@@ -48,13 +48,19 @@ class ComposedEngineConfig(StreamEngineConfig):
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "
                              f"engine.schedule: chunked)")
 
+    def units(self, depth: int) -> tuple[int, str]:
+        """Prefetch counts chunks of ``stage`` layers here."""
+        c = depth // self.stage
+        return c + 2, f"embed, {c} chunks of {self.stage} layers, head"
+
     def check_model(self, model: Any) -> None:
-        """The model's depth divides into the stages (when the model section says its depth)."""
-        super().check_model(model)
+        """The model's depth divides into the stages (when the model section says its depth),
+        and the read-ahead stays within its chunks."""
         depth = getattr(model, "depth", None)
         if isinstance(depth, int) and depth % self.stage:
             raise ValueError(f"engine.stage: {self.stage} must divide model.depth = {depth} "
                              f"(allowed: divisors of {depth})")
+        super().check_model(model)
 
     def check_run(self, names: list[str], resume: bool) -> None:
         """The mesh fits the devices (before anything is written), then the stream checks."""

@@ -69,14 +69,21 @@ class StreamEngineConfig(EngineConfig):
         if self.store is not None and not str(self.store).strip():
             raise ValueError("store: must be a path, a kvstore URL or null, got ''")
 
+    def units(self, depth: int) -> tuple[int, str]:
+        """How many units a step reads (what ``prefetch`` counts) for ``depth`` blocks, and
+        what they are."""
+        return depth + 2, f"embed, {depth} blocks, head"
+
     def check_model(self, model: Any) -> None:
-        """Read-ahead within the model: at most its units after the computing one (embed,
-        ``depth`` blocks, head), when the model section says its depth."""
+        """Read-ahead within the model: at most its units after the computing one, when the
+        model section says its depth."""
         depth = getattr(model, "depth", None)
-        if isinstance(depth, int) and self.prefetch > depth + 1:
-            raise ValueError(f"engine.prefetch: {self.prefetch} reads past the model's "
-                             f"{depth + 2} units (embed, {depth} blocks, head); allowed: "
-                             f"0..{depth + 1}")
+        if not isinstance(depth, int):
+            return
+        n, what = self.units(depth)
+        if self.prefetch > n - 1:
+            raise ValueError(f"engine.prefetch: {self.prefetch} reads past the model's {n} "
+                             f"units ({what}); allowed: 0..{n - 1}")
 
     def location(self, arm: str, run_dir: str | Path | None = None) -> str | None:
         """The store of ``arm`` (None for ``store: null`` without a run directory)."""

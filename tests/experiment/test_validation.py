@@ -40,6 +40,8 @@ CASES = [
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
     (QUICKSTART, ["arms.0.lr=.inf"], r"arms.0.lr: expected a finite number"),
     (STREAM, ["engine.micro_batches=7"], r"engine.micro_batches: batch_size=64 is not divisible"),
+    (STREAM, ["engine.prefetch=6"], r"engine.prefetch: 6 reads past the model's 6 units \(embed, "
+                                    r"4 blocks, head\); allowed: 0..5"),
     (QUICKSTART, ["engine={type: dataparallel, devices: 1000}"],
      r"engine.devices: 1000 requested but only \d+ devices exist"),
     (QUICKSTART, ["optimizer.options={b1: 1.5}"], r"optimizer.options.b1: must be in \[0, 1\)"),
