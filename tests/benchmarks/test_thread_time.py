@@ -27,12 +27,14 @@ def _spin(seconds: float) -> None:
 
 def test_busiest_is_the_thread_that_computed():
     """Of the threads alive over the window, the one that spun is found, not one that slept.
-    Threads that existed before (a loaded test process has busy ones of earlier tests) are
-    left out, as the benchmark leaves out its main thread."""
-    box, spun, release = {}, threading.Event(), threading.Event()
+    The spin starts inside the window (after the first snapshot), and threads that existed
+    before (a loaded test process has busy ones of earlier tests) are left out, as the
+    benchmark leaves out its main thread."""
+    box, go, spun, release = {}, threading.Event(), threading.Event(), threading.Event()
 
     def worker():
         box["tid"] = threading.get_native_id()
+        go.wait()
         _spin(0.6)
         spun.set()
         release.wait()  # alive at the second snapshot, as XLA's compute thread is
@@ -45,9 +47,15 @@ def test_busiest_is_the_thread_that_computed():
     threads = [threading.Thread(target=f) for f in (sleeper, worker)]
     for t in threads:
         t.start()
+
+    def window():
+        go.set()
+        spun.wait()
+
     try:
-        found = tt.busiest(spun.wait, before)
+        found = tt.busiest(window, before)
     finally:
+        go.set()
         release.set()
         for t in threads:
             t.join()
