@@ -80,8 +80,9 @@ def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any, example_batch: dict
     def make():
         tx = build_optimizer(opt_cfg, arm.lr, cfg.steps)
         return build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(),
-                            optimizer=tx, config=cfg, arm=arm, micro_batches=n_micro,
-                            example_batch=example_batch)
+                            optimizer=tx, optimizer_config=opt_cfg, learning_rate=arm.lr,
+                            total_steps=cfg.steps, model=cfg.model, arm=arm.name,
+                            micro_batches=n_micro, example_batch=example_batch)
 
     if type(cfg.engine) is not LocalEngineConfig:
         return make()

@@ -404,7 +404,7 @@ def to_dict(cfg: Any) -> Any:
     """Plain YAML-friendly data of a config (polymorphic sections get their ``type:`` key)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         out: dict[str, Any] = {}
-        name = _registered_name(cfg)
+        name = registered_name(cfg)
         if name is not None:
             out["type"] = name
         for f in dataclasses.fields(cfg):
@@ -418,7 +418,8 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def _registered_name(cfg: Any) -> str | None:
+def registered_name(cfg: Any) -> str | None:
+    """The ``type:`` name a polymorphic section was registered under (None if none)."""
     for table in _CHOICES.values():
         for name, cls in table.items():
             if type(cfg) is cls:

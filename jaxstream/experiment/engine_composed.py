@@ -94,11 +94,11 @@ class ComposedEngine(StreamEngine):
 
 
 def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: Any,
-                          optimizer: Any, config: Any = None, arm: Any = None,
+                          optimizer: Any, model: Any = None, arm: Any = None,
                           micro_batches: int = 1, **_: Any) -> ComposedEngine:
     """The registry's build: the engine's section, the model section and the arm's name."""
     return ComposedEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
-                          model=getattr(config, "model", None), arm=getattr(arm, "name", "arm"),
+                          model=model, arm=arm,
                           micro_batches=micro_batches)
 
 

@@ -133,26 +133,27 @@ def build_dataparallel_engine(
     *,
     estimator: Any,
     micro_batches: int = 1,
-    config: Any = None,
-    arm: Any = None,
+    optimizer_config: Any = None,
+    learning_rate: float | None = None,
+    total_steps: int | None = None,
     **kwargs: Any,
 ) -> LocalEngine:
     """A :class:`LocalEngine` whose estimator runs data-parallel on ``cfg.devices`` devices.
 
-    With ``exchange: moments`` the optimizer is rebuilt from ``config``'s section for ``arm``
-    (same options, schedule and clipping; clipping then applies to each replica's own
-    gradient) as :func:`~jaxstream.optim.max_adabelief_exchange` over ``data``.
+    With ``exchange: moments`` the optimizer is rebuilt from ``optimizer_config`` at
+    ``learning_rate`` over ``total_steps`` (same options, schedule and clipping; clipping then
+    applies to each replica's own gradient) as :func:`~jaxstream.optim.max_adabelief_exchange`
+    over ``data``.
     """
     available = jax.device_count()
     n = cfg.devices or available
     if n > available:
         raise ValueError(f"engine.devices: {n} requested but only {available} devices exist")
     if cfg.exchange == "moments":
-        if config is None or arm is None:
-            raise ValueError("engine.exchange: 'moments' builds its optimizer from the train "
-                             "config; pass config= and arm=")
-        opt_cfg = config.arm_optimizer(arm)
-        cfg.check_optimizer(opt_cfg, "optimizer")
+        if optimizer_config is None or learning_rate is None:
+            raise ValueError("engine.exchange: 'moments' builds its own optimizer; pass "
+                             "optimizer_config= and learning_rate=")
+        cfg.check_optimizer(optimizer_config, "optimizer")
     mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
     dp = data_parallel(
         estimator,
@@ -167,7 +168,8 @@ def build_dataparallel_engine(
                                   **kwargs)
     factory = functools.partial(max_adabelief_exchange, axis_name="data",
                                 allreduce=cfg.allreduce)
-    kwargs["optimizer"] = build_optimizer(opt_cfg, arm.lr, config.steps, factory=factory)
+    kwargs["optimizer"] = build_optimizer(optimizer_config, learning_rate, total_steps,
+                                          factory=factory)
     return MomentExchangeEngine(LocalEngineConfig(), dp=dp, micro_batches=micro_batches,
                                 **kwargs)
 

@@ -85,6 +85,10 @@ class StreamEngineConfig(EngineConfig):
             raise ValueError(f"engine.prefetch: {self.prefetch} reads past the model's {n} "
                              f"units ({what}); allowed: 0..{n - 1}")
 
+    def with_store(self, path: str) -> StreamEngineConfig:
+        """This section with its store at ``path`` (a sweep lane's scratch store)."""
+        return dataclasses.replace(self, store=path, continue_store=False)
+
     def location(self, arm: str, run_dir: str | Path | None = None) -> str | None:
         """The store of ``arm`` (None for ``store: null`` without a run directory)."""
         if self.store is None:
@@ -97,6 +101,21 @@ class StreamEngineConfig(EngineConfig):
             raise ValueError(f"engine.store: {self.store!r} would be shared by the arms "
                              f"{', '.join(names)}; put {{arm}} in the path (e.g. "
                              f"{self.store.rstrip('/')}/{{arm}}) or use null")
+
+    def check_optimizer(self, optimizer: Any, field: str) -> None:
+        """The host optimizer updates one layer at a time, as its gradient completes: a clip
+        by the global norm of every layer's gradient cannot be applied (clipping each layer by
+        its own norm would be another optimizer, silently)."""
+        if optimizer.clip_norm is not None:
+            raise ValueError(f"{field}.clip_norm: the {self.kind()} engine updates each layer "
+                             "on the host as its gradient completes, so it cannot clip by the "
+                             "global norm of all layers; allowed: null (or train in memory)")
+
+    def kind(self) -> str:
+        """The engine's ``type:`` name, for messages."""
+        from jaxstream.experiment.config import registered_name
+
+        return registered_name(self) or "streamed"
 
     def check_arm(self, arm: Any, field: str) -> None:
         """The streamed executor runs the arm's estimator with this ``update`` (checked when
@@ -289,13 +308,13 @@ class StreamEngine:
 
 
 def build_stream_engine(cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
-                        config: Any = None, arm: Any = None, micro_batches: int = 1,
+                        model: Any = None, arm: Any = None, micro_batches: int = 1,
                         **_: Any) -> StreamEngine:
     """The registry's build: hands the engine its own section, the model section and the arm's
     name, not the whole experiment config."""
     return StreamEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
-                        model=getattr(config, "model", None),
-                        arm=getattr(arm, "name", "arm"), micro_batches=micro_batches)
+                        model=model, arm=arm,
+                        micro_batches=micro_batches)
 
 
 register_engine("stream", StreamEngineConfig, build_stream_engine)

@@ -8,16 +8,19 @@ their plugin modules, all with :func:`register_engine`.
 
 An engine's ``build`` is called as::
 
-    build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches,
-          example_batch) -> Engine
+    build(engine_cfg, *, stack, estimator, optimizer, optimizer_config, learning_rate,
+          total_steps, model, arm, micro_batches, example_batch) -> Engine
 
 with ``stack`` the model (a :class:`jaxstream.models.Stack`, itself a ``loss_fn``), ``estimator``
 the built estimator (``estimator(loss_fn, params, batch, key) -> (loss, grads)``), ``optimizer``
-an ``optax.GradientTransformation``, ``config`` the whole train config (read for its model and
-optimizer sections; an engine never loads the data itself), ``arm`` the arm being run (its
-``estimator`` section says which variant), ``micro_batches`` the number N of micro-batches a
-hybrid estimator needs (1 otherwise) and ``example_batch`` one batch of the data (for state
-shaped by it). Accept ``**kwargs`` to stay compatible with later additions.
+an ``optax.GradientTransformation`` built from ``optimizer_config`` (the arm's optimizer
+section) at ``learning_rate`` for ``total_steps`` steps (an engine that builds its own, as
+``dataparallel`` with ``exchange: moments`` does, reads these three), ``model`` the model
+section (recorded in a layer store), ``arm`` the arm's name, ``micro_batches`` the number N of
+micro-batches a hybrid estimator needs (1 otherwise) and ``example_batch`` one batch of the
+data (for state shaped by it). An engine never sees the whole experiment config, so every kind
+that trains (``train``, ``lr_sweep``, ``forward_table``) builds it the same way. Accept
+``**kwargs`` to stay compatible with later additions.
 
 Example:
     >>> @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,11 @@ class EngineConfig(Checked):
     def check_run(self, names: list[str], resume: bool) -> None:
         """Checks that need the disk, before anything is written (e.g. an existing store)."""
 
+    def with_store(self, path: str) -> EngineConfig:
+        """This section with its layer store at ``path`` (a sweep's scratch store per lane);
+        unchanged for an engine without a store."""
+        return self
+
 
 class EngineEntry(NamedTuple):
     """A registered engine."""
@@ -115,7 +123,8 @@ def register_engine(name: str, config_cls: type, build: Callable[..., Engine]) -
       name: the ``type:`` value in YAML.
       config_cls: a frozen dataclass subclassing :class:`EngineConfig`, with the engine's
         options; it overrides the checks and capabilities that apply.
-      build: ``build(engine_cfg, *, stack, estimator, optimizer, config, arm, micro_batches)``.
+      build: ``build(engine_cfg, *, stack, estimator, optimizer, ...)`` (the keywords are
+        listed in the module docstring).
     """
     if not (isinstance(config_cls, type) and issubclass(config_cls, EngineConfig)):
         raise TypeError(f"register_engine({name!r}, ...): config_cls must subclass "

@@ -3,14 +3,16 @@
 Rows: backprop (BP), rematerialised backprop (BP-remat), forward gradients with weight (FG-W)
 or activity (FG-A) perturbation, the same with local losses (LG-FG-W, LG-FG-A), the exact
 subset alone, and each hybrid correction. For each (data set, arm) every learning rate of the
-arm's sweep and every seed train together as one ``vmap``-ed program (Adam; the learning rate
-scales Adam's update, which is exactly Adam at that rate), run by the shared
-:class:`~jaxstream.experiment.loop.TrainLoop` (one loop step per ``eval_every`` optimizer
-steps; evaluation is a hook). The learning rate is picked by the lowest mean final *train*
+arm's sweep and every seed is a lane (:mod:`jaxstream.experiment.lanes`): exactly the
+``kind: train`` run of that arm with that ``lr`` and seed (seeds ``seed``, ``seed + 1``, ...;
+the data set is loaded once, with ``seed``), on the arm's ``engine`` (``local`` by default:
+every lane in one ``vmap``-ed program; ``pipeline``, ``stream``, ``dataparallel``,
+``composed``: lane after lane through that engine's step) with the table's ``optimizer`` (Adam
+by default; an arm may bring its own). The learning rate is picked by the lowest mean final *train*
 error over seeds, ties broken by the train loss (the test set never chooses). Reported at that
 rate: test and train error (mean ± sd over seeds), steps and seconds to the target test
-accuracy, peak temporary memory of one compiled step (XLA's ``temp_size_in_bytes``), step time,
-and the cosine and relative squared error
+accuracy, peak temporary memory of one compiled step (XLA's ``temp_size_in_bytes``; local engine
+only), step time, and the cosine and relative squared error
 ‖ĝ − g‖² / ‖g‖² to the exact batch gradient at initialisation (mean over keys).
 
 A data set with ``metric: loss`` (the character transformer on the text corpus) is judged by
@@ -22,8 +24,8 @@ A pick at the edge of its sweep extends the sweep by one geometric step past tha
 its final figures per seed. Each data set also gets baseline rows (chance and logistic
 regression; unigram and bigram tables for text: :mod:`.table_baselines`).
 
-Batches are drawn with replacement from the train set (seeded per seed and step), the same for
-every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
+Batches are those of ``kind: train`` (epoch-wise shuffles of the train set, a pure function of
+seed and step), the same for every arm and learning rate. The run directory gets ``rows.json``, ``results.md`` and
 ``frontier.png``, rewritten after every (data set, arm) row, so a killed run keeps its rows and
 ``jaxstream run ... --resume`` runs only the rows it lacks. Each row also counts its step's cost
 in forward passes (``forward_equivalents_per_step``, from the compiled step's matmul FLOPs),
@@ -36,12 +38,16 @@ Example (YAML):
     arms:
       - {name: BP, estimator: {type: backprop}, lrs: [0.003]}
       - {name: FG-A, estimator: {type: forward, perturb: activations}, lrs: [0.001]}
+      - {name: FG-A-pipe, estimator: {type: forward, perturb: activations}, lrs: [0.001],
+         engine: {type: pipeline, stages: 2, micro_batches: 4}}
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,20 +56,28 @@ from typing import Annotated, Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
+from jaxstream.data.batches import batch_at
+from jaxstream.experiment.config import (
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    read_yaml,
+    registered_name,
+)
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.docblock import machine
+from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
-from jaxstream.experiment.loop import TrainLoop
+from jaxstream.experiment.lanes import Lane, Lanes, init_key
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
+from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.experiment.table_baselines import baselines
-from jaxstream.models import with_local_heads
-from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
 from jaxstream.experiment.table_report import equivalents_plot, frontier_plot, markdown
+from jaxstream.models import to_stack, with_local_heads
+from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
 BASELINE_NAMES = (BASELINES, "chance", "logistic regression", "unigram", "bigram")
@@ -75,19 +89,30 @@ ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_m
 class TableArm(Checked):
     """An estimator and its learning-rate sweep (``lrs_by_dataset`` overrides per data set);
     ``local_heads``: train the data set's model with a head of its own per block
-    (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses)."""
+    (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses); ``engine``: what
+    runs its steps (the ``engine:`` section of ``kind: train``; its layer store, if any, is a
+    scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's."""
 
     name: str = "BP"
     estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
     lrs: tuple[Positive, ...] = (1e-3,)
     lrs_by_dataset: dict[str, tuple[Positive, ...]] = dataclasses.field(default_factory=dict)
     local_heads: bool = False
+    engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
+    optimizer: OptimizerConfig | None = None
 
     def check(self) -> None:
         for name, lrs in (("lrs", self.lrs), *((f"lrs_by_dataset.{k}", v)
                                              for k, v in self.lrs_by_dataset.items())):
             if not lrs:
                 raise ValueError(f"{name}: list one or more learning rates")
+        if getattr(self.engine, "store", None) is not None:
+            raise ValueError(f"engine.store: the table keeps each lane's layer store in a "
+                             f"scratch directory of its own; leave it null, got "
+                             f"{self.engine.store!r}")
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, "optimizer")
+            self.engine.check_optimizer(self.optimizer, "optimizer")
         if self.local_heads and self.estimator.build().plan.forward not in (
                 "local", "local_weights", "local_guess"):
             raise ValueError("local_heads: only local losses read local heads "
@@ -126,9 +151,11 @@ class TableDataset(Checked):
 class ForwardTableConfig(Checked):
     """The whole table: data sets x arms, ``seeds`` seeds each; ``extend_sweeps``: rates a
     sweep may add past its edge (:func:`run_arm`); ``baselines``: add each data set's baseline
-    rows (:mod:`.table_baselines`)."""
+    rows (:mod:`.table_baselines`); ``optimizer``: every arm's (unless it brings its own; the
+    rate is the arm's swept one)."""
 
     seed: Seed = 0
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     seeds: Count = 3
     extend_sweeps: Annotated[int, Range(0, 8)] = 2  # rates added past a sweep's edge
     baselines: bool = True
@@ -146,12 +173,31 @@ class ForwardTableConfig(Checked):
         if taken:
             raise ValueError(f"arms: {sorted(taken)} name(s) a baseline row; rename the arm "
                              f"(baseline names: {list(BASELINE_NAMES)})")
+        check_optimizer(self.optimizer, "optimizer")
+        for j, a in enumerate(self.arms):
+            a.engine.check_arm(a, f"arms.{j}")  # the engine runs the arm's estimator
+            if a.optimizer is None:
+                a.engine.check_optimizer(self.optimizer, "optimizer")
         for i, d in enumerate(self.datasets):
             for j, a in enumerate(self.arms):
-                n = getattr(a.estimator, "micro_batches", 1)
+                n, field = getattr(a.estimator, "micro_batches", 1), f"arms.{j}.estimator"
+                if n == 1 and getattr(a.engine, "micro_batches", 1) > 1:  # the engine's N
+                    n, field = a.engine.micro_batches, f"arms.{j}.engine"
                 if d.batch_size % n:
-                    raise ValueError(f"arms.{j}.estimator.micro_batches: {n} must divide "
+                    raise ValueError(f"{field}.micro_batches: {n} must divide "
                                      f"datasets.{i}.batch_size={d.batch_size}")
+                try:
+                    a.engine.check_model(d.model)
+                except ValueError as e:
+                    raise ValueError(f"arms.{j}.{e} (datasets.{i}.model)") from None
+                warmup = self.arm_optimizer(a).warmup_steps
+                if warmup > d.steps:
+                    raise ValueError(f"arms.{j}.optimizer.warmup_steps: the warm-up must end "
+                                     f"within datasets.{i}.steps = {d.steps}, got {warmup}")
+
+    def arm_optimizer(self, arm: TableArm) -> OptimizerConfig:
+        """The optimizer section that applies to ``arm``."""
+        return arm.optimizer if arm.optimizer is not None else self.optimizer
 
     def check_run(self, resume: bool) -> None:
         """Before anything is written: each data set's lanes (rates × seeds) fit in memory and
@@ -160,8 +206,10 @@ class ForwardTableConfig(Checked):
 
         tangents = max_tangents(a.estimator for a in self.arms)
         for i, d in enumerate(self.datasets):
-            lanes = self.seeds * max(len(a.sweep(d.name)) for a in self.arms)
+            together = [a for a in self.arms if type(a.engine) is LocalEngineConfig]
+            lanes = self.seeds * max([len(a.sweep(d.name)) for a in together] or [1])
             check_memory(d.model, d.batch_size, lanes=lanes, tangents=tangents,
+                         streamed=all(a.engine.streams_layers for a in self.arms),
                          field=f"datasets.{i}.model")
             d.data.check_batch(d.batch_size, self.seed, f"datasets.{i}.batch_size")
 
@@ -178,10 +226,6 @@ def load_table_config(path: str | Path, overrides: list[str] | None = None) -> F
 
 def _flat(tree: Any) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
-
-
-def _micro(batch: dict, n: int) -> dict:
-    return batch if n == 1 else jax.tree.map(lambda a: a.reshape((n, -1) + a.shape[1:]), batch)
 
 
 def _evaluator(stack: Any, ds: Any, train_eval_size: int):
@@ -233,71 +277,49 @@ def _forward_equivalents(step: Any, stack: Any, params: Any, batch: dict):
 
 
 class _Arm:
-    """One arm's training on one data set: its estimator, batches, keys and vmapped lanes."""
+    """One arm's training on one data set: its lanes (rates × seeds, :mod:`.lanes`) on the
+    arm's engine, with the table's (or the arm's) optimizer."""
 
     def __init__(self, cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
                  stack: Any, evaluate: Any = None):
-        self.cfg, self.dcfg, self.est = cfg, dcfg, arm.estimator.build()
+        self.cfg, self.dcfg, self.arm = cfg, dcfg, arm
+        if arm.engine.places_blocks:  # a sequential model runs as a stack
+            stack, evaluate = to_stack(stack, ds.train["x"][:2]), None
         if arm.local_heads:
             stack = with_local_heads(stack)
             evaluate = None  # its parameters carry the local heads
-        self.stack, self.n_micro = stack, getattr(arm.estimator, "micro_batches", 1)
-        self.train = {k: jnp.asarray(v) for k, v in ds.train.items()}
-        self.tx, self.base = optax.adam(1.0), jax.random.key(cfg.seed)
+        self.stack = stack
         self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
-        self.run = jax.jit(jax.vmap(self._chunk, in_axes=(0, 0, 0, None)))
+        self.lanes = Lanes(stack, arm.estimator, cfg.arm_optimizer(arm), arm.engine,
+                           train=ds.train, batch_size=dcfg.batch_size, steps=dcfg.steps,
+                           model=dcfg.model, name=f"{dcfg.name}-{arm.name}")
+        self.step_ms: dict[float, float] = {}  # lanes run one by one: median ms per rate
 
-    def sample(self, seed, step) -> dict:
-        """The batch of ``step`` for ``seed`` (with replacement; the same for every arm)."""
-        n = len(self.train["y"])
-        idx = jax.random.randint(jax.random.fold_in(jax.random.fold_in(self.base, seed), step),
-                                 (self.dcfg.batch_size,), 0, n)
-        return jax.tree.map(lambda a: a[idx], self.train)
+    def seeds(self) -> list[int]:
+        """The lanes' seeds: those of ``kind: train`` runs with seed ``seed``, ``seed + 1``..."""
+        return [self.cfg.seed + i for i in range(self.cfg.seeds)]
 
-    def init(self, seed) -> Any:
-        return self.stack.init(jax.random.fold_in(jax.random.fold_in(self.base, 3), seed))
-
-    def _step(self, state, lr, seed, t):
-        params, opt = state
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(self.base, 7), seed), t)
-        loss, grads = self.est(self.stack, params, _micro(self.sample(seed, t), self.n_micro),
-                               key)[:2]
-        updates, opt = self.tx.update(grads, opt, params)
-        params = optax.apply_updates(params, jax.tree.map(lambda u: lr * u, updates))
-        return (params, opt), loss
-
-    def _chunk(self, state, lr, seed, t0):
-        return jax.lax.scan(lambda s, t: self._step(s, lr, seed, t0 + t), state,
-                            jnp.arange(self.dcfg.eval_every))
-
-    def lanes(self, rates: tuple[float, ...]) -> np.ndarray:
+    def curve(self, rates: tuple[float, ...]) -> np.ndarray:
         """Train the lanes of ``rates`` × seeds; their curve (lr, seed, eval, metric)."""
-        seeds = self.cfg.seeds
-        lane_lr = jnp.repeat(jnp.asarray(rates, jnp.float32), seeds)
-        lane_seed = jnp.tile(jnp.arange(seeds), len(rates))
-        params = jax.vmap(self.init)(lane_seed)
-        state = (params, jax.vmap(self.tx.init)(params))
-        # The shared training loop, one loop step per chunk of eval_every steps (all lanes);
-        # the chunk's first step is its "batch" (batches are drawn inside), evaluation a hook.
-        every = self.dcfg.eval_every
-        loop = TrainLoop(lambda st, t0, _: (self.run(st, lane_lr, lane_seed, t0)[0], {}),
-                         batch_at=lambda c: c * every, key_at=lambda c: None, timed=False)
-        curve: list[np.ndarray] = []
-        loop.add_hook(lambda i: curve.append(np.asarray(self.evaluate(i.state[0]))))
-        loop.run(state, start=0, stop=self.dcfg.steps // every)
-        return np.stack(curve, axis=1).reshape(len(rates), seeds, -1, 4)
+        lanes = [Lane(lr, seed) for lr in rates for seed in self.seeds()]
+        out = self.lanes.run(lanes, self.dcfg.eval_every, self.evaluate)
+        if out.step_ms is not None:
+            for i, lr in enumerate(rates):
+                self.step_ms[lr] = float(np.median(out.step_ms[i * self.cfg.seeds:
+                                                               (i + 1) * self.cfg.seeds]))
+        return out.curve.reshape(len(rates), self.cfg.seeds, -1, 4)
 
     def sweep(self, rates: tuple[float, ...]) -> tuple[tuple, np.ndarray, list, int]:
         """``(rates tried, curve, rates added, pick)``: the sweep, extended past the edge its
         pick sits at, up to ``extend_sweeps`` times (a single rate: both neighbours)."""
         lrs = tuple(sorted(rates))
-        curve = self.lanes(lrs)
+        curve = self.curve(lrs)
         pick, added = pick_lr(curve[:, :, -1], self.dcfg.metric), []
         while len(added) < self.cfg.extend_sweeps and pick in (0, len(lrs) - 1):
             sides = ("smallest", "largest") if len(lrs) == 1 else (
                 ("largest",) if pick == len(lrs) - 1 else ("smallest",))
             new = tuple(extension(lrs, side) for side in sides)
-            more = self.lanes(new)
+            more = self.curve(new)
             order = np.argsort(lrs + new)
             lrs = tuple(np.asarray(lrs + new)[order].tolist())
             curve = np.concatenate([curve, more])[order]
@@ -305,44 +327,58 @@ class _Arm:
             pick = pick_lr(curve[:, :, -1], self.dcfg.metric)
         return lrs, curve, added, pick
 
-    def probe(self) -> dict:
-        """One lane alone, compiled once: temporary memory, the step's cost in forward passes,
-        step time, and (same program, several keys, one batch, initial params) the cosine and
-        relative squared error to the exact gradient."""
-        cfg, est, stack, tx = self.cfg, self.est, self.stack, self.tx
-
-        def probe(p, o, batch, key):
-            _, grads = est(stack, p, batch, key)[:2]
-            updates, o = tx.update(grads, o, p)
-            return optax.apply_updates(p, jax.tree.map(lambda u: 1e-3 * u, updates)), o, grads
-
-        p0 = self.init(0)  # seed 0's start
-        o0 = tx.init(p0)
-        flat = self.sample(0, 0)
-        batch0 = _micro(flat, self.n_micro)
-        keys = jax.random.split(jax.random.fold_in(self.base, 11),
-                                max(cfg.cosine_keys, cfg.timing_steps))
-        one = jax.jit(probe).lower(p0, o0, batch0, keys[0]).compile()
-        flops, equivalents = _forward_equivalents(one, stack, p0, flat)
-        exact = _flat(jax.jit(jax.grad(stack))(p0, flat))
-        times, cos, rel_mse = [], [], []
-        jax.block_until_ready(one(p0, o0, batch0, keys[0]))
-        for i, k in enumerate(keys):
-            s0 = time.perf_counter()
-            out = jax.block_until_ready(one(p0, o0, batch0, k))
-            times.append(time.perf_counter() - s0)
-            if i < cfg.cosine_keys:
-                g = _flat(out[2])
-                cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact)
-                                              + 1e-30)))
-                rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
-        return {"peak_temp_bytes": int(one.memory_analysis().temp_size_in_bytes),
-                "step_ms": float(np.median(times[: max(cfg.timing_steps, 1)]) * 1e3),
-                "tangents": est.plan.spec.num if est.plan.forward != "none" else 0,
-                "flops_per_step": flops, "forward_equivalents_per_step": equivalents,
-                "cosine_mean": float(np.mean(cos)),
+    def _cosines(self, estimate: Any, state: Any, batch: dict, exact: jax.Array) -> dict:
+        """Cosine and relative squared error of ``estimate``'s gradient to ``exact`` over
+        ``cosine_keys`` keys (one batch, initial params)."""
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(self.cfg.seed), 11),
+                                self.cfg.cosine_keys)
+        cos, rel_mse = [], []
+        for k in keys:
+            g = _flat(estimate(state, batch, k)[1])
+            cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)))
+            rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
+        return {"cosine_mean": float(np.mean(cos)),
                 "cosine_sd": float(np.std(cos, ddof=1)) if len(cos) > 1 else 0.0,
                 "relative_mse": float(np.mean(rel_mse))}
+
+    def probe(self, lr: float) -> dict:
+        """One lane at rate ``lr`` (seed ``seed``'s start, its first batch): the cosine and
+        relative squared error to the exact gradient over several keys; on the local engine
+        also the step compiled alone (temporary memory, its cost in forward passes, step
+        time); on another engine the lanes' own median step time at ``lr``."""
+        cfg, lane = self.cfg, Lane(lr, self.cfg.seed)
+        batch = batch_at(self.lanes.train, self.dcfg.batch_size, lane.seed, 0)
+        params0 = self.stack.init(init_key(lane.seed))
+        exact = _flat(jax.jit(jax.grad(self.stack))(params0, batch))
+        tangents = self.arm.estimator.build().plan
+        out = {"tangents": tangents.spec.num if tangents.forward != "none" else 0}
+        if self.step_ms:  # lanes ran one by one on their engine
+            scratch = tempfile.mkdtemp(prefix="jaxstream-probe-")
+            try:
+                engine = self.lanes.build(lane, str(Path(scratch) / "store"))
+                state = engine.init(params0, init_key(lane.seed))
+                estimate = getattr(engine, "estimate", None)
+                cos = ({} if estimate is None else self._cosines(estimate, state, batch, exact))
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            return {**out, "peak_temp_bytes": None, "step_ms": self.step_ms[lr],
+                    "flops_per_step": None, "forward_equivalents_per_step": None,
+                    "cosine_mean": None, "cosine_sd": None, "relative_mse": None, **cos}
+        engine = self.lanes.local_engine()
+        state = self.lanes.init_state(engine, lane)
+        key = jax.random.fold_in(jax.random.key(cfg.seed), 11)
+        one = jax.jit(engine._step).lower(state, batch, key).compile()
+        flops, equivalents = _forward_equivalents(one, self.stack, params0, batch)
+        jax.block_until_ready(one(state, batch, key))
+        times = []
+        for k in jax.random.split(key, cfg.timing_steps):
+            s0 = time.perf_counter()
+            jax.block_until_ready(one(state, batch, k))
+            times.append(time.perf_counter() - s0)
+        return {**out, "peak_temp_bytes": int(one.memory_analysis().temp_size_in_bytes),
+                "step_ms": float(np.median(times) * 1e3), "flops_per_step": flops,
+                "forward_equivalents_per_step": equivalents,
+                **self._cosines(engine.estimate, state, batch, exact)}
 
 
 def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
@@ -365,7 +401,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
     else:
         reached = cur[:, :, 0] <= 1.0 - dcfg.target_accuracy
     first = [int((np.argmax(r) + 1) * dcfg.eval_every) if r.any() else None for r in reached]
-    probe = runner.probe()
+    probe = runner.probe(float(lrs[pick]))
     hit = [f for f in first if f is not None]
     sd = (lambda x: float(np.std(x, ddof=1))) if cfg.seeds > 1 else (lambda x: 0.0)
     return {
@@ -377,6 +413,8 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
         "local_heads": "own" if arm.local_heads else "shared",
+        "engine": registered_name(arm.engine),
+        "optimizer": cfg.arm_optimizer(arm).name,
         "seeds": cfg.seeds, "steps": dcfg.steps, **probe,
         "target_accuracy": dcfg.target_accuracy, "seeds_reaching_target": len(hit),
         "steps_to_target_mean": float(np.mean(hit)) if hit else None,
@@ -396,6 +434,19 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "curve_test_loss_mean": [float(x) for x in cur[:, :, 2].mean(axis=0)],
         "eval_every": dcfg.eval_every,
     }
+
+
+def _line(row: dict) -> str:
+    """One row as a line of the run's output."""
+    opt = lambda v, spec, unit="": "—" if v is None else f"{v:{spec}}{unit}"
+    temp = row["peak_temp_bytes"]
+    return (f"{row['dataset']:8s} {row['arm']:24s} lr={row['lr']:.0e} test err "
+            f"{100 * row['test_error_mean']:6.2f} ± {100 * row['test_error_sd']:5.2f} % "
+            f"train {100 * row['train_error_mean']:6.2f} %  test loss "
+            f"{row['test_loss_mean']:.3f} ± {row['test_loss_sd']:.3f}  "
+            f"cos {opt(row['cosine_mean'], '.3f')}  "
+            f"temp {opt(None if temp is None else temp / 2**20, '7.2f', ' MiB')}  "
+            f"{row['step_ms']:.2f} ms/step [{row['engine']}]")
 
 
 def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
@@ -433,13 +484,7 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
-            print(f"{row['dataset']:8s} {row['arm']:24s} lr={row['lr']:.0e} test err "
-                  f"{100 * row['test_error_mean']:6.2f} ± {100 * row['test_error_sd']:5.2f} % "
-                  f"train {100 * row['train_error_mean']:6.2f} %  test loss "
-                  f"{row['test_loss_mean']:.3f} ± {row['test_loss_sd']:.3f}  "
-                  f"cos {row['cosine_mean']:.3f}  "
-                  f"temp {row['peak_temp_bytes'] / 2**20:7.2f} MiB  {row['step_ms']:.2f} ms/step "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(_line(row), f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return rows
 
 

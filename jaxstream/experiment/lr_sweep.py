@@ -1,9 +1,10 @@
 """``kind: lr_sweep``: train each estimator at several learning rates side by side and pick one.
 
-All learning rates of an arm train together: the optimizer is wrapped in
-``optax.inject_hyperparams`` so the learning rate lives in the optimizer state, and one
-jit-compiled step is ``vmap``-ed over it. Batches, initial params and tangent keys are those of
-``kind: train`` with the same seed, so lane ``lr`` reproduces a train arm with that ``lr``.
+All learning rates of an arm train together as lanes (:mod:`jaxstream.experiment.lanes`): one
+``vmap``-ed program whose optimizer (the config's section, schedule, warm-up and clipping
+included) takes each lane's rate from its state. Batches, initial params and tangent keys are
+those of ``kind: train`` with the same seed, so lane ``lr`` reproduces a train arm with that
+``lr``.
 
 The pick: the fewest steps to ``target_accuracy`` among learning rates whose mean test accuracy
 over the last ``final_evals`` evaluations is at least ``stable_accuracy``; if none qualifies, the
@@ -22,22 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxstream.data.stored import batch_source
 from jaxstream.experiment.compiled import evaluator_for
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
-from jaxstream.experiment.engines import split_micro_batches
+from jaxstream.experiment.engines import LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig, describe
-from jaxstream.experiment.loop import StepInfo, TrainLoop
+from jaxstream.experiment.lanes import Lane, Lanes
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
-from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer, optimizer_factory
-from jaxstream.experiment.progress import arm_bar, bar_hook
+from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer
+from jaxstream.experiment.progress import arm_bar
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.ranges import Checked, Count, Positive, Probability, Seed
@@ -53,8 +51,8 @@ class SweepArm(Checked):
 
 @dataclasses.dataclass(frozen=True)
 class LRSweepConfig(Checked):
-    """A learning-rate sweep (constant learning rate; ``optimizer.name`` and ``options`` apply,
-    ``clip_norm``/``warmup_steps``/``schedule`` must stay at their defaults)."""
+    """A learning-rate sweep: the ``optimizer`` section (name, options, clipping, warm-up,
+    schedule) at each rate of ``lrs``."""
 
     seed: Seed = 0
     steps: Count = 1500
@@ -81,11 +79,12 @@ class LRSweepConfig(Checked):
                 raise ValueError(f"arms.{i}.estimator.micro_batches: batch_size={self.batch_size}"
                                  f" is not divisible by micro_batches={n}")
         check_optimizer(self.optimizer)
-        default = OptimizerConfig()
-        for name in ("clip_norm", "warmup_steps", "schedule"):
-            if getattr(self.optimizer, name) != getattr(default, name):
-                raise ValueError(f"optimizer.{name}: not supported by lr_sweep (constant "
-                                 "learning rate); leave it at its default")
+        if self.optimizer.warmup_steps > self.steps:
+            raise ValueError(f"optimizer.warmup_steps: the warm-up must end within steps = "
+                             f"{self.steps}, got {self.optimizer.warmup_steps}")
+        if self.steps % self.eval_every:
+            raise ValueError(f"steps: must be a multiple of eval_every ({self.eval_every}), got "
+                             f"{self.steps}")
 
     def check_run(self, resume: bool) -> None:
         """Before anything is written: the lanes fit in memory, the data set holds a batch."""
@@ -106,60 +105,32 @@ def pick_lr(results: dict[float, dict], stable: float) -> float:
     return max(results, key=lambda lr: results[lr]["final_accuracy"])
 
 
-class SweepState(NamedTuple):
-    """Params and optimizer states of every learning rate (leading axis: one lane per lr)."""
-
-    params: Any
-    opt: Any
-
-
 def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: MetricsLog):
-    factory = optimizer_factory(cfg.optimizer.name)
-    tx = optax.inject_hyperparams(factory)(learning_rate=cfg.lrs[0], **cfg.optimizer.options)
-    est = arm.estimator.build()
-    n_micro = getattr(arm.estimator, "micro_batches", 1)
-    root = jax.random.key(cfg.seed)
-    params0 = stack.init(jax.random.fold_in(root, 0))
-    step_root = jax.random.fold_in(root, 1)
-
-    def lane_step(params, opt, batch, key):
-        loss, g = est(stack, params, split_micro_batches(batch, n_micro), key)
-        updates, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, updates), opt, loss
-
-    vstep = jax.jit(jax.vmap(lane_step, in_axes=(0, 0, None, None)))
-
-    def step(state: SweepState, batch: dict, key: jax.Array) -> tuple[SweepState, dict]:
-        params, opt, loss = vstep(state.params, state.opt, batch, key)
-        return SweepState(params, opt), {"loss": loss}
-
+    """Every rate of ``cfg.lrs`` as a lane of ``kind: train`` with seed ``cfg.seed``
+    (:mod:`.lanes`), evaluated on the test split every ``eval_every`` steps."""
+    lanes = Lanes(stack, arm.estimator, cfg.optimizer, LocalEngineConfig(), train=data.train,
+                  batch_size=cfg.batch_size, steps=cfg.steps, name=arm.name)
     veval = jax.jit(jax.vmap(evaluator_for(stack), in_axes=(0, None)))
-    n_lr = len(cfg.lrs)
-    params = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_lr, *a.shape)), params0)
-    opt = jax.vmap(tx.init)(params)
-    opt.hyperparams["learning_rate"] = jnp.asarray(cfg.lrs, jnp.float32)
-    evals: list[np.ndarray] = []
-    hits: list[int | None] = [None] * n_lr
-
-    def evaluate(info: StepInfo) -> None:
-        test_loss, test_acc = (np.asarray(v) for v in veval(info.state.params, data.test))
-        loss = np.asarray(info.record["loss"])
-        evals.append(test_acc)
-        for i, lr in enumerate(cfg.lrs):
-            if hits[i] is None and test_acc[i] >= cfg.target_accuracy:
-                hits[i] = info.step
-            log.append({"arm": arm.name, "lr": lr, "step": info.step, "loss": float(loss[i]),
-                        "test_loss": float(test_loss[i]), "test_accuracy": float(test_acc[i])})
-
-    loop = TrainLoop(step, batch_at=batch_source(data.train, cfg.batch_size, cfg.seed),
-                     key_at=lambda s: jax.random.fold_in(step_root, s), timed=False)
-    loop.add_hook(evaluate, every=cfg.eval_every, at=(cfg.steps,))
+    test = {k: np.asarray(v) for k, v in data.test.items()}
+    hits: list[int | None] = [None] * len(cfg.lrs)
     bar = arm_bar(arm.name, start=0, total=cfg.steps, enabled=cfg.progress, leave=False)
-    loop.add_hook(bar_hook(bar))
-    loop.run(SweepState(params, opt), start=0, stop=cfg.steps)
+
+    def on_eval(step: int, figures: np.ndarray, loss: np.ndarray) -> None:
+        for i, lr in enumerate(cfg.lrs):
+            test_loss, test_acc = (float(x) for x in figures[i])
+            if hits[i] is None and test_acc >= cfg.target_accuracy:
+                hits[i] = step
+            log.append({"arm": arm.name, "lr": lr, "step": step, "loss": float(loss[i]),
+                        "test_loss": test_loss, "test_accuracy": test_acc})
+        bar.update(step - bar.n)
+
+    out = lanes.run([Lane(lr, cfg.seed) for lr in cfg.lrs], cfg.eval_every,
+                    lambda params: np.stack([np.asarray(v) for v in veval(params, test)], -1),
+                    on_eval)
     bar.close()
-    final = np.mean(np.stack(evals[-cfg.final_evals:]), axis=0)
-    best = np.max(np.stack(evals), axis=0)
+    evals = out.curve[:, :, 1].T  # (evaluations, lrs): test accuracy
+    final = np.mean(evals[-cfg.final_evals:], axis=0)
+    best = np.max(evals, axis=0)
     return {lr: {"steps_to_target": hits[i], "final_accuracy": float(final[i]),
                  "best_accuracy": float(best[i])} for i, lr in enumerate(cfg.lrs)}
 

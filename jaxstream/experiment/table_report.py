@@ -249,14 +249,34 @@ def loss_table(rows: list[dict], dataset: str) -> str:
              "cosine at init | rel. sq. error at init |"), "|" + "---|" * 13]
     for r in (x for x in rows if x["dataset"] == dataset):
         lines.append(
-            f"| {r['arm']} | {_lr(r)} | {r['test_loss_mean']:.3f} ± "
+            f"| {_arm(r)} | {_lr(r)} | {r['test_loss_mean']:.3f} ± "
             f"{r.get('test_loss_sd', 0.0):.3f} | {r['train_loss_mean']:.3f} ± "
             f"{r.get('train_loss_sd', 0.0):.3f} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
-            f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
-            f"{r['step_ms']:.2f} | {_cost(r)} | {r['cosine_mean']:.3f} ± "
-            f"{r.get('cosine_sd', 0.0):.3f} | {r.get('relative_mse', float('nan')):.3g} |")
+            f"{_fmt(r['seconds_to_target'], '.2f')} | {_mib(r)} | "
+            f"{r['step_ms']:.2f} | {_cost(r)} | {_cos(r)} | {_fmt(r.get('relative_mse'), '.3g')} |")
     return "\n".join(lines)
+
+
+def _arm(r: dict) -> str:
+    """The arm's name, with the engine and optimizer that ran it where they are not the
+    defaults (local, Adam)."""
+    ran = [x for x in (r.get("engine", "local"), r.get("optimizer", "adam"))
+           if x not in ("local", "adam")]
+    return f"{r['arm']} ({', '.join(ran)})" if ran else r["arm"]
+
+
+def _mib(r: dict) -> str:
+    """The peak temporary memory cell (— where the engine's step is not one compiled program)."""
+    b = r.get("peak_temp_bytes")
+    return _fmt(None if b is None else b / 2**20, ".2f")
+
+
+def _cos(r: dict) -> str:
+    """The cosine cell (— where the engine gives no estimate to compare)."""
+    if r.get("cosine_mean") is None:
+        return "—"
+    return f"{r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f}"
 
 
 def _cost(r: dict) -> str:
@@ -276,13 +296,12 @@ def table(rows: list[dict], dataset: str) -> str:
     for r in (x for x in rows if x["dataset"] == dataset):
         ren = ren_figures(r)
         lines.append(
-            f"| {r['arm']} | {_lr(r)} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
+            f"| {_arm(r)} | {_lr(r)} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
             f"{_pm(r['train_error_mean'], r.get('train_error_sd', 0.0))} | "
             f"{r.get('test_loss_mean', float('nan')):.3f} | "
             f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
-            f"{_fmt(r['seconds_to_target'], '.2f')} | {r['peak_temp_bytes'] / 2**20:.2f} | "
-            f"{r['step_ms']:.2f} | {_cost(r)} | {r['cosine_mean']:.3f} ± "
-            f"{r.get('cosine_sd', 0.0):.3f} | {r.get('relative_mse', float('nan')):.3g} | "
+            f"{_fmt(r['seconds_to_target'], '.2f')} | {_mib(r)} | "
+            f"{r['step_ms']:.2f} | {_cost(r)} | {_cos(r)} | {_fmt(r.get('relative_mse'), '.3g')} | "
             + " | ".join(_fmt(ren.get(s), ".2f") for s in REN_SETTINGS) + " |")
     return "\n".join(lines)
 
@@ -367,6 +386,13 @@ def memory_parts_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PREDATES_LANES = (
+    "  - its rows predate lanes equal to `kind: train`: their batches were drawn with "
+    "replacement and their keys and initial params derived by the table itself, with Adam. "
+    "Run again, the same command draws the batches, keys and params of `kind: train` with "
+    "seeds `seed`, `seed + 1`, ... (other draws, the same config)")
+
+
 def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
              cost_plot: str | None = None) -> str:
     """The whole report as markdown (``memory``: optional memory_time rows, see
@@ -388,6 +414,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
             f"  - machine: {run.get('machine', '?')}",
             f"  - wall time of the run: {run.get('seconds', float('nan')):.0f} s",
         ]
+        trained = [r for r in run.get("rows", rows) if not is_baseline(r)]
+        if trained and all("engine" not in r for r in trained):
+            parts.append(PREDATES_LANES)
     parts += [
         "",
         ("Test and train error are at the end of training, mean ± sd over seeds, at the learning "
@@ -549,6 +578,8 @@ def frontier_plot(rows: list[dict], path: str) -> None:
                                            ("time", "training time (s, steps × step time)"))):
             ax = axes[i, j]
             for r in rs:
+                if xkey == "mem" and r.get("peak_temp_bytes") is None:
+                    continue  # not one compiled program: no figure to place
                 x = (r["peak_temp_bytes"] / 2**20 if xkey == "mem"
                      else r["steps"] * r["step_ms"] / 1e3)
                 mean, sd = _m(r)

@@ -239,13 +239,14 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
 
 
 def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
-    """Four Adam steps of backprop at 1e-4 and 3e-4: the larger rate wins, so the sweep grows
-    by the sweep's own ratio (×3) past it, twice (extend_sweeps=2), and the pick is still
-    flagged at the edge; the rates tried before keep the figures they had without the
-    extension, and every rate keeps its per-seed finals."""
+    """Four Adam steps of backprop at 1e-4 and 3e-4, judged by the train loss: the larger rate
+    wins, so the sweep grows by the sweep's own ratio (×3) past it, twice (extend_sweeps=2),
+    and the pick is still flagged at the edge; the rates tried before keep the figures they
+    had without the extension, and every rate keeps its per-seed finals."""
     over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=2",
             "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
-            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
+            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32, metric: loss, "
+            "target_loss: 9.0}]",
             "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003, 0.0001]}]"]
     (grown,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over + ["extend_sweeps=0"]))

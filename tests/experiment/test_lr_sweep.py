@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import yaml
 
-from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.lr_sweep import pick_lr
-from jaxstream.experiment.registry import load_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.runner import run_experiment
 
@@ -45,8 +42,3 @@ def test_pick_lr_prefers_fast_and_stable():
     none = {1e-3: {"steps_to_target": None, "final_accuracy": 0.8},
             1e-2: {"steps_to_target": None, "final_accuracy": 0.85}}
     assert pick_lr(none, 0.96) == 1e-2
-
-
-def test_sweep_rejects_schedules():
-    with pytest.raises(ConfigError, match=r"optimizer\.schedule: not supported by lr_sweep"):
-        load_experiment({"kind": "lr_sweep", "optimizer": {"schedule": "cosine"}})
