@@ -26,7 +26,6 @@ from typing import Annotated, Any, Literal
 
 import jax
 import numpy as np
-import optax
 from tqdm.auto import tqdm
 
 import jaxstream.grad as jg
@@ -135,22 +134,21 @@ def microbatches(
 
 
 def pretrain(stack: Any, params: Any, data: dict[str, np.ndarray], cfg: GradQualityConfig) -> Any:
-    """A few backprop Adam steps (the training loop, no hooks), so gradients are measured at a
-    realistic point."""
-    opt = optax.adam(cfg.pretrain_lr)
+    """A few backprop Adam steps of the local engine (the training loop, no hooks), so
+    gradients are measured at a realistic point."""
+    from jaxstream.experiment.engines import LocalEngine, LocalEngineConfig
+    from jaxstream.experiment.estimators import BackpropConfig
+    from jaxstream.experiment.optimizers import OptimizerConfig, build_optimizer
 
-    @jax.jit
-    def step(state: tuple, batch: dict, key: None) -> tuple[tuple, dict]:
-        p, s = state
-        g = jax.grad(stack)(p, batch)
-        updates, s = opt.update(g, s, p)
-        return (optax.apply_updates(p, updates), s), {}
-
+    engine = LocalEngine(LocalEngineConfig(), stack=stack, estimator=BackpropConfig().build(),
+                         optimizer=build_optimizer(OptimizerConfig(), cfg.pretrain_lr))
     rng = np.random.default_rng(cfg.seed + 1)
     idx = [rng.choice(len(data["y"]), 128, replace=False) for _ in range(cfg.pretrain_steps)]
-    loop = TrainLoop(step, batch_at=lambda t: {k: v[idx[t]] for k, v in data.items()},
-                     key_at=lambda t: None)
-    return loop.run((params, opt.init(params)), start=0, stop=cfg.pretrain_steps).state[0]
+    key = jax.random.key(cfg.seed)  # backprop draws nothing
+    loop = TrainLoop(engine.step, batch_at=lambda t: {k: v[idx[t]] for k, v in data.items()},
+                     key_at=lambda t: key, timed=False)
+    state = engine.init(params, key)
+    return engine.params(loop.run(state, start=0, stop=cfg.pretrain_steps).state)
 
 
 def _hybrid(cfg: GradQualityConfig, correction: str, num_exact: int, num_tangents: int):

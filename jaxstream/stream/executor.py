@@ -191,18 +191,20 @@ class StreamedExecutor:
 
     def _drive(self, layers: Sequence[int], load: Callable, t0: float, name: str,
                end: Callable, blocks: Callable, done: Callable | None = None,
-               state: Any = None) -> Any:
-        """One embed → blocks → head sweep over ``layers`` (the one driver of every sweep but
-        the reverse one): ``end(unit, loaded, state)`` runs the embed and the head,
-        ``blocks(unit, loaded, state)`` a block unit, each returning ``(state, done)``;
-        before the head the placement lands the blocks' pass (:meth:`Placement.land`).
-        ``done(list of (unit, gradient))`` receives the gradients as they complete. Returns
-        the head's state."""
-        for u, loaded in self._sweep(self._units(layers), load, t0, name):
+               state: Any = None, reverse: bool = False) -> Any:
+        """One embed → blocks → head sweep over ``layers`` (head → blocks → embed with
+        ``reverse``), the one driver of every sweep: ``end(unit, loaded, state)`` runs the
+        embed and the head, ``blocks(unit, loaded, state)`` a block unit, each returning
+        ``(state, done)``; before the last unit the placement lands the blocks' pass
+        (:meth:`Placement.land`). ``done(list of (unit, gradient))`` receives the gradients as
+        they complete. Returns the last unit's state."""
+        units = self._units(layers)
+        last = units[0] if reverse else units[-1]
+        for u, loaded in self._sweep(units[::-1] if reverse else units, load, t0, name):
             if u.is_block:
                 state, finished = blocks(u, loaded, state)
             else:
-                if u == HEAD:
+                if u == last:
                     state, landed = self.placement.land(state)
                     if done is not None:
                         done(landed)
@@ -543,28 +545,38 @@ class StreamedExecutor:
                 f.result()  # a failed one raises now
                 scratch.remove(f)
 
-        head_dev = self._to_device(hosts["head"])
-        if mixes:
-            head_losses, g, ct = K.head_vjp_each(self.stack, head_dev, h_in, sel)
-        else:
-            head_losses, g, ct = K.head_loss_vjp(self.stack, head_dev, h_in, sel,
-                                                 jnp.full((s,), 1.0 / s, jnp.float32))
-            losses = host_value(head_losses)
-        finish("head", g, hosts["head"])
+        rhosts: dict = {}
 
-        state, rhosts = (ct,), {}
-        for u, (host, dev) in self._sweep(self.placement.chunks(layers)[::-1], self._rload, t0,
-                                          "reverse"):
-            rhosts[u] = host
-            state, done = self.placement.vjp(dev, u, stash, state, mixes)
-            for v, g in done:
+        def rload(u: Unit) -> tuple[Any, Any]:
+            """The head and embed as the forward sweep read them; blocks as staged."""
+            if u.is_block:
+                return self._rload(u)
+            return hosts[u.key], self._to_device(hosts[u.key])
+
+        def end(u, loaded, state):
+            nonlocal losses
+            rhosts[u] = loaded[0]
+            if u == HEAD:
+                if mixes:
+                    _, g, ct = K.head_vjp_each(self.stack, loaded[1], h_in, sel)
+                else:
+                    head_losses, g, ct = K.head_loss_vjp(self.stack, loaded[1], h_in, sel,
+                                                         jnp.full((s,), 1.0 / s, jnp.float32))
+                    losses = host_value(head_losses)
+                return (ct,), [(u, g)]
+            (ct,) = state
+            g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, loaded[1], sel["x"], ct)
+            return state, [(u, g)]
+
+        def blocks(u, loaded, state):
+            rhosts[u] = loaded[0]
+            return self.placement.vjp(loaded[1], u, stash, state, mixes)
+
+        def done(finished):
+            for v, g in finished:
                 self._each(v, g, rhosts.pop(v), finish)
-        (ct,), done = self.placement.land(state)
-        for v, g in done:
-            self._each(v, g, rhosts.pop(v), finish)
-        embed_dev = self._to_device(hosts["embed"])
-        g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, embed_dev, sel["x"], ct)
-        finish("embed", g, hosts["embed"])
+
+        self._drive(layers, rload, t0, "reverse", end, blocks, done, reverse=True)
 
         if later:
             for f in scratch:

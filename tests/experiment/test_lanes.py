@@ -105,10 +105,9 @@ def test_a_streamed_engine_refuses_a_global_norm_clip():
 def test_table_engine_sections_are_checked_before_compute():
     """What the table cannot honour on an arm's engine is refused by name when it loads."""
     bad = [
-        ({"type": "stream", "store": "/tmp/x"}, r"arms\.0\.engine\.store: the table keeps each "
-                                                r"lane's layer store in a scratch directory"),
-        ({"type": "pipeline", "stages": 3}, r"arms\.0\.engine\.stages: 3 must divide "
-                                            r"model\.depth = 2"),
+        ({"type": "stream", "store": "/tmp/x"},
+         r"arms\.0\.engine\.store: the table keeps each lane's layer store in a scratch"),
+        ({"type": "pipeline", "stages": 3}, r"arms\.0\.engine\.stages: 3 must divide model\.depth"),
         ({"type": "pipeline", "stages": 2, "micro_batches": 3},
          r"arms\.0\.engine\.micro_batches: 3 must divide datasets\.0\.batch_size=16"),
     ]
