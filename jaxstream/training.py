@@ -17,6 +17,7 @@ import jax
 import optax
 
 from jaxstream.models.sequential import DROPOUT, Sequential
+from jaxstream.optim.promotion import standard_promotion
 
 
 class WithModelState(NamedTuple):
@@ -41,7 +42,8 @@ class TrainStep:
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(f"optimizer: expected an optax GradientTransformation, got "
                             f"{type(optimizer).__name__}")
-        self.estimator, self.optimizer, self.loss_fn = estimator, optimizer, loss_fn
+        self.estimator, self.loss_fn = estimator, loss_fn
+        self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.stateful = isinstance(loss_fn, Sequential) and loss_fn.has_state
         self._step = jax.jit(self._update)
 

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
+from jaxstream.optim.promotion import standard_promotion
 from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
 from jaxstream.ranges import Count
@@ -95,7 +96,8 @@ class PipelineEngine:
         """``example_batch``: one batch of the data (the delayed policy's carry and the first
         guess direction take their shapes from it); required for those two."""
         schedule = _schedule(cfg, estimator, micro_batches)
-        self.cfg, self.stack, self.optimizer, self.schedule = cfg, stack, optimizer, schedule
+        self.cfg, self.stack, self.schedule = cfg, stack, schedule
+        self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.pipe = pipeline(stack, schedule, estimator)
         self.guess = self.pipe.along
         plan = estimator.plan

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxstream.experiment.config import choices, register_choice
+from jaxstream.optim.promotion import standard_promotion
 from jaxstream.ranges import Checked
 
 Metrics = dict[str, Any]
@@ -185,7 +186,7 @@ class LocalEngine:
         self.cfg = cfg
         self.stack = stack
         self.estimator = estimator
-        self.optimizer = optimizer
+        self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.micro_batches = micro_batches
         self.step = jax.jit(self._step)
         self.estimate = jax.jit(self._estimate, static_argnames="diagnostics")

@@ -89,7 +89,9 @@ ROW_KEYS = ("dataset", "arm", "test_error_mean", "test_error_sd", "train_error_m
 class TableArm(Checked):
     """An estimator and its learning-rate sweep (``lrs_by_dataset`` overrides per data set);
     ``local_heads``: train the data set's model with a head of its own per block
-    (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses); ``engine``: what
+    (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses), with
+    ``local_groups`` groups of each block's output features, each with a head and a loss of
+    its own (Ren et al.'s M/1/G; activity perturbation only); ``engine``: what
     runs its steps (the ``engine:`` section of ``kind: train``; its layer store, if any, is a
     scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's."""
 
@@ -98,6 +100,7 @@ class TableArm(Checked):
     lrs: tuple[Positive, ...] = (1e-3,)
     lrs_by_dataset: dict[str, tuple[Positive, ...]] = dataclasses.field(default_factory=dict)
     local_heads: bool = False
+    local_groups: Count = 1
     engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
     optimizer: OptimizerConfig | None = None
 
@@ -106,6 +109,13 @@ class TableArm(Checked):
                                              for k, v in self.lrs_by_dataset.items())):
             if not lrs:
                 raise ValueError(f"{name}: list one or more learning rates")
+        if self.local_groups > 1 and not self.local_heads:
+            raise ValueError(f"local_groups: {self.local_groups} groups need local heads of "
+                             "their own (local_heads: true); allowed without: 1")
+        if self.local_groups > 1 and self.estimator.build().plan.forward != "local":
+            raise ValueError(f"local_groups: grouped local losses need activity perturbation "
+                             "(estimator: {type: forward, perturb: activations, local_losses: "
+                             "true}): a weight tangent reaches every group; allowed: 1")
         if getattr(self.engine, "store", None) is not None:
             raise ValueError(f"engine.store: the table keeps each lane's layer store in a "
                              f"scratch directory of its own; leave it null, got "
@@ -286,7 +296,7 @@ class _Arm:
         if arm.engine.places_blocks:  # a sequential model runs as a stack
             stack, evaluate = to_stack(stack, ds.train["x"][:2]), None
         if arm.local_heads:
-            stack = with_local_heads(stack)
+            stack = with_local_heads(stack, groups=arm.local_groups, x=ds.train["x"][:2])
             evaluate = None  # its parameters carry the local heads
         self.stack = stack
         self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
@@ -412,7 +422,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "test_loss_mean": float(fin[:, 2].mean()), "test_loss_sd": sd(fin[:, 2]),
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
-        "local_heads": "own" if arm.local_heads else "shared",
+        "local_heads": "own" if arm.local_heads else "shared", "local_groups": arm.local_groups,
         "engine": registered_name(arm.engine),
         "optimizer": cfg.arm_optimizer(arm).name,
         "seeds": cfg.seeds, "steps": dcfg.steps, **probe,

@@ -17,10 +17,10 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-import jax
 import optax
 
 from jaxstream.optim.max_adabelief import max_adabelief
+from jaxstream.optim.promotion import standard_promotion
 from jaxstream.ranges import Checked, Decay, Every, NonNegative, Positive, Range
 
 OptimizerFactory = Callable[..., optax.GradientTransformation]
@@ -135,25 +135,6 @@ def build_optimizer(
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
     return standard_promotion(tx)
-
-
-def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` with its ``init`` and ``update`` traced under JAX's standard dtype promotion.
-
-    optax's own arithmetic raises a Python float to an int32 step count (Adam's bias
-    correction), which strict promotion (``jax.numpy_dtype_promotion("strict")``) refuses; so a
-    run or test under strict promotion checks the library's code and leaves the optimizer's
-    to optax. The state is ``tx``'s own, unchanged."""
-
-    def init(params: Any) -> Any:
-        with jax.numpy_dtype_promotion("standard"):
-            return tx.init(params)
-
-    def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> Any:
-        with jax.numpy_dtype_promotion("standard"):
-            return tx.update(updates, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)
 
 
 register_optimizer("adam", optax.adam)

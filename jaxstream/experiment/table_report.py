@@ -32,13 +32,16 @@ MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN, "loca
 
 def ren_figures(row: dict) -> dict:
     """Ren et al.'s published figures for a row's method: by arm name, the local-loss arms only
-    where the row ran their design (its own head per block: ``local_heads == "own"``)."""
+    where the row ran their design (its own head per block: ``local_heads == "own"``) and
+    only in the setting whose groups it ran (S/1/1: one group; M/1/16: 16)."""
     name = row["arm"]
-    if name.startswith("LG-"):
-        if row.get("local_heads") != "own":
-            return {}
-        name = name.removesuffix(REN)
-    return REN_MNIST.get(name, {})
+    if not name.startswith("LG-"):
+        return REN_MNIST.get(name, {})
+    if row.get("local_heads") != "own":
+        return {}
+    figures = REN_MNIST.get(name.split(REN)[0], {})
+    groups = row.get("local_groups", 1)
+    return {s: v for s, v in figures.items() if int(s.rsplit("/", 1)[1]) == groups}
 
 
 def _pm(mean: float, sd: float, scale: float = 100.0) -> str:
@@ -430,7 +433,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         "exact gradient of its local loss, as Ren et al. do. The last two columns are Ren et "
         "al.'s (ICLR 2023) published supervised MNIST test errors (%) of their MLPs in their "
         "settings S/1/1 and M/1/16 (size/blocks/groups; with one block and one group a local "
-        "loss is the global one), beside the arms that run their method only; for comparison "
+        "loss is the global one), beside the arms that run their method only, and for the "
+        "local-loss arms only in the setting whose number of groups the arm ran (an arm with "
+        "16 groups: M/1/16, Ren et al.'s grouped losses; one group: S/1/1); for comparison "
         "only: different data set and models. Baselines: chance, logistic regression, and for "
         "text unigram and bigram tables, one deterministic fit each. Data sets judged by loss (the "
         "character transformer on the standard-library text corpus) report test and train "

@@ -228,6 +228,31 @@ def local_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segm
     return out, pull(act_cotangent(spec, key, segment, out, d, d.shape[1]))[0]
 
 
+def grouped_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
+                     group_losses: Callable) -> tuple[jax.Array, Any]:
+    """``(out, weight estimate)`` of a segment whose output features split into G groups, each
+    with its own loss: ``group_losses(out) -> (G, B)``, group g's reading only features
+    ``g·D/G .. (g+1)·D/G - 1``. The tangent's group g is weighted by its own loss's derivative
+    d_g = ∇L_g·u_g only, so the estimate is unbiased for the mean of the G group losses."""
+    out, pull = jax.vjp(fn, p)
+    u = _u(spec, key, segment, out)  # (K, B, ..., D)
+    _, d = jvp_k(group_losses, (out,), (u,))  # (K, G, B)
+    k, g, b = d.shape
+    acc = loss_dtype(u.dtype, d.dtype)
+    ug = u.reshape(u.shape[:-1] + (g, -1)).astype(acc)  # (K, B, ..., G, D/G)
+    w = jnp.moveaxis(d, 1, -1).astype(acc)  # (K, B, G)
+    w = w.reshape(w.shape[:2] + (1,) * (ug.ndim - 4) + (g, 1))
+    cot = jnp.sum(w * ug, axis=0).reshape(out.shape) / (k * b * g)
+    return out, pull(cot.astype(out.dtype))[0]
+
+
+def own_losses(stack: Stack, own: Any, h: jax.Array, example: Callable) -> jax.Array:
+    """``(G, B)``: a segment's local losses under its own local heads ``own`` (one row without
+    groups)."""
+    logits = stack.local_head(own, h)
+    return jax.vmap(example)(logits) if stack.local_groups > 1 else example(logits)[None]
+
+
 def local_weight_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
                       local_loss: Callable) -> tuple[jax.Array, Any]:
     """``(out, weight estimate)`` of a segment under its own loss, its *weights* perturbed
@@ -261,16 +286,26 @@ def local_grad(stack: Stack, fn: Callable, p: Any, spec: TangentSpec, key: jax.A
     if stack.local_head is None:
         return kernel(fn, p, spec, key, segment, lambda h: example(stack.head(head, h)))
     own = p["local_head"]
-    out, g = kernel(lambda m: fn({"module": m, "local_head": own}), p["module"], spec, key,
-                    segment, lambda h: example(stack.local_head(own, h)))
+    module = lambda m: fn({"module": m, "local_head": own})  # noqa: E731
+    if stack.local_groups > 1:
+        if weights:
+            raise ValueError(f"local_forward_weights: {stack.name!r} has grouped local losses, "
+                             "whose tangents must each reach one group's loss; a weight tangent "
+                             "reaches every group of a block's output. Use activity "
+                             "perturbation (forward, perturb: activations, local_losses: true)")
+        out, g = grouped_act_grad(module, p["module"], spec, key, segment,
+                                  lambda h: own_losses(stack, own, h, example))
+    else:
+        out, g = kernel(module, p["module"], spec, key, segment,
+                        lambda h: example(stack.local_head(own, h)))
     return out, {"module": g, "local_head": own_head_grad(stack, own, out, example)}
 
 
 def own_head_grad(stack: Stack, own: Any, out: jax.Array, example: Callable) -> Any:
-    """The exact gradient of a segment's own local head ``own`` for its loss
-    ``example(stack.local_head(own, out))``, the segment's output held fixed."""
+    """The exact gradient of a segment's own local head ``own`` for its loss (the mean of its
+    group losses, :func:`own_losses`), the segment's output held fixed."""
     fixed = jax.lax.stop_gradient(out)
-    return jax.grad(lambda q: jnp.mean(example(stack.local_head(q, fixed))))(own)
+    return jax.grad(lambda q: jnp.mean(own_losses(stack, q, fixed, example)))(own)
 
 
 # ----------------------------------------------------------------------- one given direction

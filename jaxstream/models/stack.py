@@ -45,6 +45,9 @@ class Stack:
       local_head: ``(local_head_params, h) -> logits`` where the embed and every block carry
         their own local head (``params["embed"|"blocks"] = {"module", "local_head"}``, built by
         :func:`jaxstream.models.with_local_heads`); None: local losses use the shared head.
+      local_groups: G, the groups of a segment's output features that each have a local loss
+        of their own (``local_head`` then returns ``(G, B, classes)``: group ``g``'s logits read
+        only group ``g``'s features, so its tangent reaches only its own loss); 1: one loss.
 
     Example:
       >>> stack = mlp(in_dim=64, width=32, depth=2, num_classes=10)
@@ -61,6 +64,7 @@ class Stack:
     name: str = "stack"
     shared_head: bool = True
     local_head: Callable[[Any, jax.Array], jax.Array] | None = None
+    local_groups: int = 1
 
     def __call__(self, params: Params, batch: Batch) -> jax.Array:
         """Mean loss of ``batch``."""

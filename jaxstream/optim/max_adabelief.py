@@ -89,7 +89,7 @@ def scale_by_max_belief(
         count_inc = numerics.safe_increment(state.count)
         if corrected:
             nu_max = jax.tree.map(
-                jnp.maximum, state.nu_max, optax.tree.bias_correction(nu, b2, count_inc)
+                jnp.maximum, state.nu_max, _bias_correction(nu, b2, count_inc)
             )
         elif use_max:
             nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
@@ -102,15 +102,22 @@ def scale_by_max_belief(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _bias_correction(moment: Any, decay: float, count: jax.Array) -> Any:
+    """optax's bias correction, whose ``decay ** count`` (a Python float to an int32 count)
+    follows standard dtype promotion even where the caller runs strict."""
+    with jax.numpy_dtype_promotion("standard"):
+        return optax.tree.bias_correction(moment, decay, count)
+
+
 def first_moment_hat(mu: Any, updates: Any, count: jax.Array, b1: float,
                      nesterov: bool) -> Any:
     """The bias-corrected first moment m̂ after ``count`` steps (Nesterov: as optax's)."""
     if not nesterov:
-        return optax.tree.bias_correction(mu, b1, count)
+        return _bias_correction(mu, b1, count)
     return jax.tree.map(
         lambda m, g: b1 * m + (1 - b1) * g,
-        optax.tree.bias_correction(mu, b1, numerics.safe_increment(count)),
-        optax.tree.bias_correction(updates, b1, count),
+        _bias_correction(mu, b1, numerics.safe_increment(count)),
+        _bias_correction(updates, b1, count),
     )
 
 
@@ -118,7 +125,7 @@ def belief_step(m_hat: Any, nu_max: Any, count: jax.Array, b2: float, eps: float
                 corrected: bool) -> Any:
     """m̂ / (√ŝ + ε), with ŝ the bias-corrected running maximum (already corrected when the
     maximum is taken of corrected values)."""
-    nu_hat = nu_max if corrected else optax.tree.bias_correction(nu_max, b2, count)
+    nu_hat = nu_max if corrected else _bias_correction(nu_max, b2, count)
     return jax.tree.map(
         lambda m, v: None if m is None else m / (jnp.sqrt(v) + eps),
         m_hat,

@@ -538,9 +538,10 @@ def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple,
 def _gather(t: dict, s, m: int) -> dict:
     """Embed and head terms from the stage that computes them (first / last), on every stage."""
     on = {"embed": (s == 0), "head": (s == m - 1)}
-    return {"embed": jax.tree.map(lambda g: jax.lax.psum(g * on["embed"], AXIS), t["embed"]),
+    keep = lambda g, here: g * here.astype(g.dtype)  # noqa: E731
+    return {"embed": jax.tree.map(lambda g: jax.lax.psum(keep(g, on["embed"]), AXIS), t["embed"]),
             "blocks": t["blocks"],
-            "head": jax.tree.map(lambda g: jax.lax.psum(g * on["head"], AXIS), t["head"])}
+            "head": jax.tree.map(lambda g: jax.lax.psum(keep(g, on["head"]), AXIS), t["head"])}
 
 
 def _reached(low: Lowered) -> jax.Array:

@@ -34,6 +34,7 @@ from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
+from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import kernels as K
 from jaxstream.stream import lazy
 from jaxstream.stream.depth import DepthPolicy
@@ -126,8 +127,8 @@ class StreamedExecutor:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
         self.plan = plan_of(estimator, config.update)
         check_local_losses(stack, self.plan.forward in ("local", "local_weights"), "stream")
-        self.stack, self.estimator, self.optimizer, self.store, self.cfg = (
-            stack, estimator, optimizer, store, config)
+        self.stack, self.estimator, self.store, self.cfg = stack, estimator, store, config
+        self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.spec: TangentSpec = self.plan.spec
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)

@@ -359,7 +359,10 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     text = markdown({"rows": [shared, own], "command": "c", "machine": "m"})
     line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))  # noqa
     assert line("LG-FG-A").endswith("| — | — |")
-    assert line("LG-FG-A-Ren").endswith("| 3.24 | 2.55 |")
+    assert line("LG-FG-A-Ren").endswith("| 3.24 | — |")  # one group: S/1/1 only
+    sixteen = {**own, "arm": "LG-FG-A-Ren-G16", "local_groups": 16}
+    text = markdown({"rows": [shared, own, sixteen], "command": "c", "machine": "m"})
+    assert line("LG-FG-A-Ren-G16").endswith("| — | 2.55 |")  # 16 groups: M/1/16 only
     with pytest.raises(ValueError, match=r"arms\.0\.local_heads: only local losses read local heads"):
         ft.load_table_config(ft.QUICK, ["arms=[{name: BP, estimator: {type: backprop}, "
                                         "local_heads: true}]"])

@@ -6,11 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import tied_model as tm
 
 
+@pytest.mark.standard_promotion  # plain nnx + optax, as a user trains it
 def test_a_tied_gpt_trains_as_plain_nnx_trains_it():
     result = tm.main(["--steps", "3"])
     for opt in ("sgd", "adam"):

@@ -42,6 +42,7 @@ def _problem():
     return stack, params, batch
 
 
+@pytest.mark.standard_promotion  # steps optax.adam itself
 def test_local_engine_backprop_matches_manual_optax_step():
     stack, params, batch = _problem()
     tx = build_optimizer(OptimizerConfig(name="adam"), 0.01)

@@ -7,6 +7,8 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from jaxstream.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +98,7 @@ CNN_PLUGIN = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_a_users_sequential_cnn_trains_on_the_stream_engine(tmp_path, monkeypatch):
     """A plugin's nnx.Sequential CNN (no repeated layers) on the stream engine: padded into a
     stack and streamed from a layer store, its backprop run equals the same config trained in
@@ -120,6 +123,7 @@ def test_a_users_sequential_cnn_trains_on_the_stream_engine(tmp_path, monkeypatc
     assert mem[-1]["test_loss"] != mem[0]["test_loss"]  # it trained
 
 
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_an_arm_the_model_cannot_run_is_refused_before_any_arm_trains(tmp_path, monkeypatch,
                                                                         capsys):
     """Local losses need a stack; on the user's own sequential CNN the third arm is refused

@@ -44,6 +44,7 @@ def setup():
     return model, as_padded_stack(model, flat["x"]), micro, flat
 
 
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_layout_and_gradients_equal_the_model(setup):
     model, view, _, flat = setup
     assert view.embed_layers == (0, 1, 2, 3) and view.head_layers == (10,)
@@ -59,6 +60,7 @@ def test_layout_and_gradients_equal_the_model(setup):
     assert pad.size and not pad.any()  # the padding never reaches the loss
 
 
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_a_padded_direction_is_the_models_direction(setup):
     """Weight perturbation on the stack estimates the model's gradient: along any tangent V of
     the model, the stack's derivative along the padded V is the model's."""
@@ -72,6 +74,7 @@ def test_a_padded_direction_is_the_models_direction(setup):
     assert abs(float(d) - float(ds)) <= 1e-5 * abs(float(d)) and abs(float(d)) > 1e-3
 
 
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_activity_on_the_padded_stack_is_unbiased(setup):
     """Tangents land on the padded activations (padding and index column included): the real
     coordinates' estimate is unbiased (z-scores from the sample variance, fixed keys)."""
@@ -93,6 +96,7 @@ def test_activity_on_the_padded_stack_is_unbiased(setup):
 
 @pytest.mark.parametrize("engine,est", [
     ("stream", "hybrid"), ("stream", "activity"), ("composed", "forward")])
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_streamed_engines_run_the_padded_model(tmp_path, setup, engine, est):
     model, view, micro, flat = setup
     est_fn = {"hybrid": jg.hybrid(num_exact=2, num_tangents=2),
@@ -111,6 +115,7 @@ def test_streamed_engines_run_the_padded_model(tmp_path, setup, engine, est):
     assert max_rel_err(grads, ref) <= 1e-5
 
 
+@pytest.mark.standard_promotion  # the user's flax CNN: nnx.avg_pool divides by an int
 def test_pipeline_stages_run_the_padded_model(setup):
     """GPipe backprop over 2 stages (one block each) gives the model's own gradient."""
     from jaxstream.pipeline import gpipe_backprop

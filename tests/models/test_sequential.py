@@ -53,6 +53,7 @@ def z_scores(estimates, exact):
 # With batch statistics every example's tangents reach every loss (noisier): more tangents.
 @pytest.mark.parametrize("batch_norm,dropout,k", [(False, 0.0, 2), (True, 0.3, 16)],
                          ids=["plain", "batchnorm+dropout"])
+@pytest.mark.standard_promotion  # a user's flax model (nnx.avg_pool divides by an int) or plain nnx + optax
 def test_activity_unbiased(batch_norm, dropout, k):
     model = small_cnn(batch_norm, dropout).with_rng(jax.random.key(7))
     params, batch = model.init(jax.random.key(0)), tiny_batch()
@@ -70,6 +71,7 @@ def test_activity_unbiased(batch_norm, dropout, k):
     assert (np.abs(snr) > 10.0).sum() >= 5, np.sort(np.abs(snr))[-5:]
 
 
+@pytest.mark.standard_promotion  # a user's flax model (nnx.avg_pool divides by an int) or plain nnx + optax
 def test_weight_perturbation_and_backprop_accept_sequential():
     model = small_cnn()
     params, batch, key = model.init(None), tiny_batch(), jax.random.key(3)
@@ -81,6 +83,7 @@ def test_weight_perturbation_and_backprop_accept_sequential():
     assert np.isclose(loss_f, loss) and jax.tree.structure(gf) == jax.tree.structure(g)
 
 
+@pytest.mark.standard_promotion  # a user's flax model (nnx.avg_pool divides by an int) or plain nnx + optax
 def test_batch_statistics_are_state():
     model = small_cnn(batch_norm=True)
     params, batch = model.init(None), tiny_batch()
@@ -122,6 +125,7 @@ def tutorial_cnn(rngs):
     (js.grad.backprop(), 1e-2, 0.8),
     (js.grad.forward(num_tangents=4, perturb="activations"), 1e-2, 0.3)],
     ids=["backprop", "forward-activity"])
+@pytest.mark.standard_promotion  # a user's flax model (nnx.avg_pool divides by an int) or plain nnx + optax
 def test_tutorial_cnn_trains_on_digits(estimator, lr, floor):
     from jaxstream.data.digits import load_digits
 
@@ -165,6 +169,7 @@ def _token_batches(n):
              "y": jnp.asarray(rng.integers(0, 10, (8,)), jnp.int32)} for _ in range(n)]
 
 
+@pytest.mark.standard_promotion  # a user's flax model (nnx.avg_pool divides by an int) or plain nnx + optax
 def test_tied_weights_stay_one_parameter_trained_as_plain_nnx_trains_them():
     """A head that reuses the embedding table: one parameter, as nnx counts it; its gradient
     summed over both uses; three Adam steps equal to plain nnx training of the same model, and
@@ -270,6 +275,7 @@ def test_trained_params_go_back_into_an_nnx_model():
         seq.to_nnx(params[:2])
 
 
+@pytest.mark.standard_promotion  # a user's flax model (nnx.avg_pool divides by an int) or plain nnx + optax
 def test_evaluating_a_batchnorm_model_needs_its_statistics():
     """Evaluation of a model with batch statistics without them is refused (it would use the
     initial running averages); the runner refuses such a model before any compute."""

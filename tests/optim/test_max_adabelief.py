@@ -92,6 +92,7 @@ def test_maximum_changes_the_trajectory():
     assert np.max(np.abs(with_max - without)) > 1e-3
 
 
+@pytest.mark.standard_promotion  # steps optax.adabelief itself
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_without_maximum_equals_optax_adabelief_exactly(nesterov):
     grads = _grads(1)
@@ -101,6 +102,7 @@ def test_without_maximum_equals_optax_adabelief_exactly(nesterov):
     np.testing.assert_array_equal(ours, theirs)
 
 
+@pytest.mark.standard_promotion  # steps optax.adabelief itself
 def test_schedule_and_defaults_match_optax_signature():
     sched = optax.linear_schedule(1e-2, 1e-3, 50)
     grads = _grads(2)[:20]

@@ -32,6 +32,7 @@ def test_bad_engine_option_is_named():
         load_experiment(CONFIGS[0], ["engine.compute_dtype=int8"])
 
 
+@pytest.mark.standard_promotion  # steps optax itself
 def test_stream_engine_matches_local_engine(tmp_path):
     """Same config, same keys: the streamed steps give the local engine's parameters."""
     stack = mlp(8, 8, 3, 4)

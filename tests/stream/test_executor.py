@@ -87,6 +87,7 @@ def test_streamed_gradients_equal_in_memory(tmp_path, data, name):
         assert max_rel_err(other, ref) > 1e-3
 
 
+@pytest.mark.standard_promotion  # steps optax.adam itself
 @pytest.mark.parametrize("name", ["forward", "hybrid_cv", "backprop"])
 def test_streamed_steps_equal_in_memory_adam(tmp_path, data, name):
     params, micro, flat = data
