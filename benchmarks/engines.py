@@ -43,7 +43,7 @@ from jaxstream.comm import data_parallel
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.grad.tangents import micro_key
-from jaxstream.models import mlp
+from jaxstream.models import mlp, with_local_heads
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
@@ -67,6 +67,10 @@ def estimators(num_layers: int) -> dict:
         "fwd-act": (jg.forward(2, perturb="activations"), "flat"),
         "fwd-act-local": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
         "fwd-w-local": (jg.local_forward_weights(2, "gaussian"), "flat"),  # LG-FG-W
+        # Ren et al.'s designs: a local head per block (-own), per feature group (-grouped)
+        "fwd-act-own": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
+        "fwd-w-local-own": (jg.local_forward_weights(2, "gaussian"), "flat"),
+        "fwd-act-grouped": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
         "exact-subset": (jg.exact_subset(len(SEL)), "micro"),
         "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=2), "micro"),
         "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=2), "micro"),
@@ -141,18 +145,21 @@ def main(argv=None) -> dict:
                     help="rewrite this Markdown file's <!-- benchmark: engines.py matrix --> block")
     args = ap.parse_args(argv)
 
-    stack = mlp(in_dim=6, width=8, depth=M, num_classes=3)
-    params = stack.init(jax.random.key(0))
+    plain = mlp(in_dim=6, width=8, depth=M, num_classes=3)
     rng = np.random.default_rng(0)
     micro = {"x": jnp.asarray(rng.standard_normal((N, B, 6)), jnp.float32),
              "y": jnp.asarray(rng.integers(0, 3, (N, B)), jnp.int32)}
     flat = jax.tree.map(lambda a: a.reshape(N * B, *a.shape[2:]), micro)
     key = jax.random.key(7)
-    exact = jax.grad(stack)(params, flat)
+    models = {"": plain, "-own": with_local_heads(plain),
+              "-grouped": with_local_heads(plain, groups=2, x=flat["x"])}
     mesh = jax.make_mesh((M,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="jaxstream-engines-"))
-    for i, (name, (est, layout)) in enumerate(estimators(stack.num_layers).items()):
+    for i, (name, (est, layout)) in enumerate(estimators(plain.num_layers).items()):
+        stack = models[next((s for s in models if s and name.endswith(s)), "")]
+        params = stack.init(jax.random.key(0))
+        exact = jax.grad(stack)(params, flat)
         data = flat if layout == "flat" else micro
         ref = jax.jit(est, static_argnums=0)(stack, params, data, key)[1]
         dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)

@@ -392,3 +392,22 @@ def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
     assert (tmp_path / "c.png").stat().st_size > 0
     assert not equivalents_plot([{**bp, "forward_equivalents_per_step": None}],
                                 str(tmp_path / "none.png"))
+
+
+def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
+    """An arm with ``local_groups`` trains the data set's model with a head per block and per
+    feature group (the row says how many); groups need own heads and activity perturbation."""
+    over = ["seeds=1", "cosine_keys=2", "timing_steps=1", "baselines=false", "extend_sweeps=0",
+            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
+            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
+            "arms=[{name: LG-FG-A-Ren-G4, estimator: {type: forward, perturb: activations, "
+            "local_losses: true}, local_heads: true, local_groups: 4, lrs: [0.001]}]"]
+    (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    assert (row["local_heads"], row["local_groups"]) == ("own", 4)
+    assert -1.0 <= row["cosine_mean"] <= 1.0 and np.isfinite(row["test_loss_mean"])
+    with pytest.raises(ValueError, match=r"arms\.0\.local_groups: 4 groups need local heads"):
+        ft.load_table_config(ft.QUICK, [over[-1].replace("local_heads: true", "local_heads: false")])
+    with pytest.raises(ValueError, match=r"arms\.0\.local_groups: grouped local losses need "
+                                         r"activity perturbation"):
+        ft.load_table_config(ft.QUICK, ["arms=[{name: W, estimator: {type: local_forward_weights}"
+                                        ", local_heads: true, local_groups: 4}]"])
