@@ -517,8 +517,6 @@ class StreamedExecutor:
             idx, keys, d = np.arange(n), None, None
             losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
         sel = jax.tree.map(lambda a: a[idx], x)
-        s = len(idx)
-        h_in = self._to_device(stash["head"])
         later = mixes and (rule.cross or rule.along)  # estimates wait for every unit's share
         partials: list = []  # each unit's share of the rule's sums (host values)
         sq: dict = {}  # ‖h_u‖² per unit (a direction's norm): plain host numbers
@@ -546,16 +544,38 @@ class StreamedExecutor:
                 f.result()  # a failed one raises now
                 scratch.remove(f)
 
+        head_losses = self._reverse_sweep(layers, hosts, stash, sel, mixes, finish, t0)
+        if not mixes:
+            losses = head_losses
+
+        if later:
+            for f in scratch:
+                f.result()
+            totals = jax.tree.map(lambda *a: sum(a), *partials) if partials else {}
+            scale = None
+            if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
+                scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
+                d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
+            self._combine_sweep(layers, hosts, sink, t0, keys=keys, d=d, totals=totals,
+                                members=members, common=common, scale=scale)
+        return float(np.mean(losses)), {}
+
+    def _reverse_sweep(self, layers, hosts, stash, sel, mixes, finish, t0):
+        """Head → blocks → embed on the driver: each unit's exact gradients (per selected
+        micro-batch with ``mixes``, else their mean) handed to ``finish(address, gradient,
+        host params)``. The head and embed are the forward sweep's copies; blocks are read as
+        staged. Returns the head's per-example losses (mean gradients) or None."""
+        h_in = self._to_device(stash["head"])
+        s = jax.tree.leaves(sel)[0].shape[0]
         rhosts: dict = {}
+        out: list = [None]
 
         def rload(u: Unit) -> tuple[Any, Any]:
-            """The head and embed as the forward sweep read them; blocks as staged."""
             if u.is_block:
                 return self._rload(u)
             return hosts[u.key], self._to_device(hosts[u.key])
 
         def end(u, loaded, state):
-            nonlocal losses
             rhosts[u] = loaded[0]
             if u == HEAD:
                 if mixes:
@@ -563,7 +583,7 @@ class StreamedExecutor:
                 else:
                     head_losses, g, ct = K.head_loss_vjp(self.stack, loaded[1], h_in, sel,
                                                          jnp.full((s,), 1.0 / s, jnp.float32))
-                    losses = host_value(head_losses)
+                    out[0] = host_value(head_losses)
                 return (ct,), [(u, g)]
             (ct,) = state
             g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, loaded[1], sel["x"], ct)
@@ -578,18 +598,7 @@ class StreamedExecutor:
                 self._each(v, g, rhosts.pop(v), finish)
 
         self._drive(layers, rload, t0, "reverse", end, blocks, done, reverse=True)
-
-        if later:
-            for f in scratch:
-                f.result()
-            totals = jax.tree.map(lambda *a: sum(a), *partials) if partials else {}
-            scale = None
-            if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
-                scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
-                d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
-            self._combine_sweep(layers, hosts, sink, t0, keys=keys, d=d, totals=totals,
-                                members=members, common=common, scale=scale)
-        return float(np.mean(losses)), {}
+        return out[0]
 
     def _common_stats(self, idx, n: int, layers: Sequence[int], hosts: dict) -> dict:
         """The combine statistics every unit shares: the selection, the micro-batches outside
