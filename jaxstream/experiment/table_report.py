@@ -396,6 +396,23 @@ PREDATES_LANES = (
     "seeds `seed`, `seed + 1`, ... (other draws, the same config)")
 
 
+def _run_lines(payload: dict, rows: list[dict]) -> list[str]:
+    """The report's list of runs: command, machine, wall time, and whether its rows predate
+    the lanes of ``kind: train``."""
+    parts = []
+    for run in payload.get("runs") or [payload]:  # several runs (e.g. one per data set)
+        parts += [
+            (f"- run: `{run.get('command', '?')}` (config `{run.get('config', '?')}`), "
+            f"data sets {sorted({r['dataset'] for r in run.get('rows', rows)})}"),
+            f"  - machine: {run.get('machine', '?')}",
+            f"  - wall time of the run: {run.get('seconds', float('nan')):.0f} s",
+        ]
+        trained = [r for r in run.get("rows", rows) if not is_baseline(r)]
+        if trained and all("engine" not in r for r in trained):
+            parts.append(PREDATES_LANES)
+    return parts
+
+
 def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
              cost_plot: str | None = None) -> str:
     """The whole report as markdown (``memory``: optional memory_time rows, see
@@ -410,16 +427,7 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         "",
         f"- report written by: `{payload.get('report_command', payload.get('command', '?'))}`",
     ]
-    for run in payload.get("runs") or [payload]:  # several runs (e.g. one per data set)
-        parts += [
-            (f"- run: `{run.get('command', '?')}` (config `{run.get('config', '?')}`), "
-            f"data sets {sorted({r['dataset'] for r in run.get('rows', rows)})}"),
-            f"  - machine: {run.get('machine', '?')}",
-            f"  - wall time of the run: {run.get('seconds', float('nan')):.0f} s",
-        ]
-        trained = [r for r in run.get("rows", rows) if not is_baseline(r)]
-        if trained and all("engine" not in r for r in trained):
-            parts.append(PREDATES_LANES)
+    parts += _run_lines(payload, rows)
     parts += [
         "",
         ("Test and train error are at the end of training, mean ± sd over seeds, at the learning "
