@@ -20,7 +20,9 @@ from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import LocalEngineConfig, build_engine, tree_cosine
 from jaxstream.experiment.optimizers import build_optimizer
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
+from jaxstream.grad import local_targets
 from jaxstream.models import to_stack
+from jaxstream.models.stack import is_stack_params
 
 _CACHE: dict[tuple, Any] = {}
 _MAX_ENTRIES = 64
@@ -92,10 +94,14 @@ def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any, example_batch: dict
     return _cached(key, make)
 
 
-def diagnostics_for(engine: Any, stack: Any) -> Callable | None:
-    """``diag(state, batch, key) -> {"cosine", "norm_ratio", "diag_*"}``: the step's estimate
-    against the exact gradient of the same batch, plus the estimator's scalar diagnostics (e.g.
-    ``diag_beta`` of the weighted hybrid); None if the engine has no ``estimate``."""
+def diagnostics_for(engine: Any, stack: Any, local: bool = False) -> Callable | None:
+    """``diag(state, batch, key) -> {"cosine", "norm_ratio", "diag_*", ...}``: the step's
+    estimate against the exact gradient of the same batch, plus the estimator's scalar
+    diagnostics (e.g. ``diag_beta`` of the weighted hybrid); None if the engine has no
+    ``estimate``. On a stack, also per segment: ``cosine_embed``, ``cosine_block_<l>``,
+    ``cosine_head``; with ``local`` (an estimator that follows local losses) the same against
+    the local target (:func:`jaxstream.grad.local_targets`) as ``local_cosine_*``: noise and
+    the local losses' bias, told apart layer by layer."""
     estimate = getattr(engine, "estimate", None)
     if estimate is None:
         return None
@@ -113,14 +119,42 @@ def diagnostics_for(engine: Any, stack: Any) -> Callable | None:
                 extra = _scalar_diagnostics(info)
             else:
                 _, g = estimate(state, batch, key)
-            ge = jax.grad(stack)(engine.params(state), batch)
+            params = engine.params(state)
+            ge = jax.grad(stack)(params, batch)
             ratio = optax.tree.norm(g) / (optax.tree.norm(ge) + 1e-30)
-            return {"cosine": tree_cosine(g, ge), "norm_ratio": ratio, **extra}
+            out = {"cosine": tree_cosine(g, ge), "norm_ratio": ratio, **extra}
+            if is_stack_params(params):
+                out.update(segment_cosines("cosine", g, ge))
+                if local:
+                    out.update(segment_cosines("local_cosine", g,
+                                               local_targets(stack, params, batch)))
+            return out
 
         jitted = jax.jit(diag)
-        return lambda *a: {k: float(v) for k, v in jax.device_get(jitted(*a)).items()}
+        return lambda *a: _host_record(jax.device_get(jitted(*a)))
 
-    return _cached(("diag", id(engine)), make)
+    return _cached(("diag", id(engine), local), make)
+
+
+def segment_cosines(name: str, a: Any, b: Any) -> dict[str, jax.Array]:
+    """Cosines of two stack-shaped trees per segment: ``<name>_embed``, ``<name>_head`` and
+    ``<name>_blocks`` (one per block, an (L,) array); a segment with its own local head is
+    compared on its module (its head's global gradient is zero)."""
+    part = lambda t: t["module"] if isinstance(t, dict) and "local_head" in t else t  # noqa: E731
+    return {f"{name}_embed": tree_cosine(part(a["embed"]), part(b["embed"])),
+            f"{name}_blocks": jax.vmap(tree_cosine)(part(a["blocks"]), part(b["blocks"])),
+            f"{name}_head": tree_cosine(a["head"], b["head"])}
+
+
+def _host_record(out: dict) -> dict[str, float]:
+    """Plain floats; an (L,) ``*_blocks`` array as ``*_block_<l>``."""
+    record = {}
+    for k, v in out.items():
+        if k.endswith("_blocks"):
+            record.update({f"{k[:-1]}_{l}": float(x) for l, x in enumerate(np.ravel(v))})
+        else:
+            record[k] = float(v)
+    return record
 
 
 def _is_scalar(v: Any) -> bool:

@@ -91,7 +91,8 @@ class TableArm(Checked):
     ``local_heads``: train the data set's model with a head of its own per block
     (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses), with
     ``local_groups`` groups of each block's output features, each with a head and a loss of
-    its own (Ren et al.'s M/1/G; activity perturbation only); ``engine``: what
+    its own (Ren et al.'s M/1/G; activity perturbation only); ``datasets``: the data sets the
+    arm runs on (empty: all; e.g. groups that divide one model's width); ``engine``: what
     runs its steps (the ``engine:`` section of ``kind: train``; its layer store, if any, is a
     scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's."""
 
@@ -103,6 +104,7 @@ class TableArm(Checked):
     local_groups: Count = 1
     engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
     optimizer: OptimizerConfig | None = None
+    datasets: tuple[str, ...] = ()  # the data sets it runs on (empty: every one)
 
     def check(self) -> None:
         for name, lrs in (("lrs", self.lrs), *((f"lrs_by_dataset.{k}", v)
@@ -128,6 +130,10 @@ class TableArm(Checked):
             raise ValueError("local_heads: only local losses read local heads "
                              "(estimator: {type: forward, local_losses: true}, {type: "
                              "local_forward_weights} or {type: local_guess}); allowed: false")
+
+    def runs_on(self, dataset: str) -> bool:
+        """Whether the arm runs on ``dataset``."""
+        return not self.datasets or dataset in self.datasets
 
     def sweep(self, dataset: str) -> tuple[float, ...]:
         return tuple(self.lrs_by_dataset.get(dataset, self.lrs))
@@ -184,12 +190,19 @@ class ForwardTableConfig(Checked):
             raise ValueError(f"arms: {sorted(taken)} name(s) a baseline row; rename the arm "
                              f"(baseline names: {list(BASELINE_NAMES)})")
         check_optimizer(self.optimizer, "optimizer")
+        names = [d.name for d in self.datasets]
         for j, a in enumerate(self.arms):
+            for k, name in enumerate(a.datasets):
+                if name not in names:
+                    raise ValueError(f"arms.{j}.datasets.{k}: {name!r} is not a data set of "
+                                     f"the table; allowed: {names}")
             a.engine.check_arm(a, f"arms.{j}")  # the engine runs the arm's estimator
             if a.optimizer is None:
                 a.engine.check_optimizer(self.optimizer, "optimizer")
         for i, d in enumerate(self.datasets):
             for j, a in enumerate(self.arms):
+                if not a.runs_on(d.name):
+                    continue
                 n, field = getattr(a.estimator, "micro_batches", 1), f"arms.{j}.estimator"
                 if n == 1 and getattr(a.engine, "micro_batches", 1) > 1:  # the engine's N
                     n, field = a.engine.micro_batches, f"arms.{j}.engine"
@@ -216,7 +229,8 @@ class ForwardTableConfig(Checked):
 
         tangents = max_tangents(a.estimator for a in self.arms)
         for i, d in enumerate(self.datasets):
-            together = [a for a in self.arms if type(a.engine) is LocalEngineConfig]
+            together = [a for a in self.arms if type(a.engine) is LocalEngineConfig
+                        and a.runs_on(d.name)]
             lanes = self.seeds * max([len(a.sweep(d.name)) for a in together] or [1])
             check_memory(d.model, d.batch_size, lanes=lanes, tangents=tangents,
                          streamed=all(a.engine.streams_layers for a in self.arms),
@@ -473,7 +487,8 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
     for dcfg in cfg.datasets:
         if datasets and dcfg.name not in datasets:
             continue
-        names = [a.name for a in cfg.arms if not arms or a.name in arms]
+        names = [a.name for a in cfg.arms if (not arms or a.name in arms)
+                 and a.runs_on(dcfg.name)]
         base = [r for r in kept.values() if r["dataset"] == dcfg.name and r.get("kind") == "baseline"]
         if all((dcfg.name, a) in kept for a in names) and (base or not with_baselines):
             rows += (base if with_baselines else []) + [kept[(dcfg.name, a)] for a in names]
@@ -484,7 +499,7 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
         stack = dcfg.model.build(ds.info)
         evaluate = _evaluator(stack, ds, dcfg.train_eval_size)
         for arm in cfg.arms:
-            if arms and arm.name not in arms:
+            if (arms and arm.name not in arms) or not arm.runs_on(dcfg.name):
                 continue
             if (dcfg.name, arm.name) in kept:
                 rows.append(kept[(dcfg.name, arm.name)])

@@ -196,7 +196,44 @@ def write_plots(records: Sequence[dict], arms: Sequence[str], out_dir: Path,
         ax.grid(alpha=0.3)
         _legend(ax)
         written.append(_save(fig, out_dir / "cosine.png"))
+    if any("cosine_embed" in r for r in records):
+        written.append(layer_cosine_plot(per_arm, out_dir / "cosine_layers.png"))
     return written
+
+
+def segment_names(records: Sequence[dict]) -> list[str]:
+    """The segments a run's per-layer diagnostics name, in model order (embed, blocks, head)."""
+    keys = {k.removeprefix("cosine_") for r in records for k in r if k.startswith("cosine_")}
+    blocks = sorted((k for k in keys if k.startswith("block_")), key=lambda k: int(k[6:]))
+    return [k for k in ("embed", *blocks, "head") if k in keys]
+
+
+def layer_cosine_plot(per_arm: dict[str, list[dict]], path: Path) -> Path:
+    """One panel per arm: each segment's cosine to the exact gradient against the step (solid,
+    coloured from the embed to the head), and for an estimator that follows local losses its
+    cosine to the local target (dashed): the local losses' bias, told apart from noise."""
+    plt = _plt()
+    arms = [a for a, rs in per_arm.items() if any("cosine_embed" in r for r in rs)]
+    fig, axes = plt.subplots(1, len(arms), figsize=(5.2 * len(arms), 3.8), squeeze=False,
+                             sharey=True)
+    cmap = plt.get_cmap("viridis")
+    for ax, arm in zip(axes[0], arms):
+        rs = per_arm[arm]
+        names = segment_names(rs)
+        for j, seg in enumerate(names):
+            color = cmap(j / max(1, len(names) - 1))
+            xs, ys = series(rs, "step", f"cosine_{seg}")
+            ax.plot(xs, ys, color=color, lw=1.2, label=seg.replace("_", " "))
+            xs, ys = series(rs, "step", f"local_cosine_{seg}")
+            if xs:
+                ax.plot(xs, ys, color=color, lw=1.0, ls="--")
+        ax.set(title=arm, xlabel="step")
+        _integer_x(ax)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("cosine per layer (solid: to the gradient,\ndashed: to the local target)")
+    axes[0][-1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5),
+                       frameon=False)
+    return _save(fig, Path(path))
 
 
 def write_compare_plot(records: Sequence[dict], arms: Sequence[str], path: Path,

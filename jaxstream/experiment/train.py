@@ -86,7 +86,8 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     ckpt = ArmCheckpointer(run_dir / "checkpoints" / arm.name)
     stop = min(cfg.steps, cfg.max_steps or cfg.steps)
     evaluate = evaluator_for(stack)
-    diag = diagnostics_for(engine, stack) if cfg.diag_every else None
+    diag = (diagnostics_for(engine, stack, local=arm.estimator.build().plan.local_target)
+            if cfg.diag_every else None)
     tags = {"arm": arm.name}
     loop = TrainLoop(engine.step, tags=tags,
                      batch_at=batches,

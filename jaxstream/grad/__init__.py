@@ -19,7 +19,7 @@ from jaxstream.grad.directional import directional, generic_directional, stack_d
 from jaxstream.grad.estimators import Backprop, Forward, aggregate, backprop, forward
 from jaxstream.grad.hybrid import Hybrid, hybrid, num_micro_batches
 from jaxstream.grad.hybrid_activity import HybridActivity, hybrid_activity
-from jaxstream.grad.local_guess import LocalGuess, local_guess
+from jaxstream.grad.local_guess import LocalGuess, local_guess, local_targets
 from jaxstream.grad.tangents import TangentSpec
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "hybrid_activity",
     "local_forward_weights",
     "local_guess",
+    "local_targets",
     "num_micro_batches",
     "stack_directional",
     "tangents",

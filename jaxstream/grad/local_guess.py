@@ -108,6 +108,22 @@ class LocalGuess:
         return loss, grads
 
 
+def local_targets(stack: Stack, params: Any, batch: dict) -> Any:
+    """The exact gradient of every segment's local loss, shaped like ``params`` (the head's:
+    of the global loss; own local heads: their exact gradients): what the local-loss
+    estimators (LG-FG-A, LG-FG-W, with groups too) estimate without bias, and the local
+    guess's direction. For a diagnostic: the cosine of an estimate to it, beside the cosine to
+    the global gradient, tells the estimator's noise apart from the local losses' bias.
+
+    Example:
+      >>> target = local_targets(stack, params, batch)   # what LG-FG-A is unbiased for
+    """
+    check_local_losses(stack, True, "local_targets")
+    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa
+    return sg.segment_sweep(stack, params, batch["x"],
+                            _guess_kernel(stack, params["head"], example))[1]
+
+
 def local_guess() -> LocalGuess:
     """Local-guess forward gradient (Fournier et al., ICML 2023): the gradient projected on the
     direction of the segments' local-loss gradients, ĝ = (∇L·U) U / ‖U‖², with one jvp.

@@ -82,6 +82,12 @@ class Plan:
         return self.forward != "none" and self.exact == "selected"
 
     @property
+    def local_target(self) -> bool:
+        """The estimate follows each segment's local loss (LG-FG-A, LG-FG-W, the local guess):
+        unbiased for :func:`~jaxstream.grad.local_targets`, not for the global gradient."""
+        return self.forward in ("local", "local_weights", "local_guess")
+
+    @property
     def local(self) -> bool:
         """Each block's estimate is formed by the forward pass itself (activity, local losses)."""
         return self.forward in ("activity", "local", "local_weights")

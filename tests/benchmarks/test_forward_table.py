@@ -411,3 +411,18 @@ def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
                                          r"activity perturbation"):
         ft.load_table_config(ft.QUICK, ["arms=[{name: W, estimator: {type: local_forward_weights}"
                                         ", local_heads: true, local_groups: 4}]"])
+
+
+def test_an_arm_runs_only_on_the_data_sets_it_names():
+    """``datasets`` on an arm: its rows exist for those data sets only; a name the table does
+    not have is refused when the config loads."""
+    ds = ("{name: %s, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, steps: 2, "
+          "batch_size: 8, eval_every: 2, train_eval_size: 32}")
+    over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=0",
+            f"datasets=[{ds % 'a'}, {ds % 'b'}]",
+            "arms=[{name: BP, lrs: [0.01]}, {name: BP-b, lrs: [0.01], datasets: [b]}]"]
+    rows = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    assert [(r["dataset"], r["arm"]) for r in rows] == [("a", "BP"), ("b", "BP"), ("b", "BP-b")]
+    with pytest.raises(ValueError, match=r"arms\.1\.datasets\.0: 'c' is not a data set of the "
+                                         r"table; allowed: \['a', 'b'\]"):
+        ft.load_table_config(ft.QUICK, over[:-1] + [over[-1].replace("[b]", "[c]")])

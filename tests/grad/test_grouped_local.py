@@ -122,3 +122,11 @@ def test_grouped_heads_are_refused_where_they_cannot_hold():
         with_local_heads(stack, groups=2)
     with pytest.raises(ValueError, match="a weight tangent reaches every group"):
         jg.local_forward_weights()(grouped, p, batch, jax.random.key(0))
+
+
+def test_local_targets_are_the_gradient_of_the_local_objective():
+    """``local_targets`` (what a diagnostic compares local-loss estimates with) is ∇J."""
+    stack, grouped, p, batch = _problem()
+    want = jax.grad(lambda q: _local_objective(stack, grouped, q, batch))(p)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 jg.local_targets(grouped, p, batch), want)
