@@ -140,7 +140,7 @@ def segment_cosines(name: str, a: Any, b: Any) -> dict[str, jax.Array]:
     """Cosines of two stack-shaped trees per segment: ``<name>_embed``, ``<name>_head`` and
     ``<name>_blocks`` (one per block, an (L,) array); a segment with its own local head is
     compared on its module (its head's global gradient is zero)."""
-    part = lambda t: t["module"] if isinstance(t, dict) and "local_head" in t else t  # noqa: E731
+    part = lambda t: t["module"] if isinstance(t, dict) and "local_head" in t else t
     return {f"{name}_embed": tree_cosine(part(a["embed"]), part(b["embed"])),
             f"{name}_blocks": jax.vmap(tree_cosine)(part(a["blocks"]), part(b["blocks"])),
             f"{name}_head": tree_cosine(a["head"], b["head"])}

@@ -115,7 +115,7 @@ class TableArm(Checked):
             raise ValueError(f"local_groups: {self.local_groups} groups need local heads of "
                              "their own (local_heads: true); allowed without: 1")
         if self.local_groups > 1 and self.estimator.build().plan.forward != "local":
-            raise ValueError(f"local_groups: grouped local losses need activity perturbation "
+            raise ValueError("local_groups: grouped local losses need activity perturbation "
                              "(estimator: {type: forward, perturb: activations, local_losses: "
                              "true}): a weight tangent reaches every group; allowed: 1")
         if getattr(self.engine, "store", None) is not None:

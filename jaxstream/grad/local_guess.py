@@ -93,7 +93,7 @@ class LocalGuess:
         check_examples(batch, "local_guess")
         check_local_losses(loss_fn, True, "local_guess")
         stack = loss_fn
-        example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa
+        example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
         _, guess = sg.segment_sweep(stack, params, batch["x"],
                                     _guess_kernel(stack, params["head"], example))
         u, heads = _split(stack, guess)
@@ -119,7 +119,7 @@ def local_targets(stack: Stack, params: Any, batch: dict) -> Any:
       >>> target = local_targets(stack, params, batch)   # what LG-FG-A is unbiased for
     """
     check_local_losses(stack, True, "local_targets")
-    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa
+    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
     return sg.segment_sweep(stack, params, batch["x"],
                             _guess_kernel(stack, params["head"], example))[1]
 
