@@ -91,7 +91,8 @@ class TableArm(Checked):
     ``local_heads``: train the data set's model with a head of its own per block
     (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses), with
     ``local_groups`` groups of each block's output features, each with a head and a loss of
-    its own (Ren et al.'s M/1/G; activity perturbation only); ``datasets``: the data sets the
+    its own (Ren et al.'s M/1/G; activity perturbation only), or with ``local_over:
+    positions`` groups of its positions (a Mixer's tokens: patch-wise losses); ``datasets``: the data sets the
     arm runs on (empty: all; e.g. groups that divide one model's width); ``engine``: what
     runs its steps (the ``engine:`` section of ``kind: train``; its layer store, if any, is a
     scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's."""
@@ -102,6 +103,7 @@ class TableArm(Checked):
     lrs_by_dataset: dict[str, tuple[Positive, ...]] = dataclasses.field(default_factory=dict)
     local_heads: bool = False
     local_groups: Count = 1
+    local_over: Literal["features", "positions"] = "features"
     engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
     optimizer: OptimizerConfig | None = None
     datasets: tuple[str, ...] = ()  # the data sets it runs on (empty: every one)
@@ -308,9 +310,11 @@ class _Arm:
                  stack: Any, evaluate: Any = None):
         self.cfg, self.dcfg, self.arm = cfg, dcfg, arm
         if arm.engine.places_blocks:  # a sequential model runs as a stack
-            stack, evaluate = to_stack(stack, ds.train["x"][:2]), None
+            staged = to_stack(stack, ds.train["x"][:2])
+            stack, evaluate = staged, (evaluate if staged is stack else None)
         if arm.local_heads:
-            stack = with_local_heads(stack, groups=arm.local_groups, x=ds.train["x"][:2])
+            stack = with_local_heads(stack, groups=arm.local_groups, x=ds.train["x"][:2],
+                                     over=arm.local_over)
             evaluate = None  # its parameters carry the local heads
         self.stack = stack
         self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
@@ -437,6 +441,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
         "local_heads": "own" if arm.local_heads else "shared", "local_groups": arm.local_groups,
+        "local_over": arm.local_over,
         "engine": registered_name(arm.engine),
         "optimizer": cfg.arm_optimizer(arm).name,
         "seeds": cfg.seeds, "steps": dcfg.steps, **probe,

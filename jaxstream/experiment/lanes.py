@@ -116,10 +116,9 @@ class Lanes:
     def run(self, lanes: Sequence[Lane], every: int, evaluate: Callable[[Any], Any],
             on_eval: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> LaneResult:
         """Train every lane for ``steps`` steps, calling ``evaluate(params)`` (params with a
-        leading lane axis -> ``(lanes, k)``) after every ``every`` steps; ``on_eval(step,
-        figures, loss)`` sees each evaluation as it comes."""
-        if self.steps % every:
-            raise ValueError(f"steps: {self.steps} must be a multiple of every={every}")
+        leading lane axis -> ``(lanes, k)``) after every ``every`` steps and after the last;
+        ``on_eval(step, figures, loss)`` sees each evaluation as it comes (every lane's row on
+        the local engine; on the others, lanes one after another, the running lane's row)."""
         if type(self.engine) is LocalEngineConfig:
             return self._together(list(lanes), every, evaluate, on_eval)
         return self._one_by_one(list(lanes), every, evaluate, on_eval)
@@ -149,7 +148,7 @@ class Lanes:
                                      jax.random.fold_in(root, t))
                 return st, m["loss"]
 
-            return jax.lax.scan(body, state, (idx, t0 + jnp.arange(every)))
+            return jax.lax.scan(body, state, (idx, t0 + jnp.arange(idx.shape[0])))
 
         run = jax.jit(jax.vmap(chunk, in_axes=(0, 0, 0, None)))
         state = jax.tree.map(lambda *x: jnp.stack(x),
@@ -157,15 +156,19 @@ class Lanes:
         roots = jnp.stack([step_root(lane.seed) for lane in lanes])
         seeds = sorted({lane.seed for lane in lanes})
 
-        def indices(c: int) -> np.ndarray:  # (lanes, every, B): each lane's batches
+        ends = [*range(every, self.steps + 1, every)]
+        ends += [self.steps] if self.steps % every else []  # a last, shorter chunk
+        starts = [0, *ends[:-1]]
+
+        def indices(c: int) -> np.ndarray:  # (lanes, steps of chunk c, B): each lane's batches
             by_seed = {s: np.stack([batch_indices(n, self.batch_size, s, t)
-                                    for t in range(c * every, (c + 1) * every)]) for s in seeds}
+                                    for t in range(starts[c], ends[c])]) for s in seeds}
             return np.stack([by_seed[lane.seed] for lane in lanes]).astype(np.int32)
 
         curve, loss = [], []
 
         def chunk_step(st, c, _):
-            st, losses = run(st, roots, indices(c), c * every)
+            st, losses = run(st, roots, indices(c), starts[c])
             return st, {"loss": losses[:, -1]}
 
         loop = TrainLoop(chunk_step, batch_at=lambda c: c, key_at=lambda c: None, timed=False)
@@ -175,10 +178,10 @@ class Lanes:
             curve.append(figures)
             loss.append(np.asarray(info.record["loss"]))
             if on_eval is not None:
-                on_eval(info.step * every, figures, loss[-1])
+                on_eval(ends[info.step - 1], figures, loss[-1])
 
         loop.add_hook(hook)
-        loop.run(state, start=0, stop=self.steps // every)
+        loop.run(state, start=0, stop=len(ends))
         return LaneResult(np.stack(curve, axis=1), np.stack(loss, axis=1), None)
 
     # -- any other engine: lane after lane --------------------------------------------------
@@ -223,7 +226,7 @@ class Lanes:
             if on_eval is not None:
                 on_eval(info.step, figures[None], np.asarray([loss[-1]]))
 
-        loop.add_hook(hook, every=every)
+        loop.add_hook(hook, every=every, at=(self.steps,))
         loop.run(state, start=0, stop=self.steps)
         # the first step compiles: the median of the rest
         ms = float(np.median(step_s[1:] or step_s) * 1e3)

@@ -82,9 +82,6 @@ class LRSweepConfig(Checked):
         if self.optimizer.warmup_steps > self.steps:
             raise ValueError(f"optimizer.warmup_steps: the warm-up must end within steps = "
                              f"{self.steps}, got {self.optimizer.warmup_steps}")
-        if self.steps % self.eval_every:
-            raise ValueError(f"steps: must be a multiple of eval_every ({self.eval_every}), got "
-                             f"{self.steps}")
 
     def check_run(self, resume: bool) -> None:
         """Before anything is written: the lanes fit in memory, the data set holds a batch."""

@@ -94,6 +94,44 @@ class CNNConfig(ModelConfig):
         return cnn(self.image_shape, self.channels, self.depth, _need(info, "num_classes", "cnn"))
 
 
+@register_choice(ModelConfig, "mixer")
+@dataclasses.dataclass(frozen=True)
+class MixerConfig(ModelConfig):
+    """MLP-Mixer on ``patch``×``patch`` patches of images (inputs may be flat): a token MLP and
+    a channel MLP of ``hidden`` units per block, a head on the tokens' mean."""
+
+    patch: Count = 2
+    width: Count = 32
+    hidden: Count = 64
+    depth: Count = 2
+    image_shape: tuple[Count, Count, Count] = (8, 8, 1)
+
+    def check(self) -> None:
+        h, w, _ = self.image_shape
+        if h % self.patch or w % self.patch:
+            raise ValueError(f"patch: {self.patch} must divide image_shape's height and width "
+                             f"({h}, {w})")
+
+    def tokens(self) -> int:
+        return (self.image_shape[0] // self.patch) * (self.image_shape[1] // self.patch)
+
+    def block_params(self) -> int:
+        """Parameters of the blocks (embed and head left out: a lower bound)."""
+        return 2 * self.hidden * (self.tokens() + self.width) * self.depth
+
+    def memory_estimate(self, batch_size: int, per_layer: bool = False,
+                        tangents: int = 1) -> int:
+        """A lower bound of the bytes a training step needs (see :func:`_estimate`)."""
+        return _estimate(self.block_params() // self.depth, self.depth,
+                         self.tokens() * self.width, batch_size, per_layer, tangents)
+
+    def build(self, info: dict[str, int]) -> Any:
+        from jaxstream.models import mixer
+
+        return mixer(self.image_shape, self.patch, self.width, self.hidden, self.depth,
+                     _need(info, "num_classes", "mixer"))
+
+
 @register_choice(ModelConfig, "char_transformer")
 @dataclasses.dataclass(frozen=True)
 class CharTransformerConfig(ModelConfig):

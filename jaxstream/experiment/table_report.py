@@ -37,8 +37,8 @@ def ren_figures(row: dict) -> dict:
     name = row["arm"]
     if not name.startswith("LG-"):
         return REN_MNIST.get(name, {})
-    if row.get("local_heads") != "own":
-        return {}
+    if row.get("local_heads") != "own" or row.get("local_over", "features") != "features":
+        return {}  # not their design, or patch-wise groups (their MLP rows group features)
     figures = REN_MNIST.get(name.split(REN)[0], {})
     groups = row.get("local_groups", 1)
     return {s: v for s, v in figures.items() if int(s.rsplit("/", 1)[1]) == groups}
@@ -396,6 +396,41 @@ PREDATES_LANES = (
     "seeds `seed`, `seed + 1`, ... (other draws, the same config)")
 
 
+EQUAL_COMPUTE = (
+    "Backprop at each arm's compute: BP's own run read at the step where it had spent what the "
+    "arm spent in its whole run (steps × forward passes per step, counted from the compiled "
+    "steps), its last evaluation at or before that step (mean over seeds); an arm that costs "
+    "more than BP's whole run is compared with BP's end (≥: BP would have had more).")
+
+
+def equal_compute_table(rows: list[dict], dataset: str) -> str:
+    """Markdown: for every arm with a counted cost, BP's test figure at the same compute
+    (from BP's evaluations during its run); empty without a BP row with a curve."""
+    mine = [r for r in rows if r["dataset"] == dataset and not is_baseline(r)]
+    bp = next((r for r in mine if r["arm"] == "BP" and r.get("curve_test_error_mean")), None)
+    if bp is None or not bp.get("forward_equivalents_per_step"):
+        return ""
+    loss = _is_loss(bp)
+    curve = bp["curve_test_loss_mean" if loss else "curve_test_error_mean"]
+    every = bp["eval_every"]
+    unit, fmt = ("test loss", lambda v: f"{v:.3f}") if loss else (
+        "test error %", lambda v: f"{100 * v:.2f}")
+    lines = [f"| arm | forward passes / step | BP steps at its compute | BP {unit} there | "
+             f"arm's {unit} |", "|---|---|---|---|---|"]
+    for r in mine:
+        fe = r.get("forward_equivalents_per_step")
+        if r is bp or not fe:
+            continue
+        steps = r["steps"] * fe / bp["forward_equivalents_per_step"]
+        k = min(int(steps // every), len(curve))
+        at = "before its first evaluation" if k == 0 else fmt(curve[k - 1])
+        more = "≥ " if steps > bp["steps"] else ""
+        mean = r["test_loss_mean"] if loss else r["test_error_mean"]
+        lines.append(f"| {_arm(r)} | {fe:.2f} | {more}{min(steps, bp['steps']):.0f} | {at} | "
+                     f"{fmt(mean)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def _run_lines(payload: dict, rows: list[dict]) -> list[str]:
     """The report's list of runs: command, machine, wall time, and whether its rows predate
     the lanes of ``kind: train``."""
@@ -462,6 +497,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if baseline_table(every, ds):
             parts += ["Baselines (no training by the library; one deterministic fit):", "",
                       baseline_table(every, ds), ""]
+        if equal_compute_table(rows, ds):
+            parts += [EQUAL_COMPUTE, "", equal_compute_table(rows, ds), ""]
         parts += [
 
                   f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}; "

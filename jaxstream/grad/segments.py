@@ -229,19 +229,21 @@ def local_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segm
 
 
 def grouped_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
-                     group_losses: Callable) -> tuple[jax.Array, Any]:
-    """``(out, weight estimate)`` of a segment whose output features split into G groups, each
-    with its own loss: ``group_losses(out) -> (G, B)``, group g's reading only features
-    ``g·D/G .. (g+1)·D/G - 1``. The tangent's group g is weighted by its own loss's derivative
-    d_g = ∇L_g·u_g only, so the estimate is unbiased for the mean of the G group losses."""
+                     group_losses: Callable, axis: int = -1) -> tuple[jax.Array, Any]:
+    """``(out, weight estimate)`` of a segment whose output splits along ``axis`` (-1: its
+    features; 1: its positions) into G contiguous groups, each with its own loss:
+    ``group_losses(out) -> (G, B)``, group g's reading only its own slice. The tangent's group
+    g is weighted by its own loss's derivative d_g = ∇L_g·u_g only, so the estimate is
+    unbiased for the mean of the G group losses."""
     out, pull = jax.vjp(fn, p)
-    u = _u(spec, key, segment, out)  # (K, B, ..., D)
+    u = _u(spec, key, segment, out)  # (K, B, ...)
     _, d = jvp_k(group_losses, (out,), (u,))  # (K, G, B)
     k, g, b = d.shape
     acc = loss_dtype(u.dtype, d.dtype)
-    ug = u.reshape(u.shape[:-1] + (g, -1)).astype(acc)  # (K, B, ..., G, D/G)
+    a = (axis % out.ndim) + 1  # the split axis of u
+    ug = u.reshape(u.shape[:a] + (g, -1) + u.shape[a + 1:]).astype(acc)
     w = jnp.moveaxis(d, 1, -1).astype(acc)  # (K, B, G)
-    w = w.reshape(w.shape[:2] + (1,) * (ug.ndim - 4) + (g, 1))
+    w = w.reshape(w.shape[:2] + (1,) * (a - 2) + (g,) + (1,) * (ug.ndim - a - 1))
     cot = jnp.sum(w * ug, axis=0).reshape(out.shape) / (k * b * g)
     return out, pull(cot.astype(out.dtype))[0]
 
@@ -294,7 +296,8 @@ def local_grad(stack: Stack, fn: Callable, p: Any, spec: TangentSpec, key: jax.A
                              "reaches every group of a block's output. Use activity "
                              "perturbation (forward, perturb: activations, local_losses: true)")
         out, g = grouped_act_grad(module, p["module"], spec, key, segment,
-                                  lambda h: own_losses(stack, own, h, example))
+                                  lambda h: own_losses(stack, own, h, example),
+                                  stack.local_group_axis)
     else:
         out, g = kernel(module, p["module"], spec, key, segment,
                         lambda h: example(stack.local_head(own, h)))

@@ -15,7 +15,7 @@ from jaxstream.models.stack import (
     layer_slice,
     slice_blocks,
 )
-from jaxstream.models.zoo import char_transformer, cnn, mlp
+from jaxstream.models.zoo import char_transformer, cnn, mixer, mlp
 
 __all__ = [
     "Batch",
@@ -28,6 +28,7 @@ __all__ = [
     "as_stack",
     "char_transformer",
     "cnn",
+    "mixer",
     "cross_entropy",
     "from_nnx",
     "from_sequential",

@@ -37,10 +37,14 @@ from jaxstream.models.stack import Stack
 LOCAL = 0x10CA1  # key segment of the local heads' initialisation
 
 
-def with_local_heads(stack: Stack, groups: int = 1, x: Any = None) -> Stack:
+def with_local_heads(stack: Stack, groups: int = 1, x: Any = None,
+                     over: str = "features") -> Stack:
     """``stack`` with a local head of the final head's shape on the embed and on every block;
     ``groups`` > 1: G linear heads per segment, one per group of its output features (``x``,
-    a few inputs, gives the features' and the classes' sizes).
+    a few inputs, gives the features' and the classes' sizes), or with ``over="positions"``
+    one per group of its positions (tokens, patches: an output (B, T, D), T split into G
+    contiguous groups, each head reading its group's mean features; Ren et al.'s patch-wise
+    losses).
 
     Raises:
       ValueError: ``stack`` already has local heads, or its head does not read every block's
@@ -56,8 +60,10 @@ def with_local_heads(stack: Stack, groups: int = 1, x: Any = None) -> Stack:
                          "output (a padded stack), so a head of its shape cannot read the others")
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
         raise ValueError(f"groups: must be an integer >= 1, got {groups!r}")
+    if over not in ("features", "positions"):
+        raise ValueError(f"over: must be 'features' or 'positions', got {over!r}")
     if groups > 1:
-        return _grouped(stack, groups, x)
+        return _grouped(stack, groups, x, over)
     heads = jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))
 
     def init(key: jax.Array) -> dict:
@@ -80,7 +86,7 @@ def _with_heads(params: dict, own: Any) -> dict:
             "head": params["head"]}
 
 
-def _grouped(stack: Stack, groups: int, x: Any) -> Stack:
+def _grouped(stack: Stack, groups: int, x: Any, over: str = "features") -> Stack:
     """The ``groups`` > 1 case of :func:`with_local_heads`."""
     if x is None:
         raise ValueError("with_local_heads: groups > 1 needs x= (a few inputs) for the sizes of "
@@ -94,16 +100,22 @@ def _grouped(stack: Stack, groups: int, x: Any) -> Stack:
         raise ValueError(f"groups: grouped local losses classify each example from its pooled "
                          f"features, and {stack.name!r}'s head gives logits of shape "
                          f"{tuple(logits.shape)} (per position); allowed: 1")
-    width, classes = out.shape[-1], logits.shape[-1]
-    for what, d in (("embed", h.shape[-1]), ("blocks", width)):
-        if d % groups or d != width:
-            raise ValueError(f"groups: {groups} must divide the {what}' output features ({d}),"
-                             f" the same for the embed and every block (blocks: {width})")
+    if h.shape != out.shape:
+        raise ValueError(f"groups: the embed's output {tuple(h.shape)} and the blocks' "
+                         f"{tuple(out.shape)} differ; grouped heads need one shape")
+    axis = len(out.shape) - 1 if over == "features" else 1
+    if over == "positions" and len(out.shape) != 3:
+        raise ValueError(f"over: 'positions' groups the tokens of a (batch, tokens, features) "
+                         f"output; {stack.name!r}'s blocks give {tuple(out.shape)}")
+    size, classes = out.shape[axis], logits.shape[-1]
+    if size % groups:
+        what = "output features" if over == "features" else "positions"
+        raise ValueError(f"groups: {groups} must divide the segments' {what} ({size})")
+    fan_in = size // groups if over == "features" else out.shape[-1]
 
     def head(key: jax.Array) -> dict:
-        w = jax.random.normal(key, (groups, width // groups, classes), jnp.float32)
-        return {"kernel": w / jnp.sqrt(width // groups),
-                "bias": jnp.zeros((groups, classes), jnp.float32)}
+        w = jax.random.normal(key, (groups, fan_in, classes), jnp.float32)
+        return {"kernel": w / jnp.sqrt(fan_in), "bias": jnp.zeros((groups, classes), jnp.float32)}
 
     heads = jax.jit(jax.vmap(head))
 
@@ -112,13 +124,18 @@ def _grouped(stack: Stack, groups: int, x: Any) -> Stack:
         return _with_heads(stack.init(key), own)
 
     def local_head(own: dict, h: jax.Array) -> jax.Array:
-        """``(G, B, classes)``: group g's logits from group g's pooled features."""
-        pooled = h.reshape(h.shape[0], -1, h.shape[-1]).mean(axis=1)
-        grouped = pooled.reshape(h.shape[0], groups, -1)
+        """``(G, B, classes)``: group g's logits from group g alone (its features pooled over
+        the positions, or its positions' mean features)."""
+        if over == "features":
+            pooled = h.reshape(h.shape[0], -1, h.shape[-1]).mean(axis=1)
+            grouped = pooled.reshape(h.shape[0], groups, -1)
+        else:
+            grouped = h.reshape(h.shape[0], groups, -1, h.shape[-1]).mean(axis=2)
         w, b = own["kernel"].astype(h.dtype), own["bias"].astype(h.dtype)
         return jnp.einsum("bgd,gdc->gbc", grouped, w) + b[:, None, :]
 
     return dataclasses.replace(
         stack, embed=lambda p, x: stack.embed(p["module"], x),
         block=lambda p, h: stack.block(p["module"], h), init=init, local_head=local_head,
-        local_groups=groups, name=f"{stack.name}+local heads/{groups} groups")
+        local_groups=groups, local_group_axis=axis,
+        name=f"{stack.name}+local heads/{groups} {'groups' if over == 'features' else 'patch groups'}")

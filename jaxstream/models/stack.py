@@ -48,6 +48,8 @@ class Stack:
       local_groups: G, the groups of a segment's output features that each have a local loss
         of their own (``local_head`` then returns ``(G, B, classes)``: group ``g``'s logits read
         only group ``g``'s features, so its tangent reaches only its own loss); 1: one loss.
+      local_group_axis: the axis of a segment's output the groups split (-1: features; 1:
+        positions, a (B, T, D) output's tokens).
 
     Example:
       >>> stack = mlp(in_dim=64, width=32, depth=2, num_classes=10)
@@ -65,6 +67,7 @@ class Stack:
     shared_head: bool = True
     local_head: Callable[[Any, jax.Array], jax.Array] | None = None
     local_groups: int = 1
+    local_group_axis: int = -1
 
     def __call__(self, params: Params, batch: Batch) -> jax.Array:
         """Mean loss of ``batch``."""

@@ -108,6 +108,82 @@ def cnn(
     return nnx_stack_factory(build, depth, name=f"cnn{depth}x{channels}")
 
 
+class _Patches(nnx.Module):
+    """Cut an image into non-overlapping ``patch``×``patch`` patches, each linearly embedded."""
+
+    def __init__(self, image_shape: tuple[int, int, int], patch: int, width: int,
+                 rngs: nnx.Rngs):
+        self.image_shape, self.patch = tuple(image_shape), patch
+        self.linear = nnx.Linear(patch * patch * image_shape[-1], width, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        (h, w, c), p, b = self.image_shape, self.patch, x.shape[0]
+        x = x.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+        return self.linear(x.reshape(b, (h // p) * (w // p), p * p * c))
+
+
+class _MixerBlock(nnx.Module):
+    """MLP-Mixer block: an MLP across the tokens, then one across the channels, each residual
+    on a layer-normed input (Tolstikhin et al., 2021)."""
+
+    def __init__(self, tokens: int, width: int, hidden: int, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(width, rngs=rngs)
+        self.token1, self.token2 = (nnx.Linear(tokens, hidden, rngs=rngs),
+                                    nnx.Linear(hidden, tokens, rngs=rngs))
+        self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+        self.channel1, self.channel2 = (nnx.Linear(width, hidden, rngs=rngs),
+                                        nnx.Linear(hidden, width, rngs=rngs))
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        y = self.norm1(h).swapaxes(1, 2)  # (B, width, tokens)
+        h = h + self.token2(jax.nn.gelu(self.token1(y))).swapaxes(1, 2)
+        return h + self.channel2(jax.nn.gelu(self.channel1(self.norm2(h))))
+
+
+class _TokenMeanHead(nnx.Module):
+    def __init__(self, width: int, num_classes: int, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.linear = nnx.Linear(width, num_classes, rngs=rngs)
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return self.linear(self.norm(h).mean(axis=1))
+
+
+def mixer(
+    image_shape: tuple[int, int, int] = (8, 8, 1),
+    patch: int = 2,
+    width: int = 32,
+    hidden: int = 64,
+    depth: int = 2,
+    num_classes: int = 10,
+) -> Stack:
+    """MLP-Mixer on ``patch``×``patch`` patches: blocks of a token MLP and a channel MLP
+    (``hidden`` units each), a head on the tokens' mean. Every block's output is (B, tokens,
+    width): local losses per token group (:func:`~jaxstream.models.with_local_heads` with
+    ``over="positions"``) or per channel group apply to it, as in Ren et al.'s LocalMixer.
+
+    Example:
+      >>> stack = mixer((8, 8, 1), patch=2, width=32, depth=4)   # 16 tokens of 4 pixels
+    """
+    _check_positive(patch=patch, width=width, hidden=hidden, depth=depth,
+                    num_classes=num_classes)
+    if len(image_shape) != 3 or min(image_shape) < 1:
+        raise ValueError(f"image_shape must be (height, width, channels), got {image_shape!r}")
+    if image_shape[0] % patch or image_shape[1] % patch:
+        raise ValueError(f"patch: {patch} must divide the image's height and width "
+                         f"{tuple(image_shape[:2])}")
+    tokens = (image_shape[0] // patch) * (image_shape[1] // patch)
+
+    def build(rngs: nnx.Rngs):
+        return (
+            _Patches(tuple(image_shape), patch, width, rngs),
+            lambda l: _MixerBlock(tokens, width, hidden, rngs),
+            _TokenMeanHead(width, num_classes, rngs),
+        )
+
+    return nnx_stack_factory(build, depth, name=f"mixer{depth}x{width}")
+
+
 class _TokenEmbed(nnx.Module):
     def __init__(self, vocab: int, seq_len: int, d_model: int, rngs: nnx.Rngs):
         self.tok = nnx.Embed(vocab, d_model, rngs=rngs)

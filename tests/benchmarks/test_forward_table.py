@@ -426,3 +426,20 @@ def test_an_arm_runs_only_on_the_data_sets_it_names():
     with pytest.raises(ValueError, match=r"arms\.1\.datasets\.0: 'c' is not a data set of the "
                                          r"table; allowed: \['a', 'b'\]"):
         ft.load_table_config(ft.QUICK, over[:-1] + [over[-1].replace("[b]", "[c]")])
+
+
+def test_backprop_at_each_arms_compute_is_read_off_its_own_curve():
+    """An arm costing half BP's forward passes per step is compared with BP after half its
+    steps; one costing twice as much with BP's end, marked ≥; none without a BP curve."""
+    from jaxstream.experiment.table_report import equal_compute_table, markdown
+
+    bp = {**_row("BP", 0.1), "steps": 40, "eval_every": 10, "forward_equivalents_per_step": 3.0,
+          "curve_test_error_mean": [0.5, 0.3, 0.2, 0.1]}
+    cheap = {**_row("hybrid-weighted", 0.25), "steps": 40, "forward_equivalents_per_step": 1.5}
+    dear = {**_row("FG-W-K16", 0.4), "steps": 40, "forward_equivalents_per_step": 6.0}
+    text = equal_compute_table([bp, cheap, dear], "d")
+    assert "| hybrid-weighted | 1.50 | 20 | 30.00 | 25.00 |" in text
+    assert "| FG-W-K16 | 6.00 | ≥ 40 | 10.00 | 40.00 |" in text
+    assert equal_compute_table([cheap, dear], "d") == ""
+    assert "Backprop at each arm's compute" in markdown(
+        {"rows": [bp, cheap], "command": "c", "machine": "m"})

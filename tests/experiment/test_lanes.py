@@ -121,22 +121,24 @@ def test_table_engine_sections_are_checked_before_compute():
 
 def test_a_swept_lane_with_a_schedule_is_the_train_run(tmp_path):
     """``kind: lr_sweep`` takes the whole optimizer section (here warm-up, cosine decay and
-    clipping): its lane at a rate ends where ``kind: train`` at that rate ends."""
-    sweep = {"kind": "lr_sweep", "seed": 1, "steps": 6, "batch_size": 16, "eval_every": 3,
+    clipping): its lane at a rate ends where ``kind: train`` at that rate ends; 7 steps with an
+    evaluation every 3 evaluate at 3, 6 and 7, as ``kind: train`` does."""
+    sweep = {"kind": "lr_sweep", "seed": 1, "steps": 7, "batch_size": 16, "eval_every": 3,
              "progress": False, "model": MODEL, "optimizer": OPTIMIZER, "lrs": [0.05, 0.2],
              "arms": [{"name": "a", "estimator": ESTIMATOR}]}
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
     run_dir, _ = run_experiment(path, out=tmp_path / "s")
-    lane = [r for r in MetricsLog(run_dir / "metrics.jsonl").read()
-            if r["lr"] == 0.2 and r["step"] == 6]
-    train = {"kind": "train", "seed": 1, "steps": 6, "batch_size": 16, "eval_every": 3,
+    lanes = [r for r in MetricsLog(run_dir / "metrics.jsonl").read() if r["lr"] == 0.2]
+    assert [r["step"] for r in lanes] == [3, 6, 7]
+    lane = lanes[-1:]
+    train = {"kind": "train", "seed": 1, "steps": 7, "batch_size": 16, "eval_every": 3,
              "diag_every": 0, "plots": False, "progress": False, "model": MODEL,
              "optimizer": OPTIMIZER, "arms": [{"name": "a", "estimator": ESTIMATOR, "lr": 0.2}]}
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(train))
     t_dir, _ = run_experiment(path, out=tmp_path / "t")
     (ref,) = [r for r in MetricsLog(t_dir / "metrics.jsonl").read()
-              if r["step"] == 6 and "test_loss" in r]
+              if r["step"] == 7 and "test_loss" in r]
     np.testing.assert_allclose(lane[0]["test_loss"], ref["test_loss"], rtol=1e-5)
     np.testing.assert_allclose(lane[0]["loss"], ref["loss"], rtol=1e-5)

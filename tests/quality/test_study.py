@@ -48,7 +48,6 @@ def test_bad_config_names_the_field(override, field):
         load_experiment(CONFIG, [override])
 
 
-@pytest.mark.standard_promotion  # trains through optax
 def test_study_runs_tiny(tmp_path):
     kind, cfg = load_experiment(CONFIG, TINY)
     summary = get_experiment(kind).run(cfg, tmp_path)
