@@ -31,10 +31,13 @@ MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN, "loca
 
 
 def ren_figures(row: dict) -> dict:
-    """Ren et al.'s published figures for a row's method: by arm name, the local-loss arms only
-    where the row ran their design (its own head per block: ``local_heads == "own"``) and
-    only in the setting whose groups it ran (S/1/1: one group; M/1/16: 16)."""
+    """Ren et al.'s published figures for a row's method: by arm name, beside MLP rows only
+    (their figures are of MLPs), the local-loss arms only where the row ran their design (its
+    own head per block: ``local_heads == "own"``) and only in the setting whose groups it ran
+    (S/1/1: one group; M/1/16: 16)."""
     name = row["arm"]
+    if row.get("model", "mlp") != "mlp":
+        return {}  # their figures are of MLPs
     if not name.startswith("LG-"):
         return REN_MNIST.get(name, {})
     if row.get("local_heads") != "own" or row.get("local_over", "features") != "features":
