@@ -363,6 +363,9 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     sixteen = {**own, "arm": "LG-FG-A-Ren-G16", "local_groups": 16}
     text = markdown({"rows": [shared, own, sixteen], "command": "c", "machine": "m"})
     assert line("LG-FG-A-Ren-G16").endswith("| — | 2.55 |")  # 16 groups: M/1/16 only
+    mixer = {**own, "model": "mixer"}  # their figures are of MLPs: none beside a Mixer
+    text = markdown({"rows": [shared, mixer], "command": "c", "machine": "m"})
+    assert line("LG-FG-A-Ren").endswith("| — | — |")
     with pytest.raises(ValueError, match=r"arms\.0\.local_heads: only local losses read local heads"):
         ft.load_table_config(ft.QUICK, ["arms=[{name: BP, estimator: {type: backprop}, "
                                         "local_heads: true}]"])
