@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 # Ren, Kornblith, Liao, Hinton: "Scaling forward gradient with local losses", ICLR 2023 —
@@ -399,6 +400,36 @@ PREDATES_LANES = (
     "seeds `seed`, `seed + 1`, ... (other draws, the same config)")
 
 
+def k_table(rows: list[dict], dataset: str) -> str:
+    """Markdown: K (tangents per step) as an axis, one line per estimator run at several K
+    (arms named ``NAME`` and ``NAME-K<k>``): test error (or loss) and forward passes per step
+    at each K; empty where no estimator ran at two K."""
+    families: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        if r["dataset"] != dataset or is_baseline(r) or not r.get("tangents"):
+            continue
+        base = re.sub(r"-K\d+$", "", r["arm"])
+        families.setdefault(base, {})[int(r["tangents"])] = r
+    families = {b: ks for b, ks in families.items() if len(ks) >= 2}
+    if not families:
+        return ""
+    ks = sorted({k for f in families.values() for k in f})
+    loss = any(_is_loss(r) for f in families.values() for r in f.values())
+    cell = (lambda r: f"{r['test_loss_mean']:.3f} ± {r.get('test_loss_sd', 0.0):.3f}") if loss else (
+        lambda r: _pm(r["test_error_mean"], r["test_error_sd"]))
+    lines = ["| estimator | " + " | ".join(f"K = {k}" for k in ks) + " |",
+             "|---|" + "---|" * len(ks)]
+    for base, f in families.items():
+        cells = [("—" if k not in f else f"{cell(f[k])} ({_fmt(f[k].get('forward_equivalents_per_step'), '.1f')})")
+                 for k in ks]
+        lines.append(f"| {base} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+K_AXIS = ("Tangents per step K as an axis: test {what} at each K (forward passes per step, "
+          "counted from the compiled step, in brackets).")
+
+
 EQUAL_COMPUTE = (
     "Backprop at each arm's compute: BP's own run read at the step where it had spent what the "
     "arm spent in its whole run (steps × forward passes per step, counted from the compiled "
@@ -500,6 +531,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if baseline_table(every, ds):
             parts += ["Baselines (no training by the library; one deterministic fit):", "",
                       baseline_table(every, ds), ""]
+        if k_table(rows, ds):
+            parts += [K_AXIS.format(what="loss" if loss else "error %"), "", k_table(rows, ds),
+                      ""]
         if equal_compute_table(rows, ds):
             parts += [EQUAL_COMPUTE, "", equal_compute_table(rows, ds), ""]
         parts += [

@@ -446,3 +446,18 @@ def test_backprop_at_each_arms_compute_is_read_off_its_own_curve():
     assert equal_compute_table([cheap, dear], "d") == ""
     assert "Backprop at each arm's compute" in markdown(
         {"rows": [bp, cheap], "command": "c", "machine": "m"})
+
+
+def test_k_is_an_axis_of_the_report():
+    """Arms NAME and NAME-K<k> are one estimator at several K: one line, a column per K."""
+    from jaxstream.experiment.table_report import k_table
+
+    rows = [{**_row("FG-A", 0.3), "tangents": 1, "forward_equivalents_per_step": 3.3},
+            {**_row("FG-A-K4", 0.2), "tangents": 4, "forward_equivalents_per_step": 5.4},
+            {**_row("FG-W-K16", 0.1), "tangents": 16},
+            {**_row("BP", 0.05), "tangents": 0}]
+    text = k_table(rows, "d")
+    assert text.splitlines()[0] == "| estimator | K = 1 | K = 4 |"
+    assert "| FG-A | 30.00 ± 0.10 (3.3) | 20.00 ± 0.10 (5.4) |" in text
+    assert "FG-W" not in text and "BP" not in text  # one K only / no tangents
+    assert k_table(rows[2:], "d") == ""

@@ -69,10 +69,11 @@ def test_a_table_lane_is_the_train_run_of_its_rate_and_seed(tmp_path):
 @pytest.mark.parametrize("engine", [
     {"type": "pipeline", "stages": 2, "micro_batches": 2},
     {"type": "stream"},
-], ids=["pipeline", "stream"])
+    {"type": "dataparallel", "devices": 2},
+], ids=["pipeline", "stream", "dataparallel"])
 def test_a_table_arm_runs_on_another_engine_as_its_train_run_does(tmp_path, engine):
-    """An arm whose ``engine`` is the pipeline or the streamed engine runs its lanes one by one
-    through that engine's step: each lane ends where ``kind: train`` on that engine ends, and
+    """An arm whose ``engine`` is the pipeline, the streamed or the data-parallel engine runs
+    its lanes one by one through that engine's step: each lane ends where ``kind: train`` on that engine ends, and
     (backprop) where the in-memory row ends; the row says which engine ran it, has no compiled
     step's memory figure, and its estimate is exact."""
     bp = {"type": "backprop"}
