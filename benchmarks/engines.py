@@ -71,6 +71,8 @@ def estimators(num_layers: int) -> dict:
         "fwd-act-own": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
         "fwd-w-local-own": (jg.local_forward_weights(2, "gaussian"), "flat"),
         "fwd-act-grouped": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
+        "local-guess": (jg.local_guess(), "flat"),  # Fournier et al.
+        "local-guess-own": (jg.local_guess(), "flat"),
         "exact-subset": (jg.exact_subset(len(SEL)), "micro"),
         "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=2), "micro"),
         "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=2), "micro"),

@@ -78,7 +78,8 @@ class StreamConfig:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
 
 
-RUNS = ("none", "weights", "activity", "local", "local_weights")  # the forward passes it runs
+RUNS = ("none", "weights", "activity", "local", "local_weights",  # the forward passes it runs
+        "local_guess")  # (the local guess: on a placement that runs it, one device)
 
 def plan_of(estimator: Any, update: str = "eager") -> Plan:
     """The estimator's plan, checked against what the streamed sweeps run; errors name it."""
@@ -135,6 +136,11 @@ class StreamedExecutor:
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
                                                 device or jax.local_devices()[0])
         self.placement.agree(store)
+        if self.plan.forward == "local_guess" and not self.placement.runs_local_guess:
+            raise ValueError(f"{type(self.placement).__name__}: the local guess's sweeps (exact "
+                             "local gradients, then one jvp along them) run on one device "
+                             "(the stream engine), not on this placement; run it there or in "
+                             "memory")
         self.events: list[Event] = []
         self.clock = _clock()  # the last step's time per cause
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxstream-host-update")
@@ -385,6 +391,8 @@ class StreamedExecutor:
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
         elif plan.local:
             loss, new = self._run_activity(batch, key, list(layers), sink, t0), {}
+        elif plan.forward == "local_guess":
+            loss, new = self._run_local_guess(batch, list(layers), sink, t0), {}
         else:
             loss, new = self._run_reverse(batch, key, list(layers), sink, t0)
         if commit_lazy:
@@ -491,6 +499,65 @@ class StreamedExecutor:
             kept(lambda u, dev, st: self.placement.act_grad(dev, u, keys, st, d)),
             done, state=(x["x"],))
         return float(jnp.mean(ex_loss))
+
+    def _run_local_guess(self, batch, layers, sink, t0) -> float:
+        """The local guess (Fournier et al.): a sweep of each unit's exact local-loss gradient
+        U_u (kept in the store's scratch), a sweep along U giving d = ∇L·U, and an update
+        sweep ĝ_u = d / ‖U‖² · U_u; own local heads get their exact gradients as they are."""
+        x = self._cast_batch(batch)
+        z = jnp.int32(0)
+        hosts: dict = {}
+        ends: dict = {}  # the embed's and the head's host params, for the sweep along U
+        heads: dict = {}  # own local heads' exact gradients per address
+        sq: list = []
+        scratch: list = []
+        own = self.stack.local_head is not None
+        head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
+
+        def keep(addr, g, host):
+            g = _f32(g, self.host)
+            if own and "local_head" in g:  # the direction reaches the module only
+                heads[addr] = g["local_head"]
+                g = {**g, "local_head": jax.tree.map(jnp.zeros_like, g["local_head"])}
+            if addr in ("embed", "head"):
+                ends[addr] = host
+            sq.append(sum(float(np.vdot(a, a)) for a in jax.tree.leaves(host_value(g))))
+            scratch.extend(self.store.write_scratch(addr, jax.tree.map(np.asarray, g)))
+
+        def kept(kernel):
+            def run(u, loaded, state):
+                hosts[u], dev = loaded
+                return kernel(u, dev, state)
+            return run
+
+        def done(finished):
+            for u, g in finished:
+                self._each(u, g, hosts.pop(u), keep)
+
+        (out,) = self._drive(
+            layers, self._load_both, t0, "forward",
+            kept(lambda u, dev, st: self._unit_grad(u, K.unit_local_exact(
+                self.stack, u.part, dev, z, st[0], head_dev, x))),
+            kept(lambda u, dev, st: self.placement.local_exact(dev, u, st, head_dev, x)),
+            done, state=(x["x"],))
+        loss = float(jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
+            o.astype(jnp.float32), b))(out, x)))
+        for f in scratch:
+            f.result()
+        d = float(np.mean(self._along_sweep(batch, layers, ends, t0, 1.0)))
+        c = np.float32(d / max(sum(sq), float(np.finfo(np.float32).tiny)))
+
+        def load(u: Unit):
+            p = self._like(u.key, ends, staged=True)
+            g = jax.tree.map(lambda a: np.asarray(a) * c, self.store.read_scratch(u.key).result())
+            if u.key in heads:
+                g = {**g, "local_head": heads[u.key]}
+            return p, g
+
+        units = [of_key(a) for a in ["embed", *layers, "head"]]
+        for u, (p, g) in self._sweep(units, load, t0, "update"):
+            sink(u.key, g, p)
+        return loss
 
     @staticmethod
     def _unit_grad(u: Unit, out: tuple) -> tuple:

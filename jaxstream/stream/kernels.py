@@ -215,6 +215,26 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
     return out, _sum0(g)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def unit_local_exact(stack: Stack, unit: str, p: Any, layer: jax.Array, inp: jax.Array,
+                     head: Any, batch: dict):
+    """``(out, exact gradient of the unit's local loss)`` over the micro-batches (their
+    mean): the local guess's direction of one unit (:func:`jaxstream.grad.local_targets`)."""
+    from jaxstream.grad.local_guess import _guess_kernel
+
+    fn = {"embed": stack.embed, "block": stack.block, "head": stack.head}[unit]
+    seg = layer if unit == "block" else unit
+    n = inp.shape[0]
+
+    def one(i, bn):
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)  # noqa: E731
+        out, g = _guess_kernel(stack, head, example)(lambda pp: fn(pp, i), p, seg)
+        return out, jax.tree.map(lambda a: a / n, g)
+
+    out, g = jax.vmap(one)(inp, batch)
+    return out, _sum0(g)
+
+
 # ----------------------------------------------------------------------------- combine per unit
 # One unit is one segment of the core's combine (``{"tree": ...}``); ``member`` (S,) says which
 # selected micro-batches have this unit's exact gradient (nested per-layer groups).

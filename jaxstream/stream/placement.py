@@ -113,6 +113,13 @@ class Placement(abc.ABC):
     def local_grad(self, dev, unit, keys, state, head_dev, x, weights: bool):
         """``((h,), done)``: the unit's weight estimate under local losses."""
 
+    def local_exact(self, dev, unit, state, head_dev, x):
+        """``((h,), done)``: the unit's exact local-loss gradient (the local guess's
+        direction); a placement that does not run it leaves :attr:`runs_local_guess` False."""
+        raise NotImplementedError
+
+    runs_local_guess: bool = False
+
     @abc.abstractmethod
     def vjp(self, dev, unit, stash: dict, state, each: bool):
         """``((input cotangent,), done)``: weight gradient(s) from the stashed inputs."""
@@ -203,6 +210,13 @@ class OneDevice(Placement):
     def local_grad(self, dev, unit, keys, state, head_dev, x, weights: bool):
         h, g = K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit.key),
                                  keys, state[0], head_dev, x, weights)
+        return (h,), [(unit, g)]
+
+    runs_local_guess = True
+
+    def local_exact(self, dev, unit, state, head_dev, x):
+        h, g = K.unit_local_exact(self.stack, "block", dev, jnp.int32(unit.key), state[0],
+                                  head_dev, x)
         return (h,), [(unit, g)]
 
     def vjp(self, dev, unit, stash: dict, state, each: bool):

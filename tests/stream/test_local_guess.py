@@ -1,0 +1,59 @@
+"""The local guess (Fournier et al.) on the stream engine: its three sweeps (exact local
+gradients, one jvp along them, the update) give the in-memory estimator's gradient, with the
+shared head and with a head per block; the composed engine refuses it by name."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxstream.grad as jg
+from jaxstream.models import mlp, with_local_heads
+from jaxstream.stream import LayerStore
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from tests.trees import max_rel_err
+
+
+def _problem(own: bool):
+    stack = mlp(in_dim=6, width=8, depth=3, num_classes=3)
+    stack = with_local_heads(stack) if own else stack
+    rng = np.random.default_rng(0)
+    micro = {"x": rng.standard_normal((2, 4, 6), dtype=np.float32),
+             "y": rng.integers(0, 3, (2, 4), dtype=np.int32)}
+    flat = {k: v.reshape(8, *v.shape[2:]) for k, v in micro.items()}
+    return stack, stack.init(jax.random.key(0)), micro, flat
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["shared-head", "own-heads"])
+def test_streamed_local_guess_equals_in_memory(tmp_path, own):
+    stack, params, micro, flat = _problem(own)
+    store = LayerStore.create(tmp_path / "s", jax.device_get(params), optimizer=optax.sgd(0.1))
+    ex = StreamedExecutor(stack, jg.local_guess(), optax.sgd(0.1), store,
+                          StreamConfig(compute_dtype="float32", prefetch=1))
+    key = jax.random.key(3)
+    loss, grads = ex.estimate(micro, key)
+    ref_loss, ref = jg.local_guess()(stack, params, flat, key)
+    assert max_rel_err(grads, ref) <= 1e-5
+    assert loss == pytest.approx(float(ref_loss), rel=1e-5)
+    assert store.step == 0  # an estimate commits nothing
+    ex.step(micro, key)  # and a step commits: the store moves on by one SGD step
+    want = jax.tree.map(lambda p, g: p - 0.1 * g, params, ref)
+    assert max_rel_err(store.read_params(), want) <= 1e-5
+
+
+def test_the_composed_engine_refuses_the_local_guess_by_name(tmp_path):
+    from jaxstream.compose import ComposedExecutor, make_mesh
+    from jaxstream.experiment.registry import load_experiment
+
+    stack, params, _, _ = _problem(False)
+    store = LayerStore.create(tmp_path / "s", jax.device_get(params), optimizer=optax.sgd(0.1))
+    with pytest.raises(ValueError, match="the local guess's sweeps"):
+        ComposedExecutor(stack, jg.local_guess(), optax.sgd(0.1), store,
+                         StreamConfig(compute_dtype="float32", prefetch=1),
+                         mesh=make_mesh(1, 1))
+    with pytest.raises(ValueError, match=r"arms\.0\.estimator: the composed engine does not "
+                                         r"run the local guess"):
+        load_experiment({"kind": "train", "engine": {"type": "composed"},
+                         "arms": [{"name": "lg", "estimator": {"type": "local_guess"}}]})
