@@ -22,6 +22,7 @@ the shard's rows, so its reference is the in-memory estimator itself.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -164,11 +165,12 @@ def main(argv=None) -> dict:
         exact = jax.grad(stack)(params, flat)
         data = flat if layout == "flat" else micro
         ref = jax.jit(est, static_argnums=0)(stack, params, data, key)[1]
-        dp = data_parallel(est, mesh, tangents="shared", batch_axis=0 if layout == "flat" else 1)
+        dp = functools.partial(data_parallel, est, mesh, tangents="shared",  # refusals: a row
+                               batch_axis=0 if layout == "flat" else 1)
         runs = {
             "memory": lambda: (ref, None),
-            "dataparallel": lambda: (jax.jit(dp, static_argnums=0)(stack, params, data, key)[1],
-                                     None),
+            "dataparallel": lambda: (jax.jit(dp(), static_argnums=0)(stack, params, data,
+                                                                      key)[1], None),
             "pipeline": lambda: run_pipeline(name, est, stack, params, micro, key),
             "stream": lambda: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
             "composed": lambda: (run_composed(est, stack, params, micro, key, tmp / f"c{i}"),
