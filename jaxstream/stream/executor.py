@@ -20,6 +20,7 @@ Every step ends with :meth:`LayerStore.commit`, so its writes become visible tog
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -460,12 +461,7 @@ class StreamedExecutor:
         z = jnp.int32(0)
         hosts: dict = {}
 
-        def kept(kernel):
-            """A block kernel that keeps the unit's host params until its gradient is done."""
-            def run(u, loaded, state):
-                hosts[u], dev = loaded
-                return kernel(u, dev, state)
-            return run
+        kept = functools.partial(_kept, hosts)
 
         def done(finished):
             self._done(finished, hosts, sink)
@@ -524,11 +520,7 @@ class StreamedExecutor:
             sq.append(sum(float(np.vdot(a, a)) for a in jax.tree.leaves(host_value(g))))
             scratch.extend(self.store.write_scratch(addr, jax.tree.map(np.asarray, g)))
 
-        def kept(kernel):
-            def run(u, loaded, state):
-                hosts[u], dev = loaded
-                return kernel(u, dev, state)
-            return run
+        kept = functools.partial(_kept, hosts)
 
         def done(finished):
             for u, g in finished:
@@ -778,6 +770,15 @@ class StreamedExecutor:
         self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
             self.placement.apply(loaded[1], u, st, stash), []))
         return None, hosts, stash, x
+
+
+def _kept(hosts: dict, kernel: Callable) -> Callable:
+    """A unit kernel ``kernel(u, dev, state)`` as a driver kernel that keeps the unit's host
+    params in ``hosts`` until its gradient is done."""
+    def run(u, loaded, state):
+        hosts[u], dev = loaded
+        return kernel(u, dev, state)
+    return run
 
 
 def _clock() -> dict:
