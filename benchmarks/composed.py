@@ -11,7 +11,9 @@ its ticks are scaled by L/M) and added against the forward-only pass; ``fill_rat
 forward-only pass's idle cells that reverse work fills); ``coverage_per_stage`` (fraction of
 micro-batches with an exact gradient at each stage) and ``staleness_per_stage`` (steps); for
 streamed rows also the measured ticks against :func:`jaxstream.compose.chunk_cost` and the
-layers read per step.
+layers read per step, counted by the store's reads, against the model's — with ``update``
+"eager" and, for every estimator with an update sweep, "lazy" (the update applied when the
+layer is next read: a control-variate hybrid reads 2 L − M layers per step).
 
 scale: a model ≥ 30× the resident budget per device streamed through a 2 × 4 mesh (hybrid
 control variate, S = 2 exact micro-batches, prefetch p = 1 chunk, SGD), at two depths of the
@@ -66,6 +68,7 @@ import optax
 
 import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, chunk_cost, make_mesh
+from jaxstream.compose.cost import LAZY
 from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.models import mlp
 from jaxstream.quality.metrics import max_rel_err
@@ -121,13 +124,16 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
     micro, flat = {"x": x, "y": y}, {"x": x.reshape(N * B, 16), "y": y.reshape(N * B)}
     key = jax.random.key(3)
     rows = []
+    runs = [(name, up) for name in names
+            for up in (("eager", "lazy") if ESTIMATORS[name][2] in LAZY else ("eager",))]
     for d, s in meshes:
         mesh = make_mesh(d, s)
-        for name in names:
+        for name, update in runs:
             est, layout, kind = ESTIMATORS[name]
+            cfg = dataclasses.replace(FP32, update=update)
             with tempfile.TemporaryDirectory() as tmp:
                 store = LayerStore.create(Path(tmp) / "s", params, optimizer=optax.sgd(0.1))
-                ex = ComposedExecutor(stack, est, optax.sgd(0.1), store, FP32, mesh=mesh)
+                ex = ComposedExecutor(stack, est, optax.sgd(0.1), store, cfg, mesh=mesh)
                 t0 = time.perf_counter()
                 _, grads = ex.estimate(micro, key)
                 first_s = time.perf_counter() - t0
@@ -138,13 +144,15 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
             _, ref = jax.jit(est, static_argnums=0)(stack, params,
                                                     flat if layout == "flat" else micro, key)
             cost = functools.partial(chunk_cost, kind, layers=layers, stages=s,
-                                     micro_batches=N, selected=SEL, prefetch=FP32.prefetch)
+                                     micro_batches=N, selected=SEL, prefetch=FP32.prefetch,
+                                     update=update)
             model = cost()
             merged = kind in ("activity", "local")  # N micro-batches as one pass
             fwd = chunk_cost("forward", layers=layers, stages=s,
                              micro_batches=1 if merged else N).ticks
             rows.append({
-                "data": d, "stage": s, "policy": "circular", "estimator": name, "streamed": True,
+                "data": d, "stage": s, "policy": "circular", "estimator": name, "update": update,
+                "streamed": True,
                 "max_rel_err": max_rel_err(grads, ref), "ticks": m["ticks"],
                 "ticks_model": model.ticks, "ticks_chunked": cost(schedule="chunked").ticks,
                 "added_ticks": m["ticks"] - fwd, "fill_ratio": m["fill_ratio"],
@@ -155,7 +163,8 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
                 "step_s": step_s, **{f"idle_{k}": m[k] for k in
                                      ("stall_s", "host_update_s", "wait_update_s",
                                       "wait_write_s")}})
-            print(f"  {d}x{s} {name:16s} err {rows[-1]['max_rel_err']:.2e} ticks {m['ticks']} "
+            print(f"  {d}x{s} {name:16s} {update:5s} reads {m['layers_read']} (model "
+                  f"{model.layer_reads}) err {rows[-1]['max_rel_err']:.2e} ticks {m['ticks']} "
                   f"(model {model.ticks}, chunked {rows[-1]['ticks_chunked']}) fill "
                   f"{m['fill_ratio']:.3f}", flush=True)
     return rows
@@ -333,7 +342,8 @@ def scale_worker(args) -> None:
     times, rest = [], []
     for i in range(args.steps):
         m = ex.step(batch, jax.random.key(i + 1))
-        assert m["layers_read"] == 3 * args.layers, m  # the whole model streamed
+        # the whole model streamed: forward, reverse (less the resident last chunk), update
+        assert m["layers_read"] == 3 * args.layers - s, m
         times.append(m["step_time_s"])
         rest.append(sb.current_rss() - baseline)
     peak = sb.peak_rss_since_reset() if reset else None
@@ -396,8 +406,9 @@ def scale(width: int, depths=(192, 384), steps: int = 1, mesh=(2, 4), repeats: i
 
 
 # ---------------------------------------------------------------------------- output
-COLS = ("data", "stage", "policy", "estimator", "streamed", "max_rel_err", "ticks", "ticks_model",
-        "ticks_chunked", "added_ticks", "fill_ratio", "layer_reads_per_layer",
+COLS = ("data", "stage", "policy", "estimator", "update", "streamed", "max_rel_err", "ticks",
+        "ticks_model", "ticks_chunked", "added_ticks", "fill_ratio", "layers_read",
+        "layers_read_model", "layer_reads_per_layer",
         "coverage_per_stage", "staleness_per_stage", "step_s", "idle_stall_s",
         "idle_wait_update_s", "idle_wait_write_s")
 OVERLAP = ("engine", "overlap_update", "step_s", "step_ratio_to_in_line", "wait_update_s",

@@ -9,7 +9,10 @@ split over D replicas, S of them selected for exact gradients and p chunks prefe
 * chunked schedule (one GPipe pass per chunk, :mod:`.pipe`): C (n + M − 1) ticks per sweep;
 * the sweeps of a step (forward, reverse, update, ...) each read every layer once from the
   store (the update sweep of a forward estimate and the control variate's third sweep are
-  host-only: no ticks);
+  host-only: no ticks), except the reverse sweep, which starts on the forward sweep's last
+  chunk, still resident (M layers fewer); with ``update="lazy"`` the update sweep is gone: each
+  layer's update is applied when it is next read (a control-variate hybrid reads 2 L − M
+  layers per step);
 * a device holds its stage's layer of the running chunk and of the p prefetched ones, and in
   the circular schedule also of the previous chunk (still draining): p + 2 layers (chunked:
   p + 1), plus the embed and head, never the model;
@@ -20,7 +23,10 @@ split over D replicas, S of them selected for exact gradients and p chunks prefe
 Example:
   >>> c = chunk_cost("hybrid_cv", layers=8, stages=4, micro_batches=8, selected=2)
   >>> c.ticks, c.layer_reads
-  (28, 24)
+  (28, 20)
+  >>> chunk_cost("hybrid_cv", layers=8, stages=4, micro_batches=8, selected=2,
+  ...            update="lazy").layer_reads
+  12
   >>> chunk_cost("hybrid_cv", layers=8, stages=4, micro_batches=8, selected=2,
   ...            schedule="chunked").ticks
   32
@@ -44,6 +50,11 @@ SWEEPS = {
     "hybrid_cv": (1, 1, 1),      # + an update sweep once c_nk is complete
     "hybrid_guess": (2, 1, 1),   # + a forward sweep along the exact direction, update sweep
 }
+#: What ``update="lazy"`` makes of a kind: its update sweep deferred to the next read.
+LAZY = {"forward": "forward_lazy", "hybrid_cv": "hybrid_cv_lazy",
+        "hybrid_guess": "hybrid_guess_lazy"}
+SWEEPS.update({"hybrid_cv_lazy": (1, 1, 0), "hybrid_guess_lazy": (2, 1, 0)})
+UPDATES = ("eager", "lazy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +76,17 @@ def sweep_ticks(chains: int, stages: int, chunks: int, schedule: str = "circular
 
 
 def chunk_cost(kind: str, *, layers: int, stages: int, micro_batches: int, selected: int = 0,
-               prefetch: int = 2, schedule: str = "circular") -> ChunkCost:
+               prefetch: int = 2, schedule: str = "circular", update: str = "eager") -> ChunkCost:
     """The step's cost; ``kind`` is a key of :data:`SWEEPS` (``weighted`` and ``stein`` cost
-    as ``hybrid_cv``), ``schedule`` "circular" or "chunked"."""
+    as ``hybrid_cv``), ``schedule`` "circular" or "chunked", ``update`` "eager" or "lazy"
+    (the update deferred to the layer's next read; kinds without an update sweep are
+    unchanged)."""
     if kind not in SWEEPS:
         raise ValueError(f"kind must be one of {sorted(SWEEPS)}, got {kind!r}")
+    if update not in UPDATES:
+        raise ValueError(f"update must be one of {UPDATES}, got {update!r}")
+    if update == "lazy":
+        kind = LAZY.get(kind, kind)
     if schedule not in ("circular", "chunked"):
         raise ValueError(f"schedule must be one of ('circular', 'chunked'), got {schedule!r}")
     if layers % stages:
@@ -82,6 +99,6 @@ def chunk_cost(kind: str, *, layers: int, stages: int, micro_batches: int, selec
              + rev * (sweep_ticks(s, m, c, schedule) if s else 0))
     busy = c * (fwd * n + rev * s)
     return ChunkCost(ticks=ticks, bubble_fraction=1.0 - busy / ticks if ticks else 0.0,
-                     layer_reads=layers * (fwd + rev + host),
+                     layer_reads=layers * (fwd + rev + host) - (m if rev else 0),
                      resident_layers_per_device=prefetch + (2 if schedule == "circular" else 1),
                      stash_activations=(s * layers if rev else 0))

@@ -48,7 +48,8 @@ class StreamEngineConfig(EngineConfig):
         an existing store is refused; ``--resume`` always continues it).
       prefetch: layers read ahead of the computing one.
       compute_dtype: dtype on the device; the master copy and optimizer stay fp32.
-      update: "eager" or "lazy" (forward estimator only).
+      update: "eager" or "lazy": each layer's update applied when it is next read (the
+        forward estimator's, and a hybrid's deferred combine: two reads per layer per step).
       micro_batches: N for backprop/forward (a hybrid estimator brings its own N).
       depth: dynamic depth policy (kind: all | stochastic | progressive).
       file_io_concurrency: TensorStore's concurrent file operations.

@@ -9,9 +9,12 @@ the depth. The optimizer runs on the host in fp32 on the fp32 master copy:
   (key, scalars); or, lazily, the (key, scalars) record is committed with the step and applied
   when the layer is next read (see :mod:`jaxstream.stream.lazy`);
 * hybrid: the selected micro-batches' layer inputs are stashed on the host, then a reverse
-  sweep re-streams the layers and runs vjp for them; ``replace`` updates during that sweep,
-  ``control_variate`` keeps each layer's exact mean gradient in the store's scratch space
-  until the cross-layer scalars c_nk are complete, then updates in a third sweep;
+  sweep re-streams the layers and runs vjp for them (starting on the forward sweep's last
+  unit, still resident: no read); ``replace`` updates during that sweep, ``control_variate``
+  keeps each layer's exact mean gradient in the store's scratch space until the cross-layer
+  scalars c_nk are complete, then updates in a third sweep — or, with ``update="lazy"``,
+  commits it in the store's carry space with a :class:`~jaxstream.stream.deferred.Combine`
+  record and applies the update when the layer is next read (two reads per layer per step);
 * backprop: the reverse sweep with every micro-batch exact (the reference).
 
 Every step ends with :meth:`LayerStore.commit`, so its writes become visible together.
@@ -36,8 +39,8 @@ from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
+from jaxstream.stream import deferred, lazy
 from jaxstream.stream import kernels as K
-from jaxstream.stream import lazy
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.prefetch import Event, Prefetcher
@@ -57,8 +60,9 @@ class StreamConfig:
       prefetch: p, layers read ahead of the one computing (0: no overlap).
       compute_dtype: dtype of parameters and activations on the device ("float32",
         "bfloat16", "float16"); the master copy and the optimizer stay fp32.
-      update: "eager" (update sweep after the step) or "lazy" (forward estimator only: apply
-        each layer's (key, scalars) when it is next read).
+      update: "eager" (update sweep after the step) or "lazy" (apply each layer's update when
+        it is next read: the forward estimator's (key, scalars), a hybrid's deferred combine;
+        a hybrid with ``replace`` updates in its reverse sweep either way).
       depth: which layers each step runs (:class:`DepthPolicy`).
       overlap_update: run each unit's host update and write beside the next unit's compute
         (one update in flight); False runs it in line (the same values, for comparison).
@@ -97,10 +101,11 @@ def plan_of(estimator: Any, update: str = "eager") -> Plan:
                         f"tangents; got "
                         f"{type(estimator).__name__}, {plan.describe()}, which mixes them with "
                         f"a {plan.forward!r} forward pass (run it in memory or data parallel)")
-    if update == "lazy" and not (plan.forward == "weights" and plan.exact == "none"):
+    if update == "lazy" and not (plan.forward == "weights" and (plan.exact == "none"
+                                                                 or plan.mixes)):
         raise ValueError("stream: update='lazy' needs the forward estimator with "
-                         f"perturb='weights' (an update fully described by keys and scalars), "
-                         f"got {plan.describe()}")
+                         f"perturb='weights' or a hybrid (an update described by keys, scalars "
+                         f"and the hybrid's exact means), got {plan.describe()}")
     return plan
 
 
@@ -148,6 +153,9 @@ class StreamedExecutor:
         self._inflight: list[Future] = []
         self._pending: dict = dict(store.extra.get("pending", {}))
         self._applied: set = set()
+        self._carried: dict = {}  # this step's deferred h_u: unit -> (carry slot, crcs)
+        self._resident: tuple | None = None  # (unit, hosts, device params) kept for the reverse
+        self._reused = 0  # layers the reverse sweep took from the forward sweep (no read)
 
     # ------------------------------------------------------------------ loading
     def _to_device(self, tree: Any) -> Any:
@@ -163,13 +171,39 @@ class StreamedExecutor:
         opt = self.store.read_opt(unit).result()
         with jax.default_device(self.host):
             for rec in recs:
-                key, coeffs = lazy.decode(rec)
-                g = K.unit_estimate(self.spec, K.seg_keys(key[None], unit), jnp.asarray(coeffs), params)
+                if deferred.is_combine(rec):
+                    g = _f32(self._combined(unit, params, self.store.read_carry(
+                        unit, rec["slot"], rec["crc"]).result(), self._record(rec)), self.host)
+                else:
+                    key, coeffs = lazy.decode(rec)
+                    g = K.unit_estimate(self.spec, K.seg_keys(key[None], unit),
+                                        jnp.asarray(coeffs), params)
                 params, opt = K.optax_step(self.optimizer, g, opt, params)
             params, opt = jax.tree.map(np.asarray, (params, opt))
         self.store.write(unit, params, opt)
         self._applied.add(str(unit))
         return params
+
+    def _record(self, rec: dict) -> deferred.Combine:
+        """A pending combine record, refused by name unless this estimator's rule wrote it."""
+        c = deferred.Combine.decode(rec)
+        if c.rule != self.plan.rule.name:
+            raise ValueError(f"stream: the store holds pending updates of a hybrid with combine "
+                             f"rule {c.rule!r}; this estimator's rule is {self.plan.rule.name!r}. "
+                             "Apply them first (flush()) with the estimator that wrote them")
+        return c
+
+    def _combined(self, unit: LayerKey, params: Any, h: Any, c: deferred.Combine) -> Any:
+        """``unit``'s estimate under the plan's rule from its group mean ``h`` and the step's
+        :class:`~jaxstream.stream.deferred.Combine` (the eager update sweep and a deferred
+        update both form it here, from the same inputs)."""
+        with jax.default_device(self.host):
+            st = {**c.common(), "h": h, "member": jnp.asarray(c.member(unit))}
+            if c.scale is not None:
+                st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(c.scale), h)
+            return K.unit_combine(self.plan.rule, self.spec, K.seg_keys(c.keys(), unit),
+                                  jnp.asarray(c.d), jax.device_put(params, self.host), st,
+                                  c.totals)
 
     def _block_hosts(self, unit: Unit, staged: bool = False) -> list:
         """Host params of each layer of a block unit (lazy updates applied unless ``staged``:
@@ -320,7 +354,7 @@ class StreamedExecutor:
         dt = time.perf_counter() - t0
         return {"loss": float(loss), "step_time_s": dt,
                 "stall_s": float(sum(e.stall for e in self.events)), **self.clock,
-                "layers_read": sum(len(e.unit.layers) for e in self.events),
+                "layers_read": sum(len(e.unit.layers) for e in self.events) - self._reused,
                 **self.placement.metrics()}
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:
@@ -387,7 +421,7 @@ class StreamedExecutor:
             batch = jax.tree.map(lambda a: np.asarray(a)[self._selection(key, len(a))], batch)
         if self.placement.merge_micro_batches(self.plan):
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
-        self._applied = set()
+        self._applied, self._reused, self._resident = set(), 0, None
         if plan.forward == "weights" and plan.exact == "none":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
         elif plan.local:
@@ -395,7 +429,7 @@ class StreamedExecutor:
         elif plan.forward == "local_guess":
             loss, new = self._run_local_guess(batch, list(layers), sink, t0), {}
         else:
-            loss, new = self._run_reverse(batch, key, list(layers), sink, t0)
+            loss, new = self._run_reverse(batch, key, list(layers), sink, t0, commit_lazy)
         if commit_lazy:
             # records applied this step are gone; skipped layers keep theirs; new ones appended
             self._pending = {k: v for k, v in self._pending.items() if k not in self._applied and v}
@@ -403,9 +437,26 @@ class StreamedExecutor:
                 self._pending.setdefault(k, []).extend(v)
         return loss, {"pending": self._pending}
 
+    def _keeping_last(self, layers: Sequence[int]) -> Callable:
+        """:meth:`_load` that keeps the sweep's last block unit (host and device params) for
+        the reverse sweep, which starts on it without reading it again."""
+        units = self.placement.chunks(layers)
+        last = units[-1] if units else None
+        self._resident = None
+
+        def load(u: Unit):
+            if u != last:
+                return self._load(u)
+            hosts = self._block_hosts(u)
+            dev = self.placement.put(u, hosts)
+            self._resident = (u, hosts, dev)
+            return None, dev
+        return load
+
     def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
+        load = self._keeping_last(layers) if stash_idx is not None else self._load
 
         def end(u, loaded, state):
             hosts[u.key], dev = loaded
@@ -415,7 +466,7 @@ class StreamedExecutor:
             stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
             return K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys), []
 
-        losses, d = self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
+        losses, d = self._drive(layers, load, t0, "forward", end, lambda u, loaded, st: (
             self.placement.jvp(loaded[1], u, keys, st, stash, stash_idx), []))
         return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
 
@@ -561,11 +612,12 @@ class StreamedExecutor:
         """Host params of a store address: the sweep's copy, else the store's."""
         return hosts[key] if key in hosts else self.store.read(key, staged=staged).result()
 
-    def _run_reverse(self, batch, key, layers, sink, t0):
+    def _run_reverse(self, batch, key, layers, sink, t0, commit_lazy=False):
         """The reverse sweep: exact gradients of every micro-batch (backprop, exact subsets) or
         of the selected ones, each unit's estimate formed by the plan's combine rule — in the
         sweep itself, or (a rule that needs every unit's share, or a direction) in an update
-        sweep after it."""
+        sweep after it; with ``update="lazy"`` that update is deferred to each unit's next
+        read (returned as pending records; h_u in the store's carry space)."""
         n = jax.tree.leaves(batch)[0].shape[0]
         mixes, rule = self.plan.mixes, self.plan.rule
         if mixes:
@@ -577,6 +629,8 @@ class StreamedExecutor:
             losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
         sel = jax.tree.map(lambda a: a[idx], x)
         later = mixes and (rule.cross or rule.along)  # estimates wait for every unit's share
+        defer = later and commit_lazy and self.cfg.update == "lazy"
+        self._carried = {}  # unit -> (carry slot, crc32c per leaf) of its h_u (deferred)
         partials: list = []  # each unit's share of the rule's sums (host values)
         sq: dict = {}  # ‖h_u‖² per unit (a direction's norm): plain host numbers
         scratch: list = []
@@ -598,7 +652,14 @@ class StreamedExecutor:
                 if rule.cross:
                     partials.append(host_value(K.unit_partials(rule, self.spec, sk, dj, p_h, st)))
                 sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
-            scratch.extend(self.store.write_scratch(u, jax.tree.map(np.asarray, h_u)))
+            h_u = jax.tree.map(np.asarray, h_u)
+            if defer:
+                slot = deferred.carry_slot(self._pending, u)
+                futs, crcs = self.store.write_carry(u, h_u, slot)
+                self._carried[u] = (slot, crcs)
+                scratch.extend(futs)
+            else:
+                scratch.extend(self.store.write_scratch(u, h_u))
             for f in [f for f in scratch if f.done()]:  # keep only the writes in flight;
                 f.result()  # a failed one raises now
                 scratch.remove(f)
@@ -615,8 +676,14 @@ class StreamedExecutor:
             if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
                 scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
                 d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
-            self._combine_sweep(layers, hosts, sink, t0, keys=keys, d=d, totals=totals,
-                                members=members, common=common, scale=scale)
+            c = deferred.Combine.of(
+                rule=rule.name, key=key, n=n, d=d, totals=totals, idx=idx,
+                depth=self.plan.select(n, key, self.store.num_layers)[1],
+                total_size=float(common["total_size"]), scale=scale)
+            if defer:
+                return float(np.mean(losses)), {
+                    str(u): [c.encode(*self._carried[u])] for u in ["embed", *layers, "head"]}
+            self._combine_sweep(layers, hosts, sink, t0, c)
         return float(np.mean(losses)), {}
 
     def _reverse_sweep(self, layers, hosts, stash, sel, mixes, finish, t0):
@@ -630,6 +697,11 @@ class StreamedExecutor:
         out: list = [None]
 
         def rload(u: Unit) -> tuple[Any, Any]:
+            if u.is_block and self._resident is not None and self._resident[0] == u:
+                _, hosts_u, dev = self._resident  # the forward sweep's last unit: no read
+                self._resident = None
+                self._reused += len(u.layers)
+                return hosts_u, dev
             if u.is_block:
                 return self._rload(u)
             return hosts[u.key], self._to_device(hosts[u.key])
@@ -670,23 +742,13 @@ class StreamedExecutor:
         return {"idx": jnp.asarray(idx, jnp.int32), "outside": jnp.asarray(outside),
                 "total_size": jnp.float32(total)}
 
-    def _combine_sweep(self, layers, hosts, sink, t0, *, keys, d, totals, members,
-                       common, scale) -> None:
+    def _combine_sweep(self, layers, hosts, sink, t0, c: deferred.Combine) -> None:
         """The update sweep of a rule that waits for every unit: each unit's estimate from its
-        group mean h_u (the store's scratch), the scalars d and the rule's cross-unit
-        ``totals`` (along a direction: u_unit = h_u · ``scale``)."""
-        rule = self.plan.rule
+        group mean h_u (the store's scratch) and the step's scalars ``c``."""
 
         def uload(u: Unit):
             p = self._like(u.key, hosts, staged=True)
-            h_u = self.store.read_scratch(u.key).result()
-            with jax.default_device(self.host):
-                st = {**common, "h": h_u, "member": jnp.asarray(members[u.key])}
-                if scale is not None:
-                    st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(scale),
-                                                   h_u)
-                return p, K.unit_combine(rule, self.spec, K.seg_keys(keys, u.key),
-                                         jnp.asarray(d), jax.device_put(p, self.host), st, totals)
+            return p, self._combined(u.key, p, self._read_h(u.key), c)
 
         units = [EMBED, *map(block, layers), HEAD]
         for u, (p, g) in self._sweep(units, uload, t0, "update"):
@@ -700,8 +762,7 @@ class StreamedExecutor:
         def gload(u: Unit):
             if not u.is_block:
                 dev = self._to_device(hosts[u.key])
-                v = jax.tree.map(lambda a: np.asarray(a) * scale,
-                                 self.store.read_scratch(u.key).result())
+                v = jax.tree.map(lambda a: np.asarray(a) * scale, self._read_h(u.key))
                 return dev, self._to_device(v)
             return self._load_along(u, scale)
 
@@ -739,9 +800,15 @@ class StreamedExecutor:
     def _load_along(self, u: Unit, scale: float) -> tuple[Any, Any]:
         """(device params, device direction) of a block unit for the ``guess`` sweep."""
         dev = self.placement.put(u, self._block_hosts(u))
-        vs = [jax.tree.map(lambda a: np.asarray(a) * scale, self.store.read_scratch(l).result())
-              for l in u.layers]
+        vs = [jax.tree.map(lambda a: np.asarray(a) * scale, self._read_h(l)) for l in u.layers]
         return dev, self.placement.put(u, vs)
+
+    def _read_h(self, addr: LayerKey) -> Any:
+        """A unit's group mean h_u of this step: from the carry space where it was deferred,
+        else the scratch space."""
+        if addr in self._carried:
+            return self.store.read_carry(addr, *self._carried[addr]).result()
+        return self.store.read_scratch(addr).result()
 
     # ------------------------------------------------------------------ helpers
     def _members(self, key, n, layers) -> dict:
@@ -767,8 +834,8 @@ class StreamedExecutor:
             stash["head"] = host_value(state[0])
             return None, []
 
-        self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
-            self.placement.apply(loaded[1], u, st, stash), []))
+        self._drive(layers, self._keeping_last(layers), t0, "forward", end,
+                    lambda u, loaded, st: (self.placement.apply(loaded[1], u, st, stash), []))
         return None, hosts, stash, x
 
 

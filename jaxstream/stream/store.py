@@ -44,6 +44,7 @@ import tensorstore as ts
 
 from jaxstream.stream.direct_read import FileChunks
 from jaxstream.stream.errors import (
+    StoreCorruptError,
     StoreError,
     StoreNonFiniteError,
     StoreNotCommittedError,
@@ -411,6 +412,85 @@ class LayerStore:
                  for i in range(n)]
         try:
             futs = [self._scratch_array(part, i)[idx].read() for i in range(n)]
+        except Exception as err:
+            raise read_error(err, names[0]) from err
+        return TreeFuture(self._treedefs[part], futs, None, names)
+
+    # ------------------------------------------------------------------ carry
+    def _carry_array(self, part: str, i: int, create: bool = False) -> ts.TensorStore:
+        """The carry array of a leaf: opened as it is (it holds committed records' values),
+        created only by the first write to a store that has none."""
+        key = ("carry", part, i)
+        if key not in self._arrays:
+            try:
+                self._arrays[key] = open_array(self._root, f"carry/{part}/{i}", self._ctx)
+                return self._arrays[key]
+            except Exception as err:  # noqa: BLE001 - absent: created below, or named on read
+                if not create:
+                    raise StoreCorruptError(f"{self._where}: carry array {part}/{i} is missing "
+                                            f"or unreadable ({err}); a pending update needs it")
+            e = self._m["leaves"]["params"][part][i]
+            lead = (self.num_layers, 2) if part == "blocks" else (2,)
+            if not any(k[0] == "carry" for k in self._arrays if isinstance(k, tuple)):
+                write_group(self._root, "carry", {"jaxstream": {
+                    "kind": "carry (values a pending update needs; two slots, named by the "
+                            "committed records that use them)"}})
+                for p in ("embed", "blocks", "head"):
+                    write_group(self._root, f"carry/{p}", {"jaxstream": {"part": p}})
+            self._arrays[key] = open_array(
+                self._root, f"carry/{part}/{i}", self._ctx, create=True,
+                shape=lead + tuple(e["shape"]), chunk=(1,) * len(lead) + tuple(e["shape"]),
+                dtype=e["dtype"], attributes={"jaxstream": {"kind": "carry", "part": part,
+                                                            "leaf": e["name"]}})
+        return self._arrays[key]
+
+    def write_carry(self, unit: Unit, tree: Any, slot: int) -> tuple[list, list[int]]:
+        """Writes a params-shaped pytree that a pending update needs after this step (e.g. a
+        layer's exact mean gradient) into carry slot ``slot`` (0 or 1) of ``unit``.
+
+        The caller commits, with the step, a record naming the slot and the crc32c of each
+        leaf (returned); it writes the slot its unit's committed record does not name, so a
+        step that fails or is killed leaves the committed records' values intact (shadow
+        paging, as for the parameters). Counted against ``max_write_bytes``.
+
+        Returns:
+          ``(write futures, crc32c per leaf)``.
+        """
+        if slot not in (0, 1):
+            raise StoreError(f"carry slot must be 0 or 1, got {slot!r}")
+        part, l = self._part(unit)
+        idx = (slot,) if l is None else (l, slot)
+        self._begin_write()
+        what = f"carry of {part if l is None else f'layer {l}'} to the store at {self._where}"
+        futs, crcs = [], []
+        for i, x in enumerate(jax.tree_util.tree_leaves(tree)):
+            x = np.asarray(x, np.float32)
+            crcs.append(digest(x))
+            try:
+                fut = WriteFuture(self._carry_array(part, i, create=True)[idx].write(x), what)
+            except Exception as err:
+                raise self._write_error(what, err) from err
+            with self._lock:
+                self._writes.append((f"carry/{part}/{l}", fut, x.nbytes))
+            futs.append(fut)
+        self._throttle()
+        return futs, crcs
+
+    def read_carry(self, unit: Unit, slot: int, crcs: list[int]) -> TreeFuture:
+        """Reads carry slot ``slot`` of ``unit``, checked against ``crcs`` (what
+        :meth:`write_carry` returned): values that are not those raise by name."""
+        part, l = self._part(unit)
+        idx = (slot,) if l is None else (l, slot)
+        n = len(self._m["leaves"]["params"][part])
+        if len(crcs) != n:
+            raise StoreError(f"carry record of {part if l is None else f'layer {l}'} names "
+                             f"{len(crcs)} leaves, the store has {n}")
+        self._wait_for_writes(f"carry/{part}/{l}")
+        names = [f"{self._where}: carry leaf {i} of {part if l is None else f'layer {l}'} "
+                 f"(slot {slot})" for i in range(n)]
+        try:
+            futs = [Verified(ReadInto(self._carry_array(part, i)[idx]), int(c), names[i])
+                    for i, c in enumerate(crcs)]
         except Exception as err:
             raise read_error(err, names[0]) from err
         return TreeFuture(self._treedefs[part], futs, None, names)

@@ -47,9 +47,35 @@ def test_composed_steps_equal_streamed_steps(tmp_path, data):
     for i in range(2):
         m = comp.step(micro, jax.random.key(i))
         one.step(micro, jax.random.key(i))
-    assert a.step == b.step == 2 and m["layers_read"] == 3 * STACK.num_layers
+    # forward, reverse (its first chunk still resident from the forward: 2 layers), update
+    assert a.step == b.step == 2 and m["layers_read"] == 3 * STACK.num_layers - 2
     assert max_rel_err(a.read_params(), b.read_params()) <= 1e-5
     assert max_rel_err(a.read_params(), params) > 1e-4  # the steps changed the parameters
+
+
+@pytest.mark.parametrize("correction", ["control_variate", "guess"])
+def test_deferred_update_equals_eager_on_the_mesh(tmp_path, data, correction):
+    """update="lazy" on a 2 × 2 mesh: the hybrid's update applied at each layer's next read
+    leaves the store as the eager update sweep does, bit for bit, reading L − M = 2 layers
+    fewer than 2 L per step (control variate; the guess sweeps along its direction once more)."""
+    params, micro, _ = data
+    est = jg.hybrid(num_exact=2, num_tangents=2, correction=correction)
+    out = {}
+    for mode in ("eager", "lazy"):
+        store = LayerStore.create(tmp_path / mode, params, optimizer=ADAM)
+        cfg = StreamConfig(compute_dtype="float32", update=mode)
+        ex = ComposedExecutor(STACK, est, ADAM, store, cfg, mesh=make_mesh(2, 2))
+        reads = [ex.step(micro, jax.random.key(i))["layers_read"] for i in range(3)]
+        ex.flush()
+        out[mode] = LayerStore.open(tmp_path / mode).read_params(), reads
+    extra = 1 if correction == "guess" else 0  # the sweep along the exact direction
+    assert out["eager"][1] == [(3 + extra) * STACK.num_layers - 2] * 3
+    assert out["lazy"][1] == [(2 + extra) * STACK.num_layers - 2] * 3
+    assert out["lazy"][1][0] == chunk_cost(
+        "hybrid_guess" if extra else "hybrid_cv", layers=4, stages=2, micro_batches=N,
+        selected=2, update="lazy").layer_reads
+    for a, b in zip(jax.tree.leaves(out["lazy"][0]), jax.tree.leaves(out["eager"][0])):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_bad_mesh_depth_and_batch(tmp_path, data):
@@ -74,13 +100,20 @@ def test_cost_model_counts():
     2 · 8 + 3 ticks (period N, one drain), the reverse 2 · 4 + 1 (period M, chains S)."""
     kw = dict(layers=8, stages=4, micro_batches=8, selected=2)
     c = chunk_cost("hybrid_cv", schedule="chunked", **kw)
-    assert c.ticks == 2 * (8 + 3) + 2 * (2 + 3) and c.layer_reads == 3 * 8
+    assert c.ticks == 2 * (8 + 3) + 2 * (2 + 3) and c.layer_reads == 3 * 8 - 4
     assert c.bubble_fraction == pytest.approx(1 - (2 * 8 + 2 * 2) / c.ticks)
     c = chunk_cost("hybrid_cv", **kw)
-    assert c.ticks == (2 * 8 + 3) + (2 * 4 + 1) and c.layer_reads == 3 * 8
+    assert c.ticks == (2 * 8 + 3) + (2 * 4 + 1) and c.layer_reads == 3 * 8 - 4
+    # deferred to the next read: forward and reverse only; ticks unchanged
+    lazy = chunk_cost("hybrid_cv", update="lazy", **kw)
+    assert (lazy.ticks, lazy.layer_reads) == (c.ticks, 2 * 8 - 4)
+    assert chunk_cost("hybrid_guess", update="lazy", **kw).layer_reads == 3 * 8 - 4
+    assert chunk_cost("forward", update="lazy", **kw).layer_reads == 8
     assert c.bubble_fraction == pytest.approx(1 - (2 * 8 + 2 * 2) / c.ticks)
     assert c.resident_layers_per_device == 2 + 2  # p = 2 prefetched, running, draining
     with pytest.raises(ValueError, match="kind must be one of"):
         chunk_cost("nosuch", layers=8, stages=4, micro_batches=8)
     with pytest.raises(ValueError, match="schedule must be one of"):
         chunk_cost("forward", schedule="looped", **kw)
+    with pytest.raises(ValueError, match="update must be one of"):
+        chunk_cost("forward", update="later", **kw)

@@ -44,7 +44,8 @@ def _setup(mode: str = "lazy"):
     from jaxstream.models import mlp
 
     stack = mlp(IN_DIM, WIDTH, DEPTH, CLASSES)
-    est = jg.hybrid(num_exact=1, num_tangents=2) if mode == "hybrid" else jg.forward(num_tangents=2)
+    est = (jg.hybrid(num_exact=1, num_tangents=2) if mode in ("hybrid", "hybrid_lazy")
+           else jg.forward(num_tangents=2))
     return stack, stack.init(jax.random.key(0)), est, optax.adam(1e-2)
 
 
@@ -55,7 +56,9 @@ def _batch(step: int) -> dict:
 
 
 def train(path: str, steps: int, update: str = "lazy", snapshots: dict | None = None) -> float:
-    """Trains the store at ``path`` (created if missing) up to ``steps`` committed steps.
+    """Trains the store at ``path`` (created if missing) up to ``steps`` committed steps;
+    ``update`` is the mode: "lazy" (forward, lazy), "eager" (forward), "hybrid" (eager) or
+    "hybrid_lazy" (the hybrid's update deferred to the next read).
 
     Returns:
       seconds per step after the first (compiling) one.
@@ -72,29 +75,30 @@ def train(path: str, steps: int, update: str = "lazy", snapshots: dict | None = 
     except StoreNotFoundError:
         store = LayerStore.create(path, params, optimizer=opt)
     ex = StreamedExecutor(stack, est, opt, store, StreamConfig(
-        prefetch=2, compute_dtype="float32", update="lazy" if update == "lazy" else "eager"))
+        prefetch=2, compute_dtype="float32",
+        update="lazy" if update in ("lazy", "hybrid_lazy") else "eager"))
     times = []
     if snapshots is not None:
-        snapshots[store.step] = _committed_params(path)
+        snapshots[store.step] = _committed_params(path, update)
     while store.step < steps:
         s = store.step
         m = ex.step(_batch(s), jax.random.fold_in(jax.random.key(1), s), step=s)
         times.append(m["step_time_s"])
         if snapshots is not None:
-            snapshots[store.step] = _committed_params(path)
+            snapshots[store.step] = _committed_params(path, update)
     ex.flush()
     return float(np.mean(times[1:])) if len(times) > 1 else 0.0
 
 
-def _committed_params(path: str) -> list[np.ndarray]:
+def _committed_params(path: str, mode: str = "lazy") -> list[np.ndarray]:
     """The committed parameters with pending lazy updates applied (without writing)."""
     import jax
 
     from jaxstream.stream.executor import StreamConfig, StreamedExecutor
     from jaxstream.stream.store import LayerStore
 
-    stack, _, est, opt = _setup()
-    store = LayerStore.open(path, optimizer=opt)  # forward/adam: only the pending records
+    stack, _, est, opt = _setup(mode)
+    store = LayerStore.open(path, optimizer=opt)  # adam: only the pending records
     params = store.read_params()
     if any(store.extra.get("pending", {}).values()):
         ex = StreamedExecutor(stack, est, opt, store, StreamConfig(compute_dtype="float32", update="lazy"))
@@ -102,6 +106,8 @@ def _committed_params(path: str) -> list[np.ndarray]:
             layer = ex._apply_pending(l, store.read(l).result())
             for leaf, new in zip(jax.tree.leaves(params["blocks"]), jax.tree.leaves(layer)):
                 leaf[l] = new
+        for end in ("embed", "head"):  # a hybrid's records reach them too
+            params[end] = ex._apply_pending(end, store.read(end).result())
         store.abort()  # the applied records stay staged only: nothing is written
     return [np.asarray(a) for a in jax.tree.leaves(params)]
 
@@ -121,7 +127,7 @@ def run_crash_experiment(kills: int = 10, steps: int = 12, seed: int = 0,
     ref: dict = {}
     per_step = train(str(root / "reference"), steps, update, snapshots=ref)
     run_time = per_step * (steps - 2)
-    final = _committed_params(str(root / "reference"))
+    final = _committed_params(str(root / "reference"), update)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     trials = []
     for i in range(kills):
@@ -149,10 +155,10 @@ def run_crash_experiment(kills: int = 10, steps: int = 12, seed: int = 0,
         proc.wait()
         store = LayerStore.open(path)
         at = store.step
-        got = _committed_params(path)
+        got = _committed_params(path, update)
         opened_ok = at in ref and all(np.array_equal(a, b) for a, b in zip(got, ref[at]))
         train(path, steps, update)  # resume in this process
-        resumed = _committed_params(path)
+        resumed = _committed_params(path, update)
         equal = all(np.array_equal(a, b) for a, b in zip(resumed, final))
         trials.append({"killed_at_step": at, "finished_before_kill": finished_before_kill,
                        "in_manifest_write": in_manifest, "returncode": proc.returncode,
@@ -203,7 +209,7 @@ def run_disk_scan(points: int = 60, steps: int = 6, modes: tuple = ("lazy", "hyb
         for mode in modes:
             ref: dict = {}
             train(str(mnt / "ref"), steps, mode, snapshots=ref)
-            final = _committed_params(str(mnt / "ref"))
+            final = _committed_params(str(mnt / "ref"), mode)
             used = 4096 + sum(f.stat().st_blocks * 512 for f in (mnt / "ref").rglob("*"))
             subprocess.run(["rm", "-rf", str(mnt / "ref")], check=True)
             for k in range(per_mode):
@@ -222,12 +228,12 @@ def run_disk_scan(points: int = 60, steps: int = 6, modes: tuple = ("lazy", "hyb
                 filler.unlink()
                 try:
                     at = LayerStore.open(path).step
-                    got = _committed_params(path)
+                    got = _committed_params(path, mode)
                     opened_ok = at in ref and all(np.array_equal(a, b) for a, b in zip(got, ref[at]))
                 except StoreNotFoundError:  # failed during creation: nothing committed
                     at, opened_ok = None, True
                 train(path, steps, mode)
-                equal = all(np.array_equal(a, b) for a, b in zip(_committed_params(path), final))
+                equal = all(np.array_equal(a, b) for a, b in zip(_committed_params(path, mode), final))
                 trials.append({"mode": mode, "free_bytes": free, "failed": error is not None,
                                "error": type(error).__name__ if error else None,
                                "store_error": isinstance(error, StoreError) if error else None,

@@ -1,5 +1,6 @@
 """Failure paths of a streamed step: a failed commit retried in the same executor gives the
-uninterrupted run's parameters (lazy, eager, hybrid), and every write failure during a hybrid
+uninterrupted run's parameters (lazy, eager, hybrid, a hybrid's update deferred to the next
+read: against the eager hybrid), and every write failure during a hybrid
 step is a StoreWriteError (TensorStore's raw errors never surface)."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 STACK = mlp(6, 8, 2, 3)
 ADAM = optax.adam(1e-2)
 CASES = {"lazy": (jg.forward(num_tangents=2, distribution="gaussian"), "lazy"),
-         "hybrid": (jg.hybrid(num_exact=2, num_tangents=2), "eager")}
+         "hybrid": (jg.hybrid(num_exact=2, num_tangents=2), "eager"),
+         "hybrid_lazy": (jg.hybrid(num_exact=2, num_tangents=2), "lazy")}
 
 
 def _batch(t):
@@ -91,9 +93,28 @@ def _failing_scratch(store, t):
     return lambda: setattr(store, "_scratch_array", real)
 
 
-@pytest.mark.parametrize("name, fail", [("lazy", _failing_manifest), ("hybrid", _failing_scratch)])
+def _failing_carry(store, t):
+    """Step 1's carry writes fail (step 0's records, to be applied then, name the other slot)."""
+    if t != 1:
+        return None
+    real, arrays = store.write_carry, store._carry_array
+
+    def failing(*args):  # only the writes fail: the reads of step 0's records still work
+        store._carry_array = lambda *a, **k: _FullDisk(arrays(*a, **k))
+        try:
+            return real(*args)
+        finally:
+            store._carry_array = arrays
+
+    store.write_carry = failing
+    return lambda: setattr(store, "write_carry", real)
+
+
+@pytest.mark.parametrize("name, fail", [("lazy", _failing_manifest), ("hybrid", _failing_scratch),
+                                        ("hybrid_lazy", _failing_carry),
+                                        ("hybrid_lazy", _failing_manifest)])
 def test_retried_step_equals_uninterrupted_run(tmp_path, name, fail):
-    want, _ = _run(tmp_path / "ref", name)
+    want, _ = _run(tmp_path / "ref", "hybrid" if name == "hybrid_lazy" else name)
     got, failures = _run(tmp_path / "failed", name, fail)
     assert failures == 1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
