@@ -242,6 +242,62 @@ def overlap_rows(steps: int = 6, layers: int = 16, width: int = 256) -> list[dic
     return out
 
 
+def overlap_efficiency(steps: int = 4, layers: int = 16, width: int = 256,
+                       mesh=(2, 4)) -> list[dict]:
+    """A composed step against its two parts, same run, full size (no --quick shrinking): the
+    step (control-variate hybrid, Adam, store on disk), the same steps compute-only (the store
+    in memory: ``memory://``, no file I/O) and I/O-only (the step's layer reads — as many as
+    its ``layers_read``, sweep by sweep, prefetched as the step does —, every layer's
+    optimizer state, then every layer's write and the commit, with no compute).
+    ``efficiency`` = (compute + io − step) / min(compute, io): 1 when the shorter part is
+    hidden entirely, 0 when the two run one after the other, below 0 when the step costs more
+    than both (fixed costs of the I/O path that the parts do not see). The file reads come
+    from the page cache (the store was just written)."""
+    from jaxstream.stream.prefetch import Prefetcher
+
+    stack = mlp(width, width, layers, 10)
+    params = jax.device_get(stack.init(jax.random.key(0)))
+    rng = np.random.default_rng(0)
+    micro = {"x": rng.standard_normal((N, 8, width), dtype=np.float32),
+             "y": rng.integers(0, 10, (N, 8), dtype=np.int32)}
+    est, opt, out = jg.hybrid(num_exact=SEL, num_tangents=K), optax.adam(1e-3), []
+    for update in ("eager", "lazy"):
+        cfg = dataclasses.replace(FP32, update=update)
+
+        def timed(store):
+            ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(*mesh))
+            ms = [ex.step(micro, jax.random.key(i)) for i in range(steps + 1)][1:]
+            return float(np.median([m["step_time_s"] for m in ms])), int(ms[-1]["layers_read"])
+
+        with tempfile.TemporaryDirectory() as tmp:
+            disk = LayerStore.create(Path(tmp) / "s", params, optimizer=opt)
+            t_step, reads = timed(disk)
+            t_compute, _ = timed(LayerStore.create("memory://", params, optimizer=opt))
+            sweeps = reads // layers + (reads % layers > 0)
+            order = [l for i in range(sweeps) for l in (range(layers) if i % 2 == 0
+                                                        else range(layers - 1, -1, -1))][:reads]
+            chunks = [order[i:i + mesh[1]] for i in range(0, len(order), mesh[1])]
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                for _c, _v in Prefetcher(lambda c: [disk.read(l).result() for l in c], chunks,
+                                         FP32.prefetch, t0, "read-only"):
+                    pass
+                for l in range(layers):
+                    disk.write(l, disk.read(l).result(), disk.read_opt(l).result())
+                disk.commit(disk.step + 1)
+                times.append(time.perf_counter() - t0)
+            t_read = float(np.median(times))
+        hidden = t_compute + t_read - t_step
+        out.append({"engine": f"composed {mesh[0]}x{mesh[1]}", "update": update,
+                    "layers": layers, "width": width, "layers_read": reads,
+                    "step_s": t_step, "compute_only_s": t_compute, "io_only_s": t_read,
+                    "efficiency": hidden / min(t_compute, t_read)})
+        print(f"  {update}: step {t_step:.3f} s, compute-only {t_compute:.3f} s, I/O-only "
+              f"{t_read:.3f} s, efficiency {out[-1]['efficiency']:.2f}", flush=True)
+    return out
+
+
 def in_memory_rows(m: int, layers: int, quick: bool) -> list[dict]:
     """The in-memory pipeline (stage axis only) with each policy, from benchmarks/pipeline.py:
     its executor's error for the bubble policies, table measures for the backprop tables."""
@@ -413,6 +469,8 @@ COLS = ("data", "stage", "policy", "estimator", "update", "streamed", "max_rel_e
         "idle_wait_update_s", "idle_wait_write_s")
 OVERLAP = ("engine", "overlap_update", "step_s", "step_ratio_to_in_line", "wait_update_s",
            "host_update_s")
+EFFICIENCY = ("engine", "update", "layers", "width", "layers_read", "step_s", "compute_only_s",
+              "io_only_s", "efficiency")
 DEEP = ("selected", "ticks", "ticks_model", "ticks_chunked", "bubble_fraction",
         "bubble_fraction_chunked", "forward_ticks", "forward_bubble_fraction",
         "maxtext_forward_bubble", "layers_read", "executed")
@@ -434,7 +492,7 @@ def _table(rows: list[dict], cols) -> str:
 
 
 def markdown(rows: list[dict], deep: list[dict], sc: dict,
-             overlap: list[dict] | None = None) -> str:
+             overlap: list[dict] | None = None, efficiency: list[dict] | None = None) -> str:
     """The doc block's tables: the streamed rows, the deep hybrid, the overlap and the scale."""
     x = deep[0]
     deep_md = (f"\nThe control-variate hybrid at L = {x['layers']}, M = {x['stages']}, "
@@ -447,6 +505,14 @@ def markdown(rows: list[dict], deep: list[dict], sc: dict,
                     "in line, same run: median step time, its ratio, and the time the step "
                     "waited for the host updates (control-variate hybrid, Adam, 16 layers of "
                     "width 256):\n\n" + _table(overlap, OVERLAP))
+    if efficiency:
+        deep_md += ("\nOverlap efficiency of a composed step (control-variate hybrid, Adam, full "
+                    "size) against its compute-only part (the store in memory) and its "
+                    "I/O-only part (the same layer reads, prefetched, and the writes and commit, "
+                    "no compute), same run; efficiency = (compute + io − step) / "
+                    "min(compute, io), 1 when the shorter part is hidden (reads from the page "
+                    "cache):\n\n"
+                    + _table(efficiency, EFFICIENCY))
     mib = lambda x: round(x / MiB, 2)
     s = (f"\nscale (mesh {sc['mesh'][0]} × {sc['mesh'][1]}, width {sc['width']}): resident "
          f"budget {sc['budget_bytes'] / MiB:.2f} MiB per device "
@@ -487,7 +553,8 @@ def main(argv=None) -> int:
             ap.error("--doc-from needs --doc")
         run = json.loads(args.doc_from.read_text())
         write_tables(args.doc, "composed.py",
-                     {"table": markdown(run["rows"], run["deep"], run["scale"], run.get("overlap"))},
+                     {"table": markdown(run["rows"], run["deep"], run["scale"], run.get("overlap"),
+                                        run.get("efficiency"))},
                      f"{run['command']} --json {args.doc_from.name}",
                      where=run["machine"] + (f" ({run['cpus']} CPU cores, simulated devices)"
                                              if run.get("cpus") else ""))
@@ -505,6 +572,8 @@ def main(argv=None) -> int:
     deep = deep_rows()
     print("host update beside the sweeps, against in line:", flush=True)
     overlap = overlap_rows()
+    print("overlap efficiency (compute-only, read-only):", flush=True)
+    efficiency = overlap_efficiency()
     print("in-memory pipeline (stage axis):", flush=True)
     rows += in_memory_rows(4, layers, args.quick)
     print("scale:", flush=True)
@@ -515,13 +584,15 @@ def main(argv=None) -> int:
     command = "python benchmarks/composed.py" + (" --quick" if args.quick else "")
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "deep": deep, "overlap": overlap,
+                                         "efficiency": efficiency,
                                          "scale": sc,
                                          "command": command,
                                          "machine": machine()},
                                         indent=1))
         print(f"wrote {args.json}")
     if args.doc:
-        write_tables(args.doc, "composed.py", {"table": markdown(rows, deep, sc, overlap)},
+        write_tables(args.doc, "composed.py",
+                     {"table": markdown(rows, deep, sc, overlap, efficiency)},
                      command + f" --doc {args.doc}")
         print(f"wrote {args.doc}")
     return 0

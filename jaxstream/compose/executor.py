@@ -365,6 +365,13 @@ class StageChunks(Placement):
         return self._go("local", kw, dev, u, self._layers(u), state, (_kd(keys), x), head_dev,
                         self._slots(n, None)[0], _handed)
 
+    runs_local_guess = True
+
+    def local_exact(self, dev, u, state, head_dev, x):
+        n = jax.tree.leaves(x)[0].shape[0]
+        return self._go("local_exact", {"num_micro": int(n), "emit_sum": True}, dev, u,
+                        self._layers(u), state, x, head_dev, self._slots(n, None)[0], _handed)
+
     def vjp(self, dev, u, stash: dict, state, each: bool):
         s = self._n(state)
         st = self._put([stash[l] for l in u.layers], self._stash)
@@ -496,6 +503,19 @@ def _local(stack, spec, num_micro, emit_sum=True, weights=False, impl=DEFAULT_IM
     return fn, {"state_specs": (ACT,), "aux_specs": (P(), ACT), "emit_specs": P(STAGE)}
 
 
+def _local_exact(stack, spec, num_micro, emit_sum=True):
+    """The local guess's direction: the exact gradient of the layer's mean local loss (shared
+    head, or its own local head), averaged over the replicas and the micro-batches."""
+    from jaxstream.grad.local_guess import _guess_kernel
+
+    def fn(p, layer, head, state, b):
+        (h,) = state
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)  # noqa: E731
+        out, g = _guess_kernel(stack, head, example)(lambda pp: stack.block(pp, h), p, layer)
+        return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
+    return fn, {"state_specs": (ACT,), "aux_specs": ACT, "emit_specs": P(STAGE)}
+
+
 def _vjp(stack, spec, num_slots=0, emit_sum=False, reverse=True):
     def fn(p, stash, _, state, i):
         (ct,) = state
@@ -520,5 +540,5 @@ def _apply(stack, spec, num_slots=0):
     return fn, {"state_specs": (ACT,), "aux_specs": P(), "emit_specs": STASH}
 
 
-_PASSES = {"jvp": _jvp, "act": _act, "act_grad": _act_grad, "local": _local, "vjp": _vjp,
-           "along": _along, "apply": _apply}
+_PASSES = {"jvp": _jvp, "act": _act, "act_grad": _act_grad, "local": _local,
+           "local_exact": _local_exact, "vjp": _vjp, "along": _along, "apply": _apply}

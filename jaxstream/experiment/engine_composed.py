@@ -48,15 +48,6 @@ class ComposedEngineConfig(StreamEngineConfig):
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "
                              f"engine.schedule: chunked)")
 
-    def check_arm(self, arm: Any, field: str) -> None:
-        """As the stream engine's, and the local guess is refused: its sweeps run on one
-        device (the stream engine), not over the mesh."""
-        super().check_arm(arm, field)
-        if arm.estimator.build().plan.forward == "local_guess":
-            raise ValueError(f"{field}.estimator: the composed engine does not run the local "
-                             "guess (its sweeps run on one device); use engine.type: stream, "
-                             "or train it in memory")
-
     def units(self, depth: int) -> tuple[int, str]:
         """Prefetch counts chunks of ``stage`` layers here."""
         c = depth // self.stage
