@@ -107,7 +107,9 @@ def per_micro_forward(est, stack, params, micro, key):
 def run_pipeline(name, est, stack, params, micro, key):
     """(grads, own reference or None); raises ValueError/TypeError when the pipeline refuses.
     Forward estimators run on a forward-only table with tangents per micro-batch (reference:
-    :func:`per_micro_forward`); hybrids on ``complete`` (``truncated`` for nested groups)."""
+    :func:`per_micro_forward`; the local guess's direction is the whole batch's, so its
+    reference is the in-memory estimator's); hybrids on ``complete`` (``truncated`` for nested
+    groups)."""
     plan = est.plan
     if plan.exact == "all":
         return pipeline(stack, gpipe_backprop(M, N), est)(params, micro, key)[1], None
@@ -115,6 +117,8 @@ def run_pipeline(name, est, stack, params, micro, key):
         return pipeline(stack, gpipe_backprop(M, plan.num_exact), est)(params, micro, key)[1], None
     if plan.exact == "none":
         grads = pipeline(stack, gpipe_forward(M, N), est)(params, micro, key)[1]
+        if plan.forward == "local_guess":  # one direction for the whole batch: the same
+            return grads, None
         return grads, per_micro_forward(est, stack, params, micro, key)[1]
     sched = truncated(M, N, SEL) if plan.nested else complete(M, N, SEL)
     pipe = pipeline(stack, sched, est)

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.data.batches import batch_at
+from jaxstream.experiment.compiled import segment_cosines
 from jaxstream.experiment.config import (
     ConfigError,
     apply_overrides,
@@ -76,6 +77,7 @@ from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.experiment.table_baselines import baselines
 from jaxstream.experiment.table_report import equivalents_plot, frontier_plot, markdown
+from jaxstream.grad import local_targets
 from jaxstream.models import to_stack, with_local_heads
 from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
 
@@ -250,6 +252,12 @@ def load_table_config(path: str | Path, overrides: list[str] | None = None) -> F
     return from_dict(ForwardTableConfig, data)
 
 
+def _per_segment(c: dict) -> np.ndarray:
+    """[embed, block 0, …, block L − 1, head] from :func:`segment_cosines`' values."""
+    return np.concatenate([[float(c["c_embed"])], np.ravel(np.asarray(c["c_blocks"])),
+                           [float(c["c_head"])]])
+
+
 def _flat(tree: Any) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
 
@@ -355,19 +363,31 @@ class _Arm:
             pick = pick_lr(curve[:, :, -1], self.dcfg.metric)
         return lrs, curve, added, pick
 
-    def _cosines(self, estimate: Any, state: Any, batch: dict, exact: jax.Array) -> dict:
-        """Cosine and relative squared error of ``estimate``'s gradient to ``exact`` over
-        ``cosine_keys`` keys (one batch, initial params)."""
+    def _cosines(self, estimate: Any, state: Any, batch: dict, exact_tree: Any,
+                 params: Any) -> dict:
+        """Cosine and relative squared error of ``estimate``'s gradient to the exact one over
+        ``cosine_keys`` keys (one batch, initial params); per segment (``cosine_layers``: the
+        embed, each block, the head, means over the keys) and, for an estimator that follows
+        local losses, per segment to its local target (``local_cosine_layers``)."""
         keys = jax.random.split(jax.random.fold_in(jax.random.key(self.cfg.seed), 11),
                                 self.cfg.cosine_keys)
-        cos, rel_mse = [], []
+        exact = _flat(exact_tree)
+        local = self.arm.estimator.build().plan.local_target
+        target = local_targets(self.stack, params, batch) if local else None
+        cos, rel_mse, layers, local_layers = [], [], [], []
         for k in keys:
-            g = _flat(estimate(state, batch, k)[1])
+            tree = estimate(state, batch, k)[1]
+            g = _flat(tree)
             cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)))
             rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
+            layers.append(_per_segment(segment_cosines("c", tree, exact_tree)))
+            if local:
+                local_layers.append(_per_segment(segment_cosines("c", tree, target)))
+        mean = lambda xs: np.mean(xs, axis=0).round(4).tolist()  # noqa: E731
         return {"cosine_mean": float(np.mean(cos)),
                 "cosine_sd": float(np.std(cos, ddof=1)) if len(cos) > 1 else 0.0,
-                "relative_mse": float(np.mean(rel_mse))}
+                "relative_mse": float(np.mean(rel_mse)), "cosine_layers": mean(layers),
+                "local_cosine_layers": mean(local_layers) if local else None}
 
     def probe(self, lr: float) -> dict:
         """One lane at rate ``lr`` (seed ``seed``'s start, its first batch): the cosine and
@@ -377,7 +397,7 @@ class _Arm:
         cfg, lane = self.cfg, Lane(lr, self.cfg.seed)
         batch = batch_at(self.lanes.train, self.dcfg.batch_size, lane.seed, 0)
         params0 = self.stack.init(init_key(lane.seed))
-        exact = _flat(jax.jit(jax.grad(self.stack))(params0, batch))
+        exact = jax.jit(jax.grad(self.stack))(params0, batch)
         tangents = self.arm.estimator.build().plan
         out = {"tangents": tangents.spec.num if tangents.forward != "none" else 0}
         if self.step_ms:  # lanes ran one by one on their engine
@@ -386,12 +406,14 @@ class _Arm:
                 engine = self.lanes.build(lane, str(Path(scratch) / "store"))
                 state = engine.init(params0, init_key(lane.seed))
                 estimate = getattr(engine, "estimate", None)
-                cos = ({} if estimate is None else self._cosines(estimate, state, batch, exact))
+                cos = ({} if estimate is None
+                       else self._cosines(estimate, state, batch, exact, params0))
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             return {**out, "peak_temp_bytes": None, "step_ms": self.step_ms[lr],
                     "flops_per_step": None, "forward_equivalents_per_step": None,
-                    "cosine_mean": None, "cosine_sd": None, "relative_mse": None, **cos}
+                    "cosine_mean": None, "cosine_sd": None, "relative_mse": None,
+                    "cosine_layers": None, "local_cosine_layers": None, **cos}
         engine = self.lanes.local_engine()
         state = self.lanes.init_state(engine, lane)
         key = jax.random.fold_in(jax.random.key(cfg.seed), 11)
@@ -406,7 +428,7 @@ class _Arm:
         return {**out, "peak_temp_bytes": int(one.memory_analysis().temp_size_in_bytes),
                 "step_ms": float(np.median(times) * 1e3), "flops_per_step": flops,
                 "forward_equivalents_per_step": equivalents,
-                **self._cosines(engine.estimate, state, batch, exact)}
+                **self._cosines(engine.estimate, state, batch, exact, params0)}
 
 
 def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,

@@ -426,6 +426,32 @@ def k_table(rows: list[dict], dataset: str) -> str:
     return "\n".join(lines)
 
 
+def layer_table(rows: list[dict], dataset: str) -> str:
+    """Markdown: per arm, the cosine of its estimate at initialisation to the exact gradient
+    segment by segment (embed, each block, head; means over the cosine keys) and, for an arm
+    that follows local losses, to its local target (in brackets); empty where no row has
+    them (rows from before they were recorded)."""
+    have = [r for r in rows if r["dataset"] == dataset and r.get("cosine_layers")]
+    if not have:
+        return ""
+    n = max(len(r["cosine_layers"]) for r in have)
+    names = ["embed", *(f"block {i}" for i in range(n - 2)), "head"]
+    lines = ["| arm | " + " | ".join(names) + " |", "|---|" + "---|" * n]
+    for r in have:
+        local = r.get("local_cosine_layers") or [None] * len(r["cosine_layers"])
+        cells = [f"{c:+.3f}" + ("" if t is None else f" ({t:+.3f})")
+                 for c, t in zip(r["cosine_layers"], local)]
+        lines.append(f"| {_arm(r)} | " + " | ".join(cells + ["—"] * (n - len(cells))) + " |")
+    return "\n".join(lines)
+
+
+LAYERS = ("Cosine at initialisation segment by segment: each arm's estimate against the exact "
+          "gradient of the same batch, per embed, block and head (mean over the cosine keys), "
+          "and for an arm that follows local losses against its local target "
+          "(`jaxstream.grad.local_targets`) in brackets: noise and the local losses' bias, "
+          "told apart layer by layer.")
+
+
 K_AXIS = ("Tangents per step K as an axis: test {what} at each K (forward passes per step, "
           "counted from the compiled step, in brackets).")
 
@@ -536,6 +562,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
                       ""]
         if equal_compute_table(rows, ds):
             parts += [EQUAL_COMPUTE, "", equal_compute_table(rows, ds), ""]
+        if layer_table(rows, ds):
+            parts += [LAYERS, "", layer_table(rows, ds), ""]
         parts += [
 
                   f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}; "

@@ -131,8 +131,9 @@ def local_guess() -> LocalGuess:
     Biased (only the part of the gradient along the guess), deterministic for a batch, and
     never pointing away from the gradient. Needs a model :class:`~jaxstream.models.Stack`; on a
     :func:`~jaxstream.models.with_local_heads` stack the guesses come from the blocks' own
-    heads, which follow their exact local gradients. Runs in memory; the engines refuse it by
-    name.
+    heads, which follow their exact local gradients. Runs in memory, data parallel (independent
+    shards), on the pipeline (two passes of a forward-only table), the stream engine and the
+    composed engine (three sweeps: the exact local gradients, along them, the update).
 
     Example:
       >>> loss, grads = local_guess()(stack, params, batch, key)

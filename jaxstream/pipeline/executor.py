@@ -61,7 +61,8 @@ class PipelineCarry(NamedTuple):
     valid: jax.Array
 
 
-RUNS = ("none", "weights", "activity", "local", "local_weights")  # the forward passes it runs
+RUNS = ("none", "weights", "activity", "local", "local_weights",  # the forward passes it runs
+        "local_guess")
 
 def _param_specs():
     return {"embed": P(), "blocks": P(AXIS), "head": P()}
@@ -181,7 +182,8 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         raise ValueError(f"pipeline: {plan.describe()} needs a {plan.forward!r} forward pass, which "
                          f"the pipeline does not run (it runs {RUNS}); run it in memory or data "
                          f"parallel")
-    check_local_losses(stack, plan.forward in ("local", "local_weights"), "pipeline")
+    check_local_losses(stack, plan.forward in ("local", "local_weights", "local_guess"),
+                       "pipeline")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
                          f"equal stages; for stages of unequal size pad them with "
@@ -191,7 +193,37 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         return _subset(stack, schedule, plan, lowered, devices)
     check_carries(plan, schedule, lowered)
     mesh = jax.sharding.Mesh(np.array(devices[:m]), (AXIS,))
+    if plan.forward == "local_guess":
+        return LocalGuessPipeline(stack, schedule, plan, mesh, lowered)
     return Pipeline(stack, schedule, plan, mesh, lowered)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalGuessPipeline(Pipeline):
+    """The local guess (Fournier et al.) on a forward-only table, in two passes of it: every
+    stage's exact local-loss gradients U (one F op per micro-batch, averaged), then the
+    derivatives along u = U / ‖U‖ (the ``guess`` correction's F op); the estimate is
+    (mean_n ∇L_n·u) u, and own local heads get their exact gradients, as in memory."""
+
+    def __call__(self, params: dict, batch: dict, key: jax.Array,
+                 carry: PipelineCarry | None = None, *, guess: Any = None):
+        from jaxstream.grad.local_guess import _join, _split
+
+        if guess is not None:
+            raise ValueError("guess=: the local guess makes its own direction (the local "
+                             "losses' exact gradients); pass none")
+        self.check_batch(batch)
+        loss, target, _ = _run(self, params, batch, key, None)
+        u, heads = _split(self.stack, target)
+        own = None if heads is None else jax.tree.map(jnp.zeros_like, heads)
+        _, _, aux = _run(self, params, batch, key, None, guess=_join(self.stack, u, own),
+                         along_pass=True)
+        norm2 = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(u))
+        norm = jnp.sqrt(jnp.maximum(norm2, jnp.finfo(jnp.float32).tiny))
+        d = jnp.mean(aux["directional"][:, 0])  # ∇L·u, u = U / ‖U‖
+        est = jax.tree.map(lambda x: (d / norm * x).astype(x.dtype), u)
+        return loss, _join(self.stack, est, heads), {"directional": aux["directional"] * norm,
+                                                     "guess_norm2": norm2}
 
 
 def _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic, perturb,
@@ -295,6 +327,9 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
                     out["h"], out["t"] = a, b
                 else:
                     out["loss"], out["d"] = a, b
+            elif kind == F and pipe.plan.forward == "local_guess":
+                h, out["g"] = ops.local_exact_forward(pos, params, inp, bj)
+                out["h" if pos in ("first", "mid") else "loss"] = h
             elif kind == F and pipe.plan.forward in ("local", "local_weights"):
                 h, out["g"] = ops.local_forward(pos, params, inp, kj, bj,
                                                 weights=pipe.plan.forward == "local_weights")
@@ -332,7 +367,8 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
     return [build(*b) if b[0] != IDLE else build(IDLE, "any", False) for b in pipe.lowered.branches]
 
 
-def _run(pipe: Pipeline, params, batch, key, carry, guess=None):
+def _run(pipe: Pipeline, params, batch, key, carry, guess=None, along_pass: bool = False):
+    """One call of the compiled step (``along_pass``: the local guess's pass along ``guess``)."""
     low, m = pipe.lowered, pipe.schedule.num_stages
     if carry is None:  # a dummy, so that one body serves every table
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
@@ -341,8 +377,9 @@ def _run(pipe: Pipeline, params, batch, key, carry, guess=None):
             params, jnp.zeros((m, *hsd.shape), hsd.dtype),
             jax.tree.map(lambda a: jnp.zeros((1, *a.shape[1:]), a.dtype), batch),
             jnp.ones((), jnp.float32))
-    if "fn" not in pipe._compiled:
-        pipe._compiled["fn"] = _build(pipe)
+    name = "along" if along_pass else "fn"
+    if name not in pipe._compiled:
+        pipe._compiled[name] = _build(pipe, along_pass)
     groups = low.groups.astype(np.float32).reshape(m, len(low.selected))
     sched = pipe.schedule
     ain_w = np.where(sched.kind == F, sched.micro, sched.num_microbatches).astype(np.int32)
@@ -357,7 +394,7 @@ def _run(pipe: Pipeline, params, batch, key, carry, guess=None):
         args = jax.tree.map(_to_global, args, shardings)
     # the key travels as raw data; its implementation is a static argument of the step
     impl = str(jax.random.key_impl(key))
-    loss, grads, d, ns, h = pipe._compiled["fn"](*args, impl=impl)
+    loss, grads, d, ns, h = pipe._compiled[name](*args, impl=impl)
     aux = {"directional": d, "exact_indices": low.selected, "stale": low.stale}
     if pipe.along:
         aux["direction"] = h
@@ -463,14 +500,15 @@ def _tick(pipe: Pipeline, fns: list, batch, carry: PipelineCarry, key, *, activi
     return tick
 
 
-def _build(pipe: Pipeline):
-    """The jitted shard_map'd step of a pipeline (built once, traced per input shapes)."""
+def _build(pipe: Pipeline, along_pass: bool = False):
+    """The jitted shard_map'd step of a pipeline (built once, traced per input shapes);
+    ``along_pass``: the local guess's second pass, derivatives along a given direction only."""
     low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
     m, n, kt = sched.num_stages, sched.num_microbatches, spec.num
     per = pipe.stack.num_layers // m
     activity = pipe.plan.forward == "activity"
-    local = pipe.plan.forward in ("local", "local_weights")
-    guess = pipe.along
+    local = pipe.plan.forward in ("local", "local_weights", "local_guess") and not along_pass
+    guess = pipe.along or along_pass
     if guess:
         kt = 1  # one derivative per micro-batch, along the given direction
 
@@ -483,7 +521,7 @@ def _build(pipe: Pipeline):
         ops = StageOps(pipe.stack, spec, s * per)
         owned = {"embed": (s == 0).astype(jnp.float32), "head": (s == m - 1).astype(jnp.float32)}
         u = cb.unit_direction(direction, lambda t: jax.lax.psum(t, AXIS), owned) if guess else None
-        fns = _branches(pipe, ops, params, carry.params, dshape, u)
+        fns = _branches(pipe, ops, params, carry.params, dshape, u)  # (along u, if given)
         tick = _tick(pipe, fns, batch, carry, key, activity=activity,
                      accumulate=low.backward or local)
         init = _buffers(low, params, hsd, kt, n, dshape, n if activity else 0)
@@ -495,6 +533,8 @@ def _build(pipe: Pipeline):
         h = None
         if local:  # each F op formed its stage's local estimates
             grads = jax.tree.map(lambda a: a[0] / n, out.g)
+        elif along_pass:  # the derivatives d are the result
+            grads = jax.tree.map(jnp.zeros_like, params)
         elif activity:
             first = (s == 0).astype(jnp.float32)
             grads = jax.tree.map(lambda a: a.sum(0) / n, jax.lax.map(
@@ -504,13 +544,13 @@ def _build(pipe: Pipeline):
         else:
             grads, h = _estimate(pipe, params, out.g, groups[0], d, keys, s * per, carry.valid,
                                  owned, u, has_dir)
-        h = _gather(h, s, m) if guess else jnp.zeros(())
+        h = _gather(h, s, m) if pipe.along else jnp.zeros(())
         return jnp.mean(losses), _gather(grads, s, m), d, out.stash, h
 
     def step(*args, impl: str):
         fn = shard_map(functools.partial(body, impl=impl), mesh=pipe.mesh, in_specs=_in_specs(),
                        out_specs=(P(), _param_specs(), P(), P(AXIS),
-                                  _param_specs() if guess else P()), check_vma=False)
+                                  _param_specs() if pipe.along else P()), check_vma=False)
         return fn(*args)
 
     return jax.jit(step, static_argnames="impl")

@@ -102,6 +102,20 @@ class StageOps:
                                   embed=position in ("first", "only"), head=last)
         return (jnp.mean(example(out)) if last else out), g
 
+    def local_exact_forward(self, position: str, p, inp, batch):
+        """F op of the local guess: ``(h or mean loss, the stage's exact local-loss gradients)``
+        (each segment's own loss through the shared head or its own local head; the head's:
+        the global loss), the local guess's direction U (:func:`jaxstream.grad.local_targets`)."""
+        from jaxstream.grad.local_guess import _guess_kernel
+
+        st = self.stack
+        example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
+        last = position in ("last", "only")
+        out, g = sg.segment_sweep(st, p, inp, _guess_kernel(st, p["head"], example),
+                                  self.first_layer, embed=position in ("first", "only"),
+                                  head=last)
+        return (jnp.mean(example(out)) if last else out), g
+
     # ------------------------------------------------------------------ along a given direction
     def along_forward(self, position: str, p, u, inp, dh, batch):
         """F op of the ``guess`` correction: derivatives along the direction ``u`` (params-like,

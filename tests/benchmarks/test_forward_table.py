@@ -81,6 +81,9 @@ def test_tiny_table_runs():
     assert set(ft.ROW_KEYS) <= set(row) and row["dataset"] == "digits" and row["seeds"] == 2
     assert row["arm"] == "BP-remat" and row["lr"] == cfg.arms[1].lrs[0]
     assert row["cosine_mean"] == pytest.approx(1.0, abs=1e-5)  # exact gradients
+    depth = cfg.datasets[0].model.depth  # and so in every segment: embed, blocks, head
+    assert row["cosine_layers"] == pytest.approx([1.0] * (depth + 2), abs=1e-4)
+    assert row["local_cosine_layers"] is None  # backprop follows no local loss
     assert row["peak_temp_bytes"] >= 0 and row["step_ms"] > 0
     assert len(row["test_error_by_seed"]) == 2 and len(row["curve_test_error_mean"]) == 1
 
@@ -355,8 +358,16 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
             "perturb: activations, local_losses: true}, local_heads: true, lrs: [0.001]}]"]
     shared, own = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert (shared["local_heads"], own["local_heads"]) == ("shared", "own")
+    # per segment (embed, 2 blocks, head): with the shared head the last block's and the
+    # head's local losses are the global loss, so their two cosines agree; not the others'
+    glob, loc = shared["cosine_layers"], shared["local_cosine_layers"]
+    assert len(glob) == len(loc) == 4 and loc[2:] == pytest.approx(glob[2:], abs=1e-4)
+    assert abs(loc[0] - glob[0]) > 1e-3
+    assert own["local_cosine_layers"][2] != pytest.approx(own["cosine_layers"][2], abs=1e-3)
     assert own["test_error_by_seed"] != shared["test_error_by_seed"]
     text = markdown({"rows": [shared, own], "command": "c", "machine": "m"})
+    assert "| arm | embed | block 0 | block 1 | head |" in text
+    assert f"| {glob[0]:+.3f} ({loc[0]:+.3f}) |" in text
     line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))  # noqa
     assert line("LG-FG-A").endswith("| — | — |")
     assert line("LG-FG-A-Ren").endswith("| 3.24 | — |")  # one group: S/1/1 only
