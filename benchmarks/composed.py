@@ -357,7 +357,7 @@ def _record_pass_buffers(record: dict):
 
         def call(*args):
             if name not in record:
-                ma = win.lower(*args).compile().memory_analysis()
+                ma = getattr(win, "jitted", win).lower(*args).compile().memory_analysis()
                 record[name] = int(ma.temp_size_in_bytes + ma.output_size_in_bytes)
             return win(*args)
         circ._win = call

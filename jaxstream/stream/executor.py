@@ -634,8 +634,11 @@ class StreamedExecutor:
         partials: list = []  # each unit's share of the rule's sums (host values)
         sq: dict = {}  # ‖h_u‖² per unit (a direction's norm): plain host numbers
         scratch: list = []
-        members = self._members(key, n, layers) if mixes else {}
-        common = self._common_stats(idx, n, layers, hosts) if mixes else {}
+        # what every unit's combine shares (the totals, and the d of a direction, come later)
+        c = deferred.Combine.of(rule=rule.name, key=key, n=n, d=d, totals={}, idx=idx,
+                                depth=self.plan.select(n, key, self.store.num_layers)[1],
+                                total_size=self._total_size(layers, hosts)) if mixes else None
+        common = c.common() if mixes else {}
 
         def finish(u, g, p):
             """g: per selected micro-batch gradients (mixes) or the mean gradient (backprop)."""
@@ -643,7 +646,7 @@ class StreamedExecutor:
                 return sink(u, _f32(g, self.host), p)
             with jax.default_device(self.host):
                 g, p_h = _f32(g, self.host), jax.device_put(p, self.host)
-                m = jnp.asarray(members[u])
+                m = jnp.asarray(c.member(u))
                 h_u = K.unit_group(g, m, p_h)
                 st = {**common, "h": h_u, "member": m}
                 sk, dj = K.seg_keys(keys, u), jnp.asarray(d)
@@ -676,10 +679,8 @@ class StreamedExecutor:
             if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
                 scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
                 d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
-            c = deferred.Combine.of(
-                rule=rule.name, key=key, n=n, d=d, totals=totals, idx=idx,
-                depth=self.plan.select(n, key, self.store.num_layers)[1],
-                total_size=float(common["total_size"]), scale=scale)
+            c = dataclasses.replace(c, d=np.asarray(d, np.float32), scale=scale,
+                                    totals={k: np.asarray(v) for k, v in totals.items()})
             if defer:
                 return float(np.mean(losses)), {
                     str(u): [c.encode(*self._carried[u])] for u in ["embed", *layers, "head"]}
@@ -731,16 +732,11 @@ class StreamedExecutor:
         self._drive(layers, rload, t0, "reverse", end, blocks, done, reverse=True)
         return out[0]
 
-    def _common_stats(self, idx, n: int, layers: Sequence[int], hosts: dict) -> dict:
-        """The combine statistics every unit shares: the selection, the micro-batches outside
-        it (the head's group holds every selected one) and the model's parameter count."""
-        outside = np.ones(n, np.float32)
-        outside[idx] = 0.0
+    def _total_size(self, layers: Sequence[int], hosts: dict) -> float:
+        """The model's parameter count (a combine rule's shrinkage reads it)."""
         size = lambda u: float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))  # noqa: E731
-        total = size("embed") + size("head") + (size(layers[0]) * self.store.num_layers
-                                                if layers else 0.0)
-        return {"idx": jnp.asarray(idx, jnp.int32), "outside": jnp.asarray(outside),
-                "total_size": jnp.float32(total)}
+        return size("embed") + size("head") + (size(layers[0]) * self.store.num_layers
+                                               if layers else 0.0)
 
     def _combine_sweep(self, layers, hosts, sink, t0, c: deferred.Combine) -> None:
         """The update sweep of a rule that waits for every unit: each unit's estimate from its
@@ -811,14 +807,6 @@ class StreamedExecutor:
         return self.store.read_scratch(addr).result()
 
     # ------------------------------------------------------------------ helpers
-    def _members(self, key, n, layers) -> dict:
-        """Per unit, which selected micro-batches have its exact gradient (nested groups:
-        micro-batch i reaches block l iff depth[i] <= l, the embed iff depth[i] <= 0)."""
-        depth = np.asarray(self.plan.select(n, key, self.store.num_layers)[1])
-        out: dict[LayerKey, np.ndarray] = {"embed": (depth <= 0), "head": np.ones_like(depth, bool)}
-        out.update({int(l): depth <= l for l in layers})
-        return {u: m.astype(np.float32) for u, m in out.items()}
-
     def _selection(self, key, n):
         return np.asarray(self.plan.select(n, key, self.store.num_layers)[0])
 
