@@ -101,11 +101,14 @@ def plan_of(estimator: Any, update: str = "eager") -> Plan:
                         f"tangents; got "
                         f"{type(estimator).__name__}, {plan.describe()}, which mixes them with "
                         f"a {plan.forward!r} forward pass (run it in memory or data parallel)")
-    if update == "lazy" and not (plan.forward == "weights" and (plan.exact == "none"
-                                                                 or plan.mixes)):
+    # lazy: the forward estimate's and a hybrid's update wait for the layer's next read;
+    # backprop and exact subsets update in their reverse sweep either way (nothing to defer)
+    if update == "lazy" and not (plan.forward == "none" or (
+            plan.forward == "weights" and (plan.exact == "none" or plan.mixes))):
         raise ValueError("stream: update='lazy' needs the forward estimator with "
-                         f"perturb='weights' or a hybrid (an update described by keys, scalars "
-                         f"and the hybrid's exact means), got {plan.describe()}")
+                         f"perturb='weights', a hybrid (an update described by keys, scalars "
+                         f"and the hybrid's exact means) or backprop (updated in its reverse "
+                         f"sweep either way), got {plan.describe()}")
     return plan
 
 

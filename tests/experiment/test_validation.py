@@ -34,7 +34,8 @@ CASES = [
     (STREAM, ["arms.1.estimator={type: hybrid_activity}"],
      r"arms.1.estimator: stream: estimator must be one that mixes exact gradients with weight "
      r"tangents; got HybridActivity"),
-    (STREAM, ["engine.update=lazy"], r"arms.0.estimator: stream: update='lazy' needs the forward"),
+    (STREAM, ["engine.update=lazy", "arms.1.estimator={type: forward, perturb: activations}"],
+     r"arms.1.estimator: stream: update='lazy' needs the forward"),
     (PIPELINE, ["engine.stages=3"], r"engine.stages: 3 must divide model.depth = 8"),
     (QUICKSTART, ["model={type: nosuch}"], r"model.type: 'nosuch' is not registered; .*--plugin"),
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),

@@ -118,3 +118,12 @@ def test_lazy_needs_an_update_it_can_defer(tmp_path):
     with pytest.raises(ValueError, match="update='lazy' needs the forward estimator"):
         StreamedExecutor(STACK, jg.forward(perturb="activations"), ADAM, store,
                          StreamConfig(update="lazy"))
+
+
+def test_backprop_with_lazy_is_backprop(tmp_path):
+    """Backprop updates in its reverse sweep: ``update="lazy"`` defers nothing (one config can
+    run backprop beside the hybrids), reading 2 L − 1 layers per step either way."""
+    want, reads, _ = _train(tmp_path / "eager", jg.backprop(), "eager", steps=2)
+    got, lazy, pending = _train(tmp_path / "lazy", jg.backprop(), "lazy", steps=2)
+    _equal(got, want)
+    assert reads == lazy == [2 * L - 1] * 2 and not any(pending.values())
