@@ -88,9 +88,9 @@ def test_own_heads_guess_and_train_their_heads_exactly():
 
 
 def test_it_trains_and_engines_that_cannot_run_it_refuse_by_name():
-    """Forty Adam steps lower the loss; the pipeline refuses it by name (the stream engine
-    runs it, the composed one refuses it: tests/stream/test_local_guess.py), and data
-    parallel refuses only the shared-tangents promise it cannot keep."""
+    """Forty Adam steps lower the loss; the pipeline, stream and composed engines run it
+    (tests/pipeline/test_local_guess.py, tests/stream/test_local_guess.py); data parallel
+    refuses only the shared-tangents promise it cannot keep."""
     params = STACK.init(jax.random.key(0))
     tx = optax.adam(3e-2)
     opt = tx.init(params)
@@ -111,12 +111,6 @@ def test_it_trains_and_engines_that_cannot_run_it_refuse_by_name():
     from jax.sharding import Mesh
 
     from jaxstream.comm import data_parallel
-    from jaxstream.pipeline import gpipe_forward
-    from jaxstream.pipeline.executor import pipeline
-
-    with pytest.raises(ValueError, match=r"pipeline: forward\(local guess.*'local_guess'"):
-        pipeline(STACK, gpipe_forward(2, 2), jg.local_guess())
-    # the stream engine runs it (tests/stream/test_local_guess.py); the composed one refuses
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     with pytest.raises(ValueError, match="tangents: 'shared'"):
         data_parallel(jg.local_guess(), mesh, tangents="shared")
