@@ -4,6 +4,7 @@ schedule: one GPipe pass per chunk of layers) and after (the circular schedule, 
 update deferred to the layer's next read).
 
     python benchmarks/pipeline_stream.py --json out.json --plot out.png [--steps 150]
+    python benchmarks/pipeline_stream.py --quick               # 30 steps, evaluated every 10
     python benchmarks/pipeline_stream.py --doc docs/composed.md --doc-from out.json
 
 Per (configuration, arm): ticks and layer reads per step (counted by the engine), the test
@@ -119,6 +120,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="30 steps, evaluated every 10")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--json", type=Path)
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--doc", type=Path, help="rewrite the pipeline_stream.py block of this doc")
     ap.add_argument("--doc-from", type=Path, metavar="JSON", help="with --doc: from a --json")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_every = 30, 10
     if args.doc_from:
         run_ = json.loads(args.doc_from.read_text())
         write_tables(args.doc, "pipeline_stream.py", {"table": table(run_["results"])},
