@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -77,8 +78,10 @@ class Combine:
                    None if scale is None else float(scale))
 
     # ------------------------------------------------------------------ what the rule reads
+    @functools.cached_property
     def keys(self) -> jax.Array:
-        """The micro-batches' keys (N,), as the step drew its tangents."""
+        """The micro-batches' keys (N,), as the step drew its tangents (drawn once per
+        record, not once per unit)."""
         key = jax.random.wrap_key_data(self.key_data, impl=self.impl)
         return jax.vmap(lambda i: micro_key(key, i))(jnp.arange(self.n))
 

@@ -204,7 +204,7 @@ class StreamedExecutor:
             st = {**c.common(), "h": h, "member": jnp.asarray(c.member(unit))}
             if c.scale is not None:
                 st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(c.scale), h)
-            return K.unit_combine(self.plan.rule, self.spec, K.seg_keys(c.keys(), unit),
+            return K.unit_combine(self.plan.rule, self.spec, K.seg_keys(c.keys, unit),
                                   jnp.asarray(c.d), jax.device_put(params, self.host), st,
                                   c.totals)
 

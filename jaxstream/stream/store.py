@@ -364,19 +364,27 @@ class LayerStore:
     def _scratch_array(self, part: str, i: int) -> ts.TensorStore:
         key = ("scratch", part, i)
         if key not in self._arrays:
-            e = self._m["leaves"]["params"][part][i]
-            lead = (self.num_layers,) if part == "blocks" else ()
-            if not any(k[0] == "scratch" for k in self._arrays if isinstance(k, tuple)):
-                write_group(self._root, "scratch", {"jaxstream": {"kind": "scratch (within a "
-                                                                         "step; not committed)"}})
-                for p in ("embed", "blocks", "head"):
-                    write_group(self._root, f"scratch/{p}", {"jaxstream": {"part": p}})
-            self._arrays[key] = open_array(
-                self._root, f"scratch/{part}/{i}", self._ctx, create=True,
-                shape=lead + tuple(e["shape"]), chunk=(1,) * len(lead) + tuple(e["shape"]),
-                dtype=e["dtype"], attributes={"jaxstream": {"kind": "scratch", "part": part,
-                                                            "leaf": e["name"]}})
+            self._arrays[key] = self._new_space_array(
+                "scratch", part, i, 0, "scratch (within a step; not committed)")
         return self._arrays[key]
+
+    def _new_space_array(self, space: str, part: str, i: int, slots: int,
+                         kind: str) -> ts.TensorStore:
+        """Creates the array of params leaf ``i`` of ``part`` in a space beside the committed
+        state (``scratch``, ``carry``): the leaf's shape behind the layer axis (blocks) and
+        ``slots`` slots (0: none), one chunk per layer and slot; the space's zarr group nodes
+        are written with its first array."""
+        e = self._m["leaves"]["params"][part][i]
+        lead = ((self.num_layers,) if part == "blocks" else ()) + ((slots,) if slots else ())
+        if not any(k[0] == space for k in self._arrays if isinstance(k, tuple)):
+            write_group(self._root, space, {"jaxstream": {"kind": kind}})
+            for p in ("embed", "blocks", "head"):
+                write_group(self._root, f"{space}/{p}", {"jaxstream": {"part": p}})
+        return open_array(
+            self._root, f"{space}/{part}/{i}", self._ctx, create=True,
+            shape=lead + tuple(e["shape"]), chunk=(1,) * len(lead) + tuple(e["shape"]),
+            dtype=e["dtype"], attributes={"jaxstream": {"kind": space, "part": part,
+                                                        "leaf": e["name"]}})
 
     def write_scratch(self, unit: Unit, tree: Any) -> list:
         """Writes a params-shaped pytree (e.g. an exact gradient) to the unit's scratch space.
@@ -429,19 +437,9 @@ class LayerStore:
                 if not create:
                     raise StoreCorruptError(f"{self._where}: carry array {part}/{i} is missing "
                                             f"or unreadable ({err}); a pending update needs it")
-            e = self._m["leaves"]["params"][part][i]
-            lead = (self.num_layers, 2) if part == "blocks" else (2,)
-            if not any(k[0] == "carry" for k in self._arrays if isinstance(k, tuple)):
-                write_group(self._root, "carry", {"jaxstream": {
-                    "kind": "carry (values a pending update needs; two slots, named by the "
-                            "committed records that use them)"}})
-                for p in ("embed", "blocks", "head"):
-                    write_group(self._root, f"carry/{p}", {"jaxstream": {"part": p}})
-            self._arrays[key] = open_array(
-                self._root, f"carry/{part}/{i}", self._ctx, create=True,
-                shape=lead + tuple(e["shape"]), chunk=(1,) * len(lead) + tuple(e["shape"]),
-                dtype=e["dtype"], attributes={"jaxstream": {"kind": "carry", "part": part,
-                                                            "leaf": e["name"]}})
+            self._arrays[key] = self._new_space_array(
+                "carry", part, i, 2, "carry (values a pending update needs; two slots, named "
+                                     "by the committed records that use them)")
         return self._arrays[key]
 
     def write_carry(self, unit: Unit, tree: Any, slot: int) -> tuple[list, list[int]]:

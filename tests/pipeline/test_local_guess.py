@@ -13,19 +13,13 @@ import pytest
 import jaxstream.grad as jg
 from jaxstream.experiment.engine_pipeline import PipelineEngine, PipelineEngineConfig
 from jaxstream.experiment.engines import split_micro_batches
-from jaxstream.models import mlp, with_local_heads
 from jaxstream.pipeline import complete, gpipe_forward, pipeline
+from tests.local_problem import local_problem
 from tests.trees import max_rel_err
 
 
 def _problem(own: bool):
-    stack = mlp(in_dim=6, width=8, depth=4, num_classes=3)
-    stack = with_local_heads(stack) if own else stack
-    rng = np.random.default_rng(0)
-    micro = {"x": rng.standard_normal((4, 4, 6), dtype=np.float32),
-             "y": rng.integers(0, 3, (4, 4), dtype=np.int32)}
-    flat = {k: v.reshape(16, *v.shape[2:]) for k, v in micro.items()}
-    return stack, stack.init(jax.random.key(0)), micro, flat
+    return local_problem(own, depth=4, micro_batches=4)
 
 
 @pytest.mark.parametrize("stages, own", [(4, False), (2, True)],
@@ -45,7 +39,7 @@ def test_pipeline_local_guess_equals_in_memory(stages, own):
 
 
 def test_engine_step_and_refusals():
-    stack, params, micro, flat = _problem(False)
+    stack, params, _, flat = _problem(False)
     eng = PipelineEngine(PipelineEngineConfig(stages=2), stack=stack, estimator=jg.local_guess(),
                          optimizer=optax.sgd(0.1), micro_batches=4)
     state = eng.init(params, jax.random.key(0))

@@ -5,25 +5,18 @@ shared head and with a head per block; the composed engine refuses it by name.""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import optax
 import pytest
 
 import jaxstream.grad as jg
-from jaxstream.models import mlp, with_local_heads
 from jaxstream.stream import LayerStore
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+from tests.local_problem import local_problem
 from tests.trees import max_rel_err
 
 
 def _problem(own: bool, depth: int = 3):
-    stack = mlp(in_dim=6, width=8, depth=depth, num_classes=3)
-    stack = with_local_heads(stack) if own else stack
-    rng = np.random.default_rng(0)
-    micro = {"x": rng.standard_normal((2, 4, 6), dtype=np.float32),
-             "y": rng.integers(0, 3, (2, 4), dtype=np.int32)}
-    flat = {k: v.reshape(8, *v.shape[2:]) for k, v in micro.items()}
-    return stack, stack.init(jax.random.key(0)), micro, flat
+    return local_problem(own, depth=depth, micro_batches=2)
 
 
 @pytest.mark.parametrize("own", [False, True], ids=["shared-head", "own-heads"])
