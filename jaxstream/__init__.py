@@ -16,6 +16,11 @@ from __future__ import annotations
 import importlib as _importlib
 from typing import TYPE_CHECKING
 
+from jaxstream import xla_guard as _xla_guard
+
+#: What the guard against jaxlib 0.10.2's CPU miscompilation did (:mod:`jaxstream.xla_guard`).
+XLA_GUARD = _xla_guard.install()
+
 __version__ = "0.1.0"
 
 #: Subpackages reachable as attributes of ``jaxstream`` (imported on first access).

@@ -53,3 +53,7 @@ def strict_dtype_promotion(request):
     mode = "standard" if request.node.get_closest_marker("standard_promotion") else "strict"
     with jax.numpy_dtype_promotion(mode):
         yield
+
+# jaxlib 0.10.2's CPU backend miscompiles some vmapped reductions (jaxstream.xla_guard): the
+# guard adds its flag to XLA_FLAGS, which must happen before any test module starts JAX.
+import jaxstream  # noqa: E402,F401

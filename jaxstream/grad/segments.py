@@ -229,22 +229,31 @@ def local_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segm
 
 
 def grouped_act_grad(fn: Callable, p: Any, spec: TangentSpec, key: jax.Array, segment: Any,
-                     group_losses: Callable, axis: int = -1) -> tuple[jax.Array, Any]:
-    """``(out, weight estimate)`` of a segment whose output splits along ``axis`` (-1: its
-    features; 1: its positions) into G contiguous groups, each with its own loss:
-    ``group_losses(out) -> (G, B)``, group g's reading only its own slice. The tangent's group
-    g is weighted by its own loss's derivative d_g = ∇L_g·u_g only, so the estimate is
-    unbiased for the mean of the G group losses."""
+                     group_losses: Callable, cells: tuple | None = None
+                     ) -> tuple[jax.Array, Any]:
+    """``(out, weight estimate)`` of a segment whose output splits into C cells, each with its
+    own loss: ``group_losses(out) -> (C, B)``, cell c's reading only its own slice (or, as
+    Ren et al.'s feature aggregator, every other cell held fixed). ``cells``: ((axis, count),
+    ...) of the split axes of ``out`` in ascending order, C the product of the counts, row c of
+    the losses the cells in row-major order; None: the G contiguous groups of the last axis.
+    The tangent's cell c is weighted by its own loss's derivative d_c = ∇L_c·u_c only, so the
+    estimate is unbiased for the gradient of the mean of the C cell losses."""
     out, pull = jax.vjp(fn, p)
     u = _u(spec, key, segment, out)  # (K, B, ...)
-    _, d = jvp_k(group_losses, (out,), (u,))  # (K, G, B)
-    k, g, b = d.shape
+    _, d = jvp_k(group_losses, (out,), (u,))  # (K, C, B)
+    k, c, b = d.shape
+    cells = ((out.ndim - 1, c),) if cells is None else tuple(
+        (axis % out.ndim, n) for axis, n in cells)
     acc = loss_dtype(u.dtype, d.dtype)
-    a = (axis % out.ndim) + 1  # the split axis of u
-    ug = u.reshape(u.shape[:a] + (g, -1) + u.shape[a + 1:]).astype(acc)
-    w = jnp.moveaxis(d, 1, -1).astype(acc)  # (K, B, G)
-    w = w.reshape(w.shape[:2] + (1,) * (a - 2) + (g,) + (1,) * (ug.ndim - a - 1))
-    cot = jnp.sum(w * ug, axis=0).reshape(out.shape) / (k * b * g)
+    split = dict(cells)
+    shape_u, shape_w = list(u.shape[:2]), [k, b]
+    for i, size in enumerate(out.shape[1:], start=1):  # u's axis i + 1
+        n = split.get(i, 1)
+        shape_u += [n, size // n] if i in split else [size]
+        shape_w += [n, 1] if i in split else [1]
+    ug = u.reshape(shape_u).astype(acc)
+    w = jnp.moveaxis(d, 1, -1).astype(acc).reshape(shape_w)  # (K, B, ..., n_i, 1, ...)
+    cot = jnp.sum(w * ug, axis=0).reshape(out.shape) / (k * b * c)
     return out, pull(cot.astype(out.dtype))[0]
 
 
@@ -297,7 +306,7 @@ def local_grad(stack: Stack, fn: Callable, p: Any, spec: TangentSpec, key: jax.A
                              "perturbation (forward, perturb: activations, local_losses: true)")
         out, g = grouped_act_grad(module, p["module"], spec, key, segment,
                                   lambda h: own_losses(stack, own, h, example),
-                                  stack.local_group_axis)
+                                  stack.local_cells or None)
     else:
         out, g = kernel(module, p["module"], spec, key, segment,
                         lambda h: example(stack.local_head(own, h)))

@@ -2,6 +2,7 @@
 blocks, the fast path) and as sequences of layers written as an ``nnx.Sequential``."""
 
 from jaxstream.models.local_heads import with_local_heads
+from jaxstream.models.local_mixer import local_mixer
 from jaxstream.models.nnx_stack import from_nnx, nnx_stack_factory
 from jaxstream.models.padded_stack import PaddedView, as_padded_stack, to_stack
 from jaxstream.models.seq_stack import StackView, as_stack
@@ -34,6 +35,7 @@ __all__ = [
     "from_sequential",
     "is_stack_params",
     "layer_slice",
+    "local_mixer",
     "mlp",
     "nnx_stack_factory",
     "slice_blocks",

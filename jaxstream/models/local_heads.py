@@ -38,13 +38,26 @@ LOCAL = 0x10CA1  # key segment of the local heads' initialisation
 
 
 def with_local_heads(stack: Stack, groups: int = 1, x: Any = None,
-                     over: str = "features") -> Stack:
+                     over: str = "features", patch_groups: int = 1,
+                     aggregate: bool = False) -> Stack:
     """``stack`` with a local head of the final head's shape on the embed and on every block;
     ``groups`` > 1: G linear heads per segment, one per group of its output features (``x``,
     a few inputs, gives the features' and the classes' sizes), or with ``over="positions"``
     one per group of its positions (tokens, patches: an output (B, T, D), T split into G
     contiguous groups, each head reading its group's mean features; Ren et al.'s patch-wise
-    losses).
+    losses). ``patch_groups`` > 1 splits the positions too: P × G cells, each with a loss of
+    its own (Ren et al.'s LocalMixer losses, patch-wise and group-wise at once).
+
+    ``aggregate=True`` is Ren et al.'s feature aggregator: one head per segment, of the final
+    head's shape, reads the segment's whole output; cell c's loss is that head's loss with
+    every other cell held fixed (``stop_gradient``), its own part scaled by the number of cells
+    C. Every cell's loss then has the same value, the local head's exact gradient is that of
+    the one loss ℓ, and an activity tangent on cell c reaches only cell c's loss: the estimate
+    Σ_c (∇_c ℓ · u_c) u_c is unbiased for ∇ℓ with C independent directional derivatives.
+
+    Example:
+      >>> cells = with_local_heads(local_mixer(groups=4), groups=4, patch_groups=16,
+      ...                          x=x[:2], aggregate=True)   # 64 cells per block
 
     Raises:
       ValueError: ``stack`` already has local heads, or its head does not read every block's
@@ -58,12 +71,24 @@ def with_local_heads(stack: Stack, groups: int = 1, x: Any = None,
     if not stack.shared_head:
         raise ValueError(f"with_local_heads: {stack.name!r}'s head reads only the last block's "
                          "output (a padded stack), so a head of its shape cannot read the others")
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"groups: must be an integer >= 1, got {groups!r}")
+    for name, value in (("groups", groups), ("patch_groups", patch_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
     if over not in ("features", "positions"):
         raise ValueError(f"over: must be 'features' or 'positions', got {over!r}")
-    if groups > 1:
-        return _grouped(stack, groups, x, over)
+    if not isinstance(aggregate, bool):
+        raise ValueError(f"aggregate: must be true or false, got {aggregate!r}")
+    if over == "positions":
+        if patch_groups > 1:
+            raise ValueError("patch_groups: over='positions' already splits the positions into "
+                             "`groups`; give the feature groups as `groups` with "
+                             "over='features' and the position groups as patch_groups")
+        groups, patch_groups = 1, groups
+    if groups * patch_groups > 1:
+        return _cells(stack, patch_groups, groups, x, aggregate)
+    if aggregate:
+        raise ValueError("aggregate: the feature aggregator splits a segment's output into "
+                         "cells; with groups = patch_groups = 1 there is one (use the default)")
     heads = jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))
 
     def init(key: jax.Array) -> dict:
@@ -86,8 +111,9 @@ def _with_heads(params: dict, own: Any) -> dict:
             "head": params["head"]}
 
 
-def _grouped(stack: Stack, groups: int, x: Any, over: str = "features") -> Stack:
-    """The ``groups`` > 1 case of :func:`with_local_heads`."""
+def _cells(stack: Stack, patches: int, groups: int, x: Any, aggregate: bool) -> Stack:
+    """The P × G cells case of :func:`with_local_heads`: ``patches`` contiguous groups of the
+    positions (axis 1) times ``groups`` of the features (the last axis)."""
     if x is None:
         raise ValueError("with_local_heads: groups > 1 needs x= (a few inputs) for the sizes of "
                          "the features and the classes")
@@ -103,39 +129,80 @@ def _grouped(stack: Stack, groups: int, x: Any, over: str = "features") -> Stack
     if h.shape != out.shape:
         raise ValueError(f"groups: the embed's output {tuple(h.shape)} and the blocks' "
                          f"{tuple(out.shape)} differ; grouped heads need one shape")
-    axis = len(out.shape) - 1 if over == "features" else 1
-    if over == "positions" and len(out.shape) != 3:
+    if patches > 1 and len(out.shape) != 3:
         raise ValueError(f"over: 'positions' groups the tokens of a (batch, tokens, features) "
                          f"output; {stack.name!r}'s blocks give {tuple(out.shape)}")
-    size, classes = out.shape[axis], logits.shape[-1]
-    if size % groups:
-        what = "output features" if over == "features" else "positions"
-        raise ValueError(f"groups: {groups} must divide the segments' {what} ({size})")
-    fan_in = size // groups if over == "features" else out.shape[-1]
-
-    def head(key: jax.Array) -> dict:
-        w = jax.random.normal(key, (groups, fan_in, classes), jnp.float32)
-        return {"kernel": w / jnp.sqrt(fan_in), "bias": jnp.zeros((groups, classes), jnp.float32)}
-
-    heads = jax.jit(jax.vmap(head))
+    if out.shape[-1] % groups:
+        raise ValueError(f"groups: {groups} must divide the segments' output features "
+                         f"({out.shape[-1]})")
+    if patches > 1 and out.shape[1] % patches:
+        raise ValueError(f"groups: {patches} must divide the segments' positions "
+                         f"({out.shape[1]})")
+    cells = tuple((axis, n) for axis, n in ((1, patches), (len(out.shape) - 1, groups)) if n > 1)
+    count = patches * groups
+    kind = (f"{patches}x{groups} cells" if patches > 1 and groups > 1 else
+            f"{patches} patch groups" if patches > 1 else f"{groups} groups")
+    if aggregate:
+        local_head, heads = _aggregated(stack, cells, out.shape), \
+            jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))
+        kind += ", aggregated"
+    else:
+        local_head, heads = _per_cell(out.shape, patches, groups, logits.shape[-1])
 
     def init(key: jax.Array) -> dict:
         own = heads(jax.random.split(jax.random.fold_in(key, LOCAL), stack.num_layers + 1))
         return _with_heads(stack.init(key), own)
 
-    def local_head(own: dict, h: jax.Array) -> jax.Array:
-        """``(G, B, classes)``: group g's logits from group g alone (its features pooled over
-        the positions, or its positions' mean features)."""
-        if over == "features":
-            pooled = h.reshape(h.shape[0], -1, h.shape[-1]).mean(axis=1)
-            grouped = pooled.reshape(h.shape[0], groups, -1)
-        else:
-            grouped = h.reshape(h.shape[0], groups, -1, h.shape[-1]).mean(axis=2)
-        w, b = own["kernel"].astype(h.dtype), own["bias"].astype(h.dtype)
-        return jnp.einsum("bgd,gdc->gbc", grouped, w) + b[:, None, :]
-
     return dataclasses.replace(
         stack, embed=lambda p, x: stack.embed(p["module"], x),
         block=lambda p, h: stack.block(p["module"], h), init=init, local_head=local_head,
-        local_groups=groups, local_group_axis=axis,
-        name=f"{stack.name}+local heads/{groups} {'groups' if over == 'features' else 'patch groups'}")
+        local_groups=count, local_cells=cells, name=f"{stack.name}+local heads/{kind}")
+
+
+def _per_cell(shape: tuple, patches: int, groups: int, classes: int):
+    """``(local_head, heads init)``: a linear head per cell, reading the cell's features (its
+    group's) averaged over its positions (its patch group's; all of them without positions)."""
+    fan_in = shape[-1] // groups
+
+    def head(key: jax.Array) -> dict:
+        count = patches * groups
+        w = jax.random.normal(key, (count, fan_in, classes), jnp.float32)
+        return {"kernel": w / jnp.sqrt(fan_in), "bias": jnp.zeros((count, classes), jnp.float32)}
+
+    def local_head(own: dict, h: jax.Array) -> jax.Array:
+        """``(P·G, B, classes)``: cell (p, g)'s logits (row p·G + g) from that cell alone."""
+        b = h.shape[0]
+        cells = h.reshape(b, patches, -1, groups, fan_in).mean(axis=2)  # (B, P, G, D/G)
+        cells = cells.reshape(b, patches * groups, fan_in)
+        w, bias = own["kernel"].astype(h.dtype), own["bias"].astype(h.dtype)
+        return jnp.einsum("bcd,cdk->cbk", cells, w) + bias[:, None, :]
+
+    return local_head, jax.jit(jax.vmap(head))
+
+
+def cell_masks(shape: tuple, cells: tuple) -> jax.Array:
+    """``(C, *shape[1:])`` 0/1 masks of the C cells of a segment output of ``shape``: row
+    p·G + g is patch group p × feature group g (``cells``: ((axis, count), ...))."""
+    masks = jnp.ones((1,) + tuple(shape[1:]), jnp.float32)
+    for axis, n in cells:
+        size = shape[axis]
+        which = jnp.arange(size) // (size // n)  # the cell index along this axis
+        one = (which[None, :] == jnp.arange(n)[:, None]).astype(jnp.float32)  # (n, size)
+        one = one.reshape((n,) + (1,) * (axis - 1) + (size,) + (1,) * (len(shape) - 1 - axis))
+        masks = (masks[:, None] * one[None]).reshape((-1,) + tuple(shape[1:]))
+    return masks
+
+
+def _aggregated(stack: Stack, cells: tuple, shape: tuple):
+    """Ren et al.'s feature aggregator: cell c's logits are the local head's on the segment's
+    output with every other cell held fixed and its own deviation scaled by the cell count C,
+    so every cell's loss has the value ℓ and their mean has the h-gradient ∇ℓ."""
+    masks = cell_masks(shape, cells)
+    count = masks.shape[0]
+
+    def local_head(own: Any, h: jax.Array) -> jax.Array:
+        fixed = jax.lax.stop_gradient(h)
+        own_part = (h - fixed)[None] * (count * masks[:, None]).astype(h.dtype)  # value 0
+        return jax.vmap(lambda hc: stack.head(own, hc))(fixed[None] + own_part)
+
+    return local_head

@@ -45,11 +45,14 @@ class Stack:
       local_head: ``(local_head_params, h) -> logits`` where the embed and every block carry
         their own local head (``params["embed"|"blocks"] = {"module", "local_head"}``, built by
         :func:`jaxstream.models.with_local_heads`); None: local losses use the shared head.
-      local_groups: G, the groups of a segment's output features that each have a local loss
-        of their own (``local_head`` then returns ``(G, B, classes)``: group ``g``'s logits read
-        only group ``g``'s features, so its tangent reaches only its own loss); 1: one loss.
-      local_group_axis: the axis of a segment's output the groups split (-1: features; 1:
-        positions, a (B, T, D) output's tokens).
+      local_groups: C, the cells of a segment's output that each have a local loss of their
+        own (``local_head`` then returns ``(C, B, classes)``: cell ``c``'s logits, whose
+        dependence on the output runs through cell ``c`` alone, so its tangent reaches only its
+        own loss); 1: one loss.
+      local_cells: ((axis, count), ...): the axes of a segment's output that its local-loss
+        cells split, in ascending order (``(1, P)``: P groups of a (B, T, D) output's tokens;
+        ``(ndim - 1, G)``: G groups of its features); the cells are row-major, ``local_groups``
+        of them. Empty: one loss.
 
     Example:
       >>> stack = mlp(in_dim=64, width=32, depth=2, num_classes=10)
@@ -67,7 +70,7 @@ class Stack:
     shared_head: bool = True
     local_head: Callable[[Any, jax.Array], jax.Array] | None = None
     local_groups: int = 1
-    local_group_axis: int = -1
+    local_cells: tuple = ()
 
     def __call__(self, params: Params, batch: Batch) -> jax.Array:
         """Mean loss of ``batch``."""

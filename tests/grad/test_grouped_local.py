@@ -191,7 +191,7 @@ def test_a_patch_groups_tangent_reaches_only_its_own_loss():
     """Patch-wise groups on a Mixer (16 tokens in 4 groups of 4): one key, a float64 NumPy
     formula; the cotangent on group g's tokens is (∇_{h_g} L_g · u_g) u_g / (B·G)."""
     stack, grouped, p, batch = _mixer_problem("positions")
-    assert grouped.local_group_axis == 1
+    assert grouped.local_cells == ((1, 4),)
     spec = jg.TangentSpec(1, "gaussian")
     one = jax.tree.map(lambda a: a[0], p["blocks"])
     h_in = grouped.embed(p["embed"], batch["x"])
@@ -199,7 +199,8 @@ def test_a_patch_groups_tangent_reaches_only_its_own_loss():
     losses = lambda h: sg.own_losses(grouped, one["local_head"], h, example)  # noqa: E731
     fn = lambda m: grouped.block({"module": m}, h_in)  # noqa: E731
     key = jax.random.key(3)
-    out, g = sg.grouped_act_grad(fn, one["module"], spec, key, 0, losses, axis=1)
+    out, g = sg.grouped_act_grad(fn, one["module"], spec, key, 0, losses,
+                                 cells=((1, 4),))
     u = np.asarray(sg._u(spec, key, 0, out)[0], np.float64)  # (B, T, D)
     cot = np.zeros_like(u)
     for gi in range(4):
