@@ -72,6 +72,8 @@ def estimators(num_layers: int) -> dict:
         "fwd-act-own": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
         "fwd-w-local-own": (jg.local_forward_weights(2, "gaussian"), "flat"),
         "fwd-act-grouped": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
+        # ... and their feature aggregator: one head per block, a loss per cell of features
+        "fwd-act-aggregated": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
         "local-guess": (jg.local_guess(), "flat"),  # Fournier et al.
         "local-guess-own": (jg.local_guess(), "flat"),
         "exact-subset": (jg.exact_subset(len(SEL)), "micro"),
@@ -159,7 +161,8 @@ def main(argv=None) -> dict:
     flat = jax.tree.map(lambda a: a.reshape(N * B, *a.shape[2:]), micro)
     key = jax.random.key(7)
     models = {"": plain, "-own": with_local_heads(plain),
-              "-grouped": with_local_heads(plain, groups=2, x=flat["x"])}
+              "-grouped": with_local_heads(plain, groups=2, x=flat["x"]),
+              "-aggregated": with_local_heads(plain, groups=2, x=flat["x"], aggregate=True)}
     mesh = jax.make_mesh((M,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="jaxstream-engines-"))

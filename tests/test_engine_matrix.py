@@ -55,6 +55,8 @@ STACK = mlp(in_dim=6, width=8, depth=M, num_classes=3)
 OWN = with_local_heads(STACK)  # Ren et al.'s design: a local head per block (rows "-own")
 # Ren et al.'s grouped local losses (M/1/G): 2 groups of 4 features, a head and loss each
 GROUPED = with_local_heads(STACK, groups=2, x=np.zeros((1, 6), np.float32))
+# Ren et al.'s feature aggregator: one head per block on its whole output, 2 cells of features
+AGGREGATED = with_local_heads(STACK, groups=2, x=np.zeros((1, 6), np.float32), aggregate=True)
 SGD = optax.sgd(0.1)
 NESTED = truncated(M, N, SEL)
 
@@ -95,6 +97,7 @@ ESTIMATORS = {
     "fwd-act-own": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
     "fwd-w-local-own": (jg.local_forward_weights(K, "gaussian"), "flat"),
     "fwd-act-grouped": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
+    "fwd-act-aggregated": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
     "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=K), "micro"),
     "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=K),
                "micro"),
@@ -113,8 +116,9 @@ PAIRS = [(engine, name) for name in ESTIMATORS for engine in ENGINES]
 
 def stack_of(name: str):
     """The model of row ``name``: with its own local heads for the "-own" rows, grouped ones
-    for the "-grouped" row."""
-    return OWN if name.endswith("-own") else GROUPED if name.endswith("-grouped") else STACK
+    for the "-grouped" row, Ren et al.'s aggregated cells for the "-aggregated" row."""
+    return {"own": OWN, "grouped": GROUPED, "aggregated": AGGREGATED}.get(
+        name.rsplit("-", 1)[-1], STACK)
 
 
 def _data(seed: int):
@@ -128,7 +132,7 @@ def _data(seed: int):
 @pytest.fixture(scope="module")
 def problem():
     """(params by model, micro-batched batch, flat batch, key)."""
-    params = {m: m.init(jax.random.key(0)) for m in (STACK, OWN, GROUPED)}
+    params = {m: m.init(jax.random.key(0)) for m in (STACK, OWN, GROUPED, AGGREGATED)}
     micro, flat = _data(0)
     return params, micro, flat, jax.random.key(7)
 

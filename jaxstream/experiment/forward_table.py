@@ -94,7 +94,11 @@ class TableArm(Checked):
     (:func:`jaxstream.models.with_local_heads`; Ren et al.'s local losses), with
     ``local_groups`` groups of each block's output features, each with a head and a loss of
     its own (Ren et al.'s M/1/G; activity perturbation only), or with ``local_over:
-    positions`` groups of its positions (a Mixer's tokens: patch-wise losses); ``datasets``: the data sets the
+    positions`` groups of its positions (a Mixer's tokens: patch-wise losses);
+    ``local_patch_groups``: P groups of the positions besides the G of the features (P × G
+    cells, Ren et al.'s LocalMixer losses); ``local_aggregate``: Ren et al.'s feature
+    aggregator (one head per block on its whole output, each cell's loss through its own cell
+    only) instead of a head per cell; ``datasets``: the data sets the
     arm runs on (empty: all; e.g. groups that divide one model's width); ``engine``: what
     runs its steps (the ``engine:`` section of ``kind: train``; its layer store, if any, is a
     scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's."""
@@ -106,6 +110,8 @@ class TableArm(Checked):
     local_heads: bool = False
     local_groups: Count = 1
     local_over: Literal["features", "positions"] = "features"
+    local_patch_groups: Count = 1
+    local_aggregate: bool = False
     engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
     optimizer: OptimizerConfig | None = None
     datasets: tuple[str, ...] = ()  # the data sets it runs on (empty: every one)
@@ -115,13 +121,24 @@ class TableArm(Checked):
                                              for k, v in self.lrs_by_dataset.items())):
             if not lrs:
                 raise ValueError(f"{name}: list one or more learning rates")
-        if self.local_groups > 1 and not self.local_heads:
-            raise ValueError(f"local_groups: {self.local_groups} groups need local heads of "
-                             "their own (local_heads: true); allowed without: 1")
-        if self.local_groups > 1 and self.estimator.build().plan.forward != "local":
-            raise ValueError("local_groups: grouped local losses need activity perturbation "
-                             "(estimator: {type: forward, perturb: activations, local_losses: "
-                             "true}): a weight tangent reaches every group; allowed: 1")
+        for name in ("local_groups", "local_patch_groups"):
+            count = getattr(self, name)
+            if count > 1 and not self.local_heads:
+                raise ValueError(f"{name}: {count} groups need local heads of their own "
+                                 "(local_heads: true); allowed without: 1")
+            if count > 1 and self.estimator.build().plan.forward != "local":
+                raise ValueError(f"{name}: grouped local losses need activity perturbation "
+                                 "(estimator: {type: forward, perturb: activations, "
+                                 "local_losses: true}): a weight tangent reaches every group; "
+                                 "allowed: 1")
+        if self.local_patch_groups > 1 and self.local_over == "positions":
+            raise ValueError("local_patch_groups: local_over: positions already splits the "
+                             "positions into local_groups; give the position groups as "
+                             "local_patch_groups and the feature groups as local_groups "
+                             "(local_over: features)")
+        if self.local_aggregate and self.local_groups * self.local_patch_groups == 1:
+            raise ValueError("local_aggregate: the feature aggregator needs cells "
+                             "(local_groups or local_patch_groups > 1); allowed: false")
         if getattr(self.engine, "store", None) is not None:
             raise ValueError(f"engine.store: the table keeps each lane's layer store in a "
                              f"scratch directory of its own; leave it null, got "
@@ -322,7 +339,8 @@ class _Arm:
             stack, evaluate = staged, (evaluate if staged is stack else None)
         if arm.local_heads:
             stack = with_local_heads(stack, groups=arm.local_groups, x=ds.train["x"][:2],
-                                     over=arm.local_over)
+                                     over=arm.local_over, patch_groups=arm.local_patch_groups,
+                                     aggregate=arm.local_aggregate)
             evaluate = None  # its parameters carry the local heads
         self.stack = stack
         self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
@@ -463,7 +481,8 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
         "local_heads": "own" if arm.local_heads else "shared", "local_groups": arm.local_groups,
-        "local_over": arm.local_over,
+        "local_over": arm.local_over, "local_patch_groups": arm.local_patch_groups,
+        "local_aggregate": arm.local_aggregate,
         "engine": registered_name(arm.engine), "model": registered_name(dcfg.model),
         "optimizer": cfg.arm_optimizer(arm).name,
         "seeds": cfg.seeds, "steps": dcfg.steps, **probe,

@@ -132,6 +132,32 @@ class MixerConfig(ModelConfig):
                      _need(info, "num_classes", "mixer"))
 
 
+@register_choice(ModelConfig, "local_mixer")
+@dataclasses.dataclass(frozen=True)
+class LocalMixerConfig(MixerConfig):
+    """Ren et al.'s LocalMixer (:func:`jaxstream.models.local_mixer`): a Mixer whose channel
+    MLP's second layer is grouped into ``groups`` channel groups, each normed on its own."""
+
+    groups: Count = 4
+
+    def check(self) -> None:
+        super().check()
+        if self.width % self.groups or self.hidden % self.groups:
+            raise ValueError(f"groups: {self.groups} must divide width ({self.width}) and "
+                             f"hidden ({self.hidden})")
+
+    def block_params(self) -> int:
+        """Parameters of the blocks (embed and head left out: a lower bound)."""
+        per = self.tokens() ** 2 + self.width * self.hidden + self.hidden * self.width // self.groups
+        return per * self.depth
+
+    def build(self, info: dict[str, int]) -> Any:
+        from jaxstream.models import local_mixer
+
+        return local_mixer(self.image_shape, self.patch, self.width, self.hidden, self.depth,
+                           self.groups, _need(info, "num_classes", "local_mixer"))
+
+
 @register_choice(ModelConfig, "char_transformer")
 @dataclasses.dataclass(frozen=True)
 class CharTransformerConfig(ModelConfig):

@@ -14,8 +14,10 @@ from typing import Any
 
 # Ren, Kornblith, Liao, Hinton: "Scaling forward gradient with local losses", ICLR 2023 —
 # supervised MNIST test error (%) of their MLPs as published, in their notation
-# size/blocks/groups: S/1/1 (one block, one group: a local loss is then the global one, so
-# LG-FG-W = FG-W and LG-FG-A = FG-A there) and M/1/16.
+# size/patches/groups, patches counted per side of the image (their released configuration,
+# google-research local_forward_gradient/configs/supervised.py, names "L/32/64" the run with
+# num_patches = 32 and num_groups = 64): S/1/1 (the whole image, one group; their LG-FG-W and
+# LG-FG-A figures there equal FG-W's and FG-A's) and M/1/16 (16 channel groups).
 REN_SETTINGS = ("S/1/1", "M/1/16")
 REN_MNIST = {
     "BP": {"S/1/1": 2.66, "M/1/16": 2.41},
@@ -247,6 +249,32 @@ def _edges(rows: list[dict], dataset: str) -> str:
     return (said + f"**{len(edge)} of {len(mine)} swept arms picked the edge of their sweep** "
             f"(↑ the largest rate tried, ↓ the smallest): {', '.join(edge)}. Their best rate may "
             f"lie outside the sweep, and their rows may overstate their error.")
+
+
+def design(r: dict) -> str | None:
+    """What a local-loss arm's local losses are, from its row (None: not local heads of its
+    own)."""
+    if r.get("local_heads") != "own":
+        return None
+    groups, patches = r.get("local_groups", 1), r.get("local_patch_groups", 1)
+    if r.get("local_over") == "positions":
+        groups, patches = 1, groups
+    cells = [f"{patches} patch groups" if patches > 1 else "",
+             f"{groups} channel groups" if groups > 1 else ""]
+    what = " × ".join(c for c in cells if c)
+    if not what:
+        return "a head of its own per block"
+    if r.get("local_aggregate"):
+        return (f"{what} ({patches * groups} cells per block), Ren et al.'s feature aggregator: "
+                "one head per block on its whole output, each cell's loss through its own cell")
+    return f"{what}, a head and a loss per cell"
+
+
+def designs(rows: list[dict], dataset: str) -> str:
+    """A sentence listing the data set's local-loss designs ("" without any)."""
+    mine = [(r["arm"], design(r)) for r in rows if r["dataset"] == dataset]
+    said = [f"{arm}: {d}" for arm, d in mine if d]
+    return ("Local losses of the -Ren arms: " + "; ".join(said) + ".") if said else ""
 
 
 def loss_table(rows: list[dict], dataset: str) -> str:
@@ -535,8 +563,10 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         "(a shared head); the -Ren arms give every block a head of its own, learned by the "
         "exact gradient of its local loss, as Ren et al. do. The last two columns are Ren et "
         "al.'s (ICLR 2023) published supervised MNIST test errors (%) of their MLPs in their "
-        "settings S/1/1 and M/1/16 (size/blocks/groups; with one block and one group a local "
-        "loss is the global one), beside the arms that run their method only, and for the "
+        "settings S/1/1 and M/1/16 (size/patches/groups, patches per side of the image, as their "
+        "released configuration names L/32/64 the run with 32 patches per side and 64 groups; "
+        "in S/1/1 their LG-FG-W and LG-FG-A figures equal FG-W's and FG-A's), beside the arms "
+        "that run their method only, and for the "
         "local-loss arms only in the setting whose number of groups the arm ran (an arm with "
         "16 groups: M/1/16, Ren et al.'s grouped losses; one group: S/1/1); for comparison "
         "only: different data set and models. Baselines: chance, logistic regression, and for "
@@ -554,6 +584,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         parts += ["", f"## {ds}", "",
                   f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
                   _edges(rows, ds), ""]
+        if designs(rows, ds):
+            parts += [designs(rows, ds), ""]
         if baseline_table(every, ds):
             parts += ["Baselines (no training by the library; one deterministic fit):", "",
                       baseline_table(every, ds), ""]

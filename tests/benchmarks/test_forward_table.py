@@ -375,8 +375,13 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     text = markdown({"rows": [shared, own, sixteen], "command": "c", "machine": "m"})
     assert line("LG-FG-A-Ren-G16").endswith("| — | 2.55 |")  # 16 groups: M/1/16 only
     mixer = {**own, "model": "mixer"}  # their figures are of MLPs: none beside a Mixer
-    text = markdown({"rows": [shared, mixer], "command": "c", "machine": "m"})
+    cells = {**own, "arm": "cells", "model": "local_mixer", "local_groups": 4,
+             "local_patch_groups": 16, "local_aggregate": True}
+    text = markdown({"rows": [shared, mixer, cells], "command": "c", "machine": "m"})
     assert line("LG-FG-A-Ren").endswith("| — | — |")
+    assert ("Local losses of the -Ren arms: LG-FG-A-Ren: a head of its own per block; cells: "
+            "16 patch groups × 4 channel groups (64 cells per block), Ren et al.'s feature "
+            "aggregator") in text
     with pytest.raises(ValueError, match=r"arms\.0\.local_heads: only local losses read local heads"):
         ft.load_table_config(ft.QUICK, ["arms=[{name: BP, estimator: {type: backprop}, "
                                         "local_heads: true}]"])
@@ -425,6 +430,36 @@ def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
                                          r"activity perturbation"):
         ft.load_table_config(ft.QUICK, ["arms=[{name: W, estimator: {type: local_forward_weights}"
                                         ", local_heads: true, local_groups: 4}]"])
+
+
+def test_a_local_mixer_arm_with_aggregated_cells_runs_and_its_misuse_is_refused():
+    """A LocalMixer data set with an arm of 4 patch groups × 2 channel groups under Ren et al.'s
+    feature aggregator trains, its row names the design; the local target it follows is
+    measured (cosines in [-1, 1]); a cell setting that cannot hold is refused by field."""
+    mixer = ("datasets=[{name: d, data: {type: digits}, model: {type: local_mixer, patch: 2, "
+             "width: 8, hidden: 8, depth: 2, groups: 2}, steps: 2, batch_size: 8, eval_every: 2, "
+             "train_eval_size: 32}]")
+    arm = ("arms=[{name: cells, estimator: {type: forward, perturb: activations, "
+           "local_losses: true}, local_heads: true, local_groups: 2, local_patch_groups: 4, "
+           "local_aggregate: true, lrs: [0.001]}]")
+    over = ["seeds=1", "cosine_keys=2", "timing_steps=1", "baselines=false", "extend_sweeps=0",
+            mixer, arm]
+    (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    assert (row["model"], row["local_groups"], row["local_patch_groups"],
+            row["local_aggregate"]) == ("local_mixer", 2, 4, True)
+    assert all(-1.0 <= c <= 1.0 for c in row["local_cosine_layers"])
+    assert np.isfinite(row["test_loss_mean"])
+    with pytest.raises(ValueError, match=r"arms\.0\.local_aggregate: the feature aggregator "
+                                         r"needs cells"):
+        ft.load_table_config(ft.QUICK, [mixer, "arms=[{name: a, estimator: {type: forward, "
+                                        "perturb: activations, local_losses: true}, "
+                                        "local_heads: true, local_aggregate: true}]"])
+    with pytest.raises(ValueError, match=r"arms\.0\.local_patch_groups: local_over: "
+                                         r"positions already splits"):
+        ft.load_table_config(ft.QUICK, [mixer, arm.replace("local_aggregate: true",
+                                                           "local_over: positions")])
+    with pytest.raises(ValueError, match=r"groups: 3 must divide width \(8\) and hidden"):
+        ft.load_table_config(ft.QUICK, [mixer.replace("groups: 2", "groups: 3"), arm])
 
 
 def test_an_arm_runs_only_on_the_data_sets_it_names():
