@@ -17,11 +17,20 @@ segment's local loss is the mean of the G group losses. An activity tangent on g
 then reaches only group ``g``'s loss (:func:`jaxstream.grad.segments.local_grad`), so the
 estimate is G separate local problems, less noisy than one loss over all features.
 
+``patch_groups=P`` splits the positions of a (batch, tokens, features) output as well: P × G
+cells, each with a loss (Ren et al.'s LocalMixer losses, patch-wise and group-wise at once;
+:func:`jaxstream.models.local_mixer` keeps its channel groups apart). With a head per cell each
+cell is classified from its own features; with ``aggregate=True`` (Ren et al.'s feature
+aggregator, the design of their released code) one head per segment reads the whole output and
+each cell's loss is that head's loss with the other cells held fixed.
+
 Example:
   >>> stack = with_local_heads(mlp(in_dim=40, width=100, depth=1, num_classes=10))
   >>> params = stack.init(jax.random.key(0))
   >>> loss, grads = forward(perturb="activations", local_losses=True)(stack, params, batch, key)
   >>> grouped = with_local_heads(mlp(40, 128, 1, 10), groups=16, x=batch["x"])   # M/1/16
+  >>> cells = with_local_heads(local_mixer(groups=4), groups=4, patch_groups=16,
+  ...                          x=batch["x"], aggregate=True)   # 64 cells per block
 """
 
 from __future__ import annotations
@@ -143,8 +152,8 @@ def _cells(stack: Stack, patches: int, groups: int, x: Any, aggregate: bool) -> 
     kind = (f"{patches}x{groups} cells" if patches > 1 and groups > 1 else
             f"{patches} patch groups" if patches > 1 else f"{groups} groups")
     if aggregate:
-        local_head, heads = _aggregated(stack, cells, out.shape), \
-            jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))
+        local_head = _aggregated(stack, cells, out.shape)
+        heads = jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))  # the final head's shape
         kind += ", aggregated"
     else:
         local_head, heads = _per_cell(out.shape, patches, groups, logits.shape[-1])
