@@ -32,7 +32,7 @@ from flax import nnx
 
 from jaxstream.models.nnx_stack import nnx_stack_factory
 from jaxstream.models.stack import Stack
-from jaxstream.models.zoo import _check_positive, _Patches
+from jaxstream.models.zoo import _check_positive, _Patches, patch_tokens
 
 
 def _norm(x: jax.Array) -> jax.Array:
@@ -97,14 +97,9 @@ def local_mixer(
     """
     _check_positive(patch=patch, width=width, hidden=hidden, depth=depth, groups=groups,
                     num_classes=num_classes)
-    if len(image_shape) != 3 or min(image_shape) < 1:
-        raise ValueError(f"image_shape must be (height, width, channels), got {image_shape!r}")
-    if image_shape[0] % patch or image_shape[1] % patch:
-        raise ValueError(f"patch: {patch} must divide the image's height and width "
-                         f"{tuple(image_shape[:2])}")
+    tokens = patch_tokens(image_shape, patch)
     if width % groups or hidden % groups:
         raise ValueError(f"groups: {groups} must divide width ({width}) and hidden ({hidden})")
-    tokens = (image_shape[0] // patch) * (image_shape[1] // patch)
 
     def build(rngs: nnx.Rngs):
         return (

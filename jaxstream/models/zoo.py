@@ -108,6 +108,20 @@ def cnn(
     return nnx_stack_factory(build, depth, name=f"cnn{depth}x{channels}")
 
 
+def patch_tokens(image_shape: tuple[int, int, int], patch: int) -> int:
+    """The tokens of an image cut into ``patch``×``patch`` patches (a Mixer's sequence).
+
+    Raises:
+      ValueError: ``image_shape`` not (height, width, channels), or ``patch`` not dividing it.
+    """
+    if len(image_shape) != 3 or min(image_shape) < 1:
+        raise ValueError(f"image_shape must be (height, width, channels), got {image_shape!r}")
+    if image_shape[0] % patch or image_shape[1] % patch:
+        raise ValueError(f"patch: {patch} must divide the image's height and width "
+                         f"{tuple(image_shape[:2])}")
+    return (image_shape[0] // patch) * (image_shape[1] // patch)
+
+
 class _Patches(nnx.Module):
     """Cut an image into non-overlapping ``patch``×``patch`` patches, each linearly embedded."""
 
@@ -167,12 +181,7 @@ def mixer(
     """
     _check_positive(patch=patch, width=width, hidden=hidden, depth=depth,
                     num_classes=num_classes)
-    if len(image_shape) != 3 or min(image_shape) < 1:
-        raise ValueError(f"image_shape must be (height, width, channels), got {image_shape!r}")
-    if image_shape[0] % patch or image_shape[1] % patch:
-        raise ValueError(f"patch: {patch} must divide the image's height and width "
-                         f"{tuple(image_shape[:2])}")
-    tokens = (image_shape[0] // patch) * (image_shape[1] // patch)
+    tokens = patch_tokens(image_shape, patch)
 
     def build(rngs: nnx.Rngs):
         return (
