@@ -212,6 +212,27 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
     return out
 
 
+def design_verdicts(rows: list[dict], dataset: str,
+                    base: str = "LG-FG-A" + REN) -> list[str]:
+    """Each other local-loss design with activity tangents and heads of its own (an
+    ``LG-FG-A-Ren-*`` arm: groups, patch groups, cells, the feature aggregator) against
+    ``base`` (one loss per block), from the paired by-seed differences; [] where the data set
+    has no such arm."""
+    r = _by(rows, dataset)
+    others = [x for name, x in r.items() if name.startswith(base + "-")]
+    if base not in r or not others:
+        return []
+    loss = _is_loss(r[base])
+    out = []
+    for x in others:
+        t = paired(x, r[base])
+        word = {None: "no verdict against", -1: "better than", 0: "tie with",
+                1: "worse than"}[_sign(t)]
+        out.append(f"{x['arm']}: {_show(x)} — {word} {base} {_show(r[base])} "
+                   f"({_stat(t, loss)})")
+    return out
+
+
 def lr_edge(row: dict) -> str | None:
     """``"largest"`` / ``"smallest"`` when the picked rate is the edge of its sweep, ``"only"``
     when the arm tried one rate (no sweep: the best rate may lie on either side), else
@@ -606,6 +627,13 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
                   f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
                   f"{MIN_SEEDS} paired seeds for a verdict):"), ""]
         parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
+        if design_verdicts(rows, ds):
+            judged = "test loss" if loss else "test error"
+            parts += ["", (f"Local-loss designs against one loss per block ({judged}, "
+                           f"paired by-seed differences, Student's t, "
+                           f"two-sided level {ALPHA}, at least {MIN_SEEDS} paired seeds for a "
+                           "verdict):"), ""]
+            parts += [f"- {line}" for line in design_verdicts(rows, ds)]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:

@@ -507,3 +507,26 @@ def test_k_is_an_axis_of_the_report():
     assert "| FG-A | 30.00 ± 0.10 (3.3) | 20.00 ± 0.10 (5.4) |" in text
     assert "FG-W" not in text and "BP" not in text  # one K only / no tangents
     assert k_table(rows[2:], "d") == ""
+
+
+def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
+    """Each LG-FG-A-Ren-* arm of a data set is compared with LG-FG-A-Ren seed by seed, with t,
+    df and p equal to SciPy's paired t-test; an arm of another family is left out."""
+    from scipy import stats
+
+    from jaxstream.experiment.table_report import design_verdicts
+
+    def row(arm, errs):
+        return {"dataset": "d", "arm": arm, "test_error_by_seed": errs,
+                "test_error_mean": float(np.mean(errs)), "test_error_sd": float(np.std(errs, ddof=1))}
+
+    base, cells = [0.20, 0.23, 0.19], [0.10, 0.12, 0.08]
+    rows = [row("LG-FG-A-Ren", base), row("LG-FG-A-Ren-P16G4-agg", cells),
+            row("LG-FG-A-Ren-G4", [0.21, 0.22, 0.20]), row("FG-A", [0.5, 0.5, 0.5])]
+    lines = design_verdicts(rows, "d")
+    assert len(lines) == 2 and not any(x.startswith("FG-A") for x in lines)
+    t, p = stats.ttest_rel(cells, base)
+    assert lines[0].startswith("LG-FG-A-Ren-P16G4-agg: 10.00 ± 2.00 % — better than LG-FG-A-Ren")
+    assert f"t = {t:.2f}, df = 2, p = {p:.3f}, 3 paired seeds" in lines[0]
+    assert "tie with" in lines[1]
+    assert design_verdicts(rows[1:], "d") == []  # no base arm: nothing to judge against
