@@ -29,7 +29,8 @@ REN_MNIST = {
 REN = "-Ren"  # suffix of the arms that run Ren et al.'s local losses (a head per block)
 FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "LG-FG-W" + REN, "LG-FG-A" + REN)
 #: The arms :func:`equivalents_plot` draws where a table has them (the rest: the table).
-MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN, "local-guess",
+MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN,
+             "LG-FG-A" + REN + "-P16G4-agg", "local-guess",
              "exact-subset", "hybrid-control_variate", "hybrid-weighted", "hybrid-activity")
 
 
@@ -689,6 +690,7 @@ def equivalents_plot(rows: list[dict], path: str, arms: tuple[str, ...] = MAIN_A
                         xycoords=("axes fraction", "data"), fontsize="x-small", color="0.4",
                         ha="right", va="bottom")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # short spans: crowded
         if not any(_is_loss(r) for r in counted if r["dataset"] == ds):
             ax.set_yscale("log")
             ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
