@@ -114,7 +114,9 @@ MIN_SEEDS = 3  # paired seeds a verdict needs
 def paired(a: dict, b: dict) -> dict:
     """Paired by-seed difference of the judged figure, ``a − b`` (seed i of one arm against seed
     i of the other: same initial key and batches), with Student's t: ``{"n", "mean", "t",
-    "df", "p"}``; only ``{"n"}`` where fewer than :data:`MIN_SEEDS` seeds pair up."""
+    "df", "p"}``; only ``{"n"}`` where fewer than :data:`MIN_SEEDS` seeds pair up, and
+    ``{"n", "mean", "constant"}`` where every seed differs by the same nonzero amount (no
+    spread: t is undefined, and a p of 0 from three seeds would be an artefact)."""
     key = "test_loss_by_seed" if _is_loss(a) else "test_error_by_seed"
     xa, xb = a.get(key) or [], b.get(key) or []
     n = min(len(xa), len(xb))
@@ -125,11 +127,10 @@ def paired(a: dict, b: dict) -> dict:
     d = [x - y for x, y in zip(xa[:n], xb[:n])]
     mean = sum(d) / n
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    if sd == 0.0:
-        t = math.copysign(math.inf, mean) if mean else 0.0
-    else:
-        t = mean / (sd / math.sqrt(n))
-    p = 2.0 * float(stats.t.sf(abs(t), n - 1)) if math.isfinite(t) else float(mean == 0.0)
+    if sd == 0.0 and mean != 0.0:  # every seed differs by the same amount: t is undefined
+        return {"n": n, "mean": mean, "constant": True}
+    t = mean / (sd / math.sqrt(n)) if sd else 0.0  # identical arms: t = 0, p = 1
+    p = 2.0 * float(stats.t.sf(abs(t), n - 1))
     return {"n": n, "mean": mean, "t": t, "df": n - 1, "p": p}
 
 
@@ -142,6 +143,9 @@ def _sign(test: dict) -> int:
 
 
 def _stat(test: dict, loss: bool) -> str:
+    if test.get("constant"):
+        return (f"no verdict: all {test['n']} paired differences are {_d(test['mean'], loss)}, "
+                "no spread, so Student's t is undefined (a discrete test set can do this)")
     if "p" not in test:
         return f"no verdict: {test['n']} paired seeds, {MIN_SEEDS} needed"
     return (f"{_d(test['mean'], loss)}, t = {test['t']:.2f}, df = {test['df']}, "

@@ -139,6 +139,14 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
     line = hybrid_verdict(few, "d")[1]
     assert "no verdict against exact-subset (no verdict: 2 paired seeds, 3 needed)" in line
     assert line.endswith("→ no verdict")
+    # every seed 1 pp apart (a discrete test set): no spread, no t, no verdict; equal: a tie
+    shifted = {**b, "test_error_by_seed": [x + 0.01 for x in b["test_error_by_seed"]]}
+    assert paired(shifted, b) == {"n": 5, "mean": pytest.approx(0.01), "constant": True}
+    line = hybrid_verdict([{**b, "arm": "exact-subset"}, _row("FG-A", 0.05, seeds=5),
+                           {**shifted, "arm": "hybrid-x"}], "d")[1]
+    assert ("no verdict against exact-subset (no verdict: all 5 paired differences are "
+            "+1.00 pp") in line and line.endswith("→ no verdict")
+    assert paired(b, b)["p"] == 1.0
 
 
 def test_report_checks_follow_the_rows():
