@@ -86,7 +86,7 @@ def with_local_heads(stack: Stack, groups: int = 1, x: Any = None,
     if over not in ("features", "positions"):
         raise ValueError(f"over: must be 'features' or 'positions', got {over!r}")
     if not isinstance(aggregate, bool):
-        raise ValueError(f"aggregate: must be true or false, got {aggregate!r}")
+        raise TypeError(f"aggregate: must be true or false, got {aggregate!r}")
     if over == "positions":
         if patch_groups > 1:
             raise ValueError("patch_groups: over='positions' already splits the positions into "

@@ -51,16 +51,16 @@ def test_a_cells_tangent_reaches_only_its_own_loss():
     spec = jg.TangentSpec(1, "gaussian")
     one = jax.tree.map(lambda a: a[0], p["blocks"])
     h_in = cells.embed(p["embed"], batch["x"])
-    losses = lambda h: sg.own_losses(cells, one["local_head"], h,  # noqa: E731
+    losses = lambda h: sg.own_losses(cells, one["local_head"], h,
                                      lambda lg: stack.example_loss(lg, batch))
-    fn = lambda m: cells.block({"module": m}, h_in)  # noqa: E731
+    fn = lambda m: cells.block({"module": m}, h_in)
     key = jax.random.key(3)
     out, g = sg.grouped_act_grad(fn, one["module"], spec, key, 0, losses, cells.local_cells)
     u = np.asarray(sg._u(spec, key, 0, out)[0], np.float64)  # (B, 16, 8)
     cot = np.zeros_like(u)
     for c in range(P * G):
         rows, cols = slice(4 * (c // G), 4 * (c // G + 1)), slice(4 * (c % G), 4 * (c % G + 1))
-        grad = np.asarray(jax.grad(lambda h: jnp.sum(losses(h)[c]))(out), np.float64)
+        grad = np.asarray(jax.grad(lambda h, c=c: jnp.sum(losses(h)[c]))(out), np.float64)
         outside = grad.copy()
         outside[:, rows, cols] = 0
         assert not np.any(outside), c  # its own cell only
@@ -78,7 +78,7 @@ def _aggregated_objective(stack, p, batch):
     h = stack.embed(p["embed"]["module"], batch["x"])
     total = jnp.mean(_ce(stack.head(p["embed"]["local_head"], h), y))
     for l in range(stack.num_layers):
-        one = jax.tree.map(lambda a: a[l], p["blocks"])
+        one = jax.tree.map(lambda a, l=l: a[l], p["blocks"])
         h = stack.block(one["module"], jax.lax.stop_gradient(h))
         total += jnp.mean(_ce(stack.head(one["local_head"], h), y))
     return total + jnp.mean(_ce(stack.head(p["head"], jax.lax.stop_gradient(h)), y))
@@ -140,7 +140,7 @@ def test_the_local_mixer_block_is_its_definition():
     def norm(x):
         return (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5)
 
-    relu = lambda x: np.maximum(x, 0)  # noqa: E731
+    relu = lambda x: np.maximum(x, 0)
     y = relu(norm(np.einsum("bdt,ts->bds", h.swapaxes(1, 2), p["token"]["kernel"])
                   .swapaxes(1, 2) + p["token"]["bias"][None, :, None]))
     y = relu(norm(y @ p["channel"]["kernel"] + p["channel"]["bias"]))
