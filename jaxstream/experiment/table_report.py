@@ -108,6 +108,8 @@ def _show(r: dict) -> str:
 
 
 ALPHA = 0.05  # two-sided level of every verdict
+#: A paired comparison's word, by :func:`_sign` of ``a − b`` (None: too few seeds or no spread).
+VERDICT = {None: "no verdict against", -1: "better than", 0: "tie with", 1: "worse than"}
 MIN_SEEDS = 3  # paired seeds a verdict needs
 
 
@@ -208,8 +210,7 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
             t = paired(h, other)
             s = _sign(t)
             signs.append(s)
-            word = {None: "no verdict against", -1: "better than", 0: "tie with",
-                    1: "worse than"}[s]
+            word = VERDICT[s]
             verdicts.append(f"{word} {other['arm']} ({_stat(t, loss)})")
         end = ("no verdict" if None in signs else
                "BEATS BOTH" if signs == [-1, -1] else "does not beat both")
@@ -231,8 +232,7 @@ def design_verdicts(rows: list[dict], dataset: str,
     out = []
     for x in others:
         t = paired(x, r[base])
-        word = {None: "no verdict against", -1: "better than", 0: "tie with",
-                1: "worse than"}[_sign(t)]
+        word = VERDICT[_sign(t)]
         out.append(f"{x['arm']}: {_show(x)} — {word} {base} {_show(r[base])} "
                    f"({_stat(t, loss)})")
     return out
@@ -610,8 +610,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         parts += ["", f"## {ds}", "",
                   f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
                   _edges(rows, ds), ""]
-        if designs(rows, ds):
-            parts += [designs(rows, ds), ""]
+        said = designs(rows, ds)
+        if said:
+            parts += [said, ""]
         if baseline_table(every, ds):
             parts += ["Baselines (no training by the library; one deterministic fit):", "",
                       baseline_table(every, ds), ""]
@@ -632,13 +633,14 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
                   f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
                   f"{MIN_SEEDS} paired seeds for a verdict):"), ""]
         parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
-        if design_verdicts(rows, ds):
+        judgements = design_verdicts(rows, ds)
+        if judgements:
             judged = "test loss" if loss else "test error"
             parts += ["", (f"Local-loss designs against one loss per block ({judged}, "
                            f"paired by-seed differences, Student's t, "
                            f"two-sided level {ALPHA}, at least {MIN_SEEDS} paired seeds for a "
                            "verdict):"), ""]
-            parts += [f"- {line}" for line in design_verdicts(rows, ds)]
+            parts += [f"- {line}" for line in judgements]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:

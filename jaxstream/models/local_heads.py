@@ -98,17 +98,28 @@ def with_local_heads(stack: Stack, groups: int = 1, x: Any = None,
     if aggregate:
         raise ValueError("aggregate: the feature aggregator splits a segment's output into "
                          "cells; with groups = patch_groups = 1 there is one (use the default)")
-    heads = jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))
+    return _with_local(stack, _final_heads(stack), stack.head, "")
+
+
+def _final_heads(stack: Stack):
+    """Initialiser of a stack of fresh heads shaped as the final head (keys → params)."""
+    return jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))
+
+
+def _with_local(stack: Stack, heads: Any, local_head: Any, kind: str,
+                cells: tuple = (), count: int = 1) -> Stack:
+    """``stack`` whose embed and blocks carry local heads initialised by ``heads`` (keys →
+    params, one key per segment) and read by ``local_head``."""
 
     def init(key: jax.Array) -> dict:
-        params = stack.init(key)
         own = heads(jax.random.split(jax.random.fold_in(key, LOCAL), stack.num_layers + 1))
-        return _with_heads(params, own)
+        return _with_heads(stack.init(key), own)
 
     return dataclasses.replace(
         stack, embed=lambda p, x: stack.embed(p["module"], x),
-        block=lambda p, h: stack.block(p["module"], h), init=init, local_head=stack.head,
-        name=f"{stack.name}+local heads")
+        block=lambda p, h: stack.block(p["module"], h), init=init, local_head=local_head,
+        local_groups=count, local_cells=cells,
+        name=f"{stack.name}+local heads" + (f"/{kind}" if kind else ""))
 
 
 def _with_heads(params: dict, own: Any) -> dict:
@@ -152,20 +163,11 @@ def _cells(stack: Stack, patches: int, groups: int, x: Any, aggregate: bool) -> 
     kind = (f"{patches}x{groups} cells" if patches > 1 and groups > 1 else
             f"{patches} patch groups" if patches > 1 else f"{groups} groups")
     if aggregate:
-        local_head = _aggregated(stack, cells, out.shape)
-        heads = jax.jit(jax.vmap(lambda k: stack.init(k)["head"]))  # the final head's shape
+        local_head, heads = _aggregated(stack, cells, out.shape), _final_heads(stack)
         kind += ", aggregated"
     else:
         local_head, heads = _per_cell(out.shape, patches, groups, logits.shape[-1])
-
-    def init(key: jax.Array) -> dict:
-        own = heads(jax.random.split(jax.random.fold_in(key, LOCAL), stack.num_layers + 1))
-        return _with_heads(stack.init(key), own)
-
-    return dataclasses.replace(
-        stack, embed=lambda p, x: stack.embed(p["module"], x),
-        block=lambda p, h: stack.block(p["module"], h), init=init, local_head=local_head,
-        local_groups=count, local_cells=cells, name=f"{stack.name}+local heads/{kind}")
+    return _with_local(stack, heads, local_head, kind, cells, count)
 
 
 def _per_cell(shape: tuple, patches: int, groups: int, classes: int):
