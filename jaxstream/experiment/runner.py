@@ -29,6 +29,22 @@ from jaxstream.experiment.rundir import (
 RESUMABLE_CHANGES = ("max_steps", "progress", "plots")
 
 
+def check_parents(base: Path, what: str) -> None:
+    """Refuse, naming it and the fix, a dangling link or a file on the way to ``base``.
+
+    A ``runs`` left as a link to another machine's folder, or as a file, would otherwise fail
+    deep inside ``mkdir`` with ``File exists``.
+    """
+    for path in reversed((base, *base.parents)):
+        if path.is_symlink() and not path.exists():
+            raise ConfigError(
+                f"{what}: {path} is a symbolic link to {path.readlink()}, which does not exist; "
+                f"remove the link (rm {path}) or create its target, or pass --out DIR")
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{what}: {path} is a file, not a directory; move it away or "
+                              "pass --out DIR")
+
+
 def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: bool) -> Path:
     """Where a run writes (created if new).
 
@@ -37,9 +53,7 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
     be empty or absent unless resuming.
     """
     base = Path(out) if out is not None else Path("runs") / Path(config_path).stem
-    if base.is_symlink() and not base.exists():
-        raise ConfigError(f"--out: {base} is a symbolic link to {base.readlink()}, which does "
-                          "not exist; create its target or choose another directory")
+    check_parents(base, "--out" if out is not None else "the default run directory")
     if resume:
         found = base if (base / "config.yaml").exists() else (
             latest_run_dir(base) if out is None else None)

@@ -70,3 +70,19 @@ def test_the_machines_errors_are_one_line(code):
     e = OSError(code, os.strerror(code), "/runs/x/metrics.jsonl")
     assert user_error_line(e) == f"{os.strerror(code)}: /runs/x/metrics.jsonl"
     assert user_error_line(RuntimeError("a bug")) is None  # a bug keeps its traceback
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "file"])
+def test_a_foreign_default_runs_is_one_line_naming_it(tmp_path, monkeypatch, capsys, kind):
+    """A fresh clone whose ``runs`` is a link to another machine's folder, or a file."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    if kind == "file":
+        runs.write_text("not a folder")
+    else:
+        runs.symlink_to("/nonexistent/elsewhere/runs")
+    assert cli_main(["run", str(QUICKSTART), *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs" in err[0] and "--out" in err[0]
+    assert ("rm runs" in err[0]) == (kind == "dangling link")
+    assert runs.is_symlink() == (kind == "dangling link")  # nothing of the user's was touched
