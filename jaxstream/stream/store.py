@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from typing import Any
 
@@ -65,7 +66,7 @@ from jaxstream.stream.store_parts import (
     read_error,
     write_manifest,
 )
-from jaxstream.stream.writer_lock import WriterLock
+from jaxstream.stream.writer_lock import WriterLock, writer_of
 
 __all__ = ["FORMAT", "LayerStore", "TreeFuture"]
 Unit = str | int  # "embed", "head" or a layer index
@@ -294,7 +295,11 @@ class LayerStore:
                 futs.append(self._leaf_read(kind, part, i, idx, name, expect[i]))
             except Exception as err:
                 raise read_error(err, name) from err
-        post = None if (staged or self._wrote) else (lambda t: self._check_fresh([(part, l, slot)]) or t)
+        used = [(part, l, slot)]
+        if staged or self._wrote:  # a writer: a chunk not as committed may be another writer's
+            post = lambda t: t if t is not None else self._check_other_writer()
+        else:
+            post = lambda t: self._check_fresh(used) or t
         return TreeFuture(treedef, futs, post, names)
 
     def _leaf_read(self, kind: str, part: str, i: int, idx: tuple, name: str,
@@ -315,6 +320,28 @@ class LayerStore:
             return self._staged_digests.get((kind, key))
         table = self._m.get("digests", {}).get(kind, {}).get(part)
         return table if l is None or table is None else table[l]
+
+    def _check_other_writer(self) -> None:
+        """Raises StoreStaleError naming the other writer when one committed since this
+        (writing) handle's step: a chunk it then finds overwritten is that writer's, not a file
+        swapped or rolled back (called when a read finds a chunk other than committed)."""
+        try:
+            res = self._root.read(MANIFEST).result()
+            m = decode(res.value, self.manifest_file) if res.state == "value" else None
+        except Exception:  # noqa: BLE001 - the read error itself is reported instead
+            return
+        if m is not None and int(m["generation"]) != int(self._m["generation"]):
+            raise StoreStaleError(self._other_writer(m))
+
+    def _other_writer(self, m: dict | None) -> str:
+        """The message for a writer whose store another writer has moved on to ``m``."""
+        who = "no manifest" if m is None else f"step {m['step']} ({writer_of(m)})"
+        held = self._writer.holder() if self._writer is not None else None
+        lock = f"; {held} holds its writer lock now" if held else ""
+        return (f"another writer is active on the store at {self._where}: since this handle's step "
+                f"{self.step} it has committed {who}{lock}. One writer per "
+                "store: stop the other run (or this one), then --resume the run that should go "
+                "on, or reopen the store")
 
     def _check_fresh(self, used: list[tuple[str, int | None, int]]) -> None:
         """Raises StoreStaleError when a slot read by this (reading) handle may have been
@@ -590,11 +617,7 @@ class LayerStore:
             raise read_error(err, self.manifest_file) from err
         if m is None or int(m["generation"]) != int(self._m["generation"]):
             self._writer.release()
-            found = "no manifest" if m is None else (f"step {m['step']} (written by pid "
-                                                     f"{m.get('writer_pid', 'unknown')})")
-            raise StoreStaleError(
-                f"another writer changed the store at {self._where} since this handle saw step "
-                f"{self.step}: it now holds {found}; reopen the store (one writer at a time)")
+            raise StoreStaleError(self._other_writer(m))
 
     def abort(self) -> None:
         """Drops the staged writes of this step; the committed step stays as it was."""
@@ -650,7 +673,7 @@ class LayerStore:
                 else:
                     m["digests"][kind][key] = crcs
         m["step"], m["generation"] = int(step), int(m["generation"]) + 1
-        m["writer_pid"] = os.getpid()
+        m["writer_pid"], m["writer_host"] = os.getpid(), socket.gethostname()
         if extra is not None:
             m["extra"] = extra
         try:

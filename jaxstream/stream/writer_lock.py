@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 from typing import Any
 
 from jaxstream.stream.errors import StoreLockedError, StoreWriteError
@@ -58,16 +59,34 @@ class WriterLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(fd, 128, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise StoreLockedError(f"the store at {self.dir} is being written by another process "
-                                   f"(pid {holder} holds {path}); one writer at a time") from None
+            raise StoreLockedError(f"another writer is active on the store at {self.dir} (pid "
+                                   f"{holder} holds {path}); one writer per store: stop that "
+                                   "run, or point this one at another store") from None
         try:
             os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}".encode(), 0)
         except OSError:  # full disk: the lock itself still holds; only the pid is missing
             pass
         self._fd = fd
+
+    def holder(self) -> str | None:
+        """``pid N on HOST`` of another process that holds the lock now, else None."""
+        if self.dir is None or self._fd is not None:
+            return None
+        try:
+            fd = os.open(os.path.join(self.dir, LOCK_FILE), os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 128, 0).decode(errors="replace").strip() or "unknown"
+            return f"pid {text}"
+        finally:
+            os.close(fd)  # closing drops a lock taken here
+        return None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -80,3 +99,12 @@ class WriterLock:
             self.release()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
+
+
+def writer_of(manifest: dict) -> str:
+    """Who committed ``manifest``: ``pid N on HOST, run R`` (what the manifest records)."""
+    who = f"pid {manifest.get('writer_pid', 'unknown')}"
+    if manifest.get("writer_host"):
+        who += f" on {manifest['writer_host']}"
+    run = manifest.get("extra", {}).get("run") if isinstance(manifest.get("extra"), dict) else None
+    return f"{who}, run {run}" if run else who

@@ -214,3 +214,39 @@ def test_scratch_writes_in_flight_are_bounded(tmp_path):
             finished += 1
     assert finished == 12  # two leaves per layer, every one written
     store.abort()
+
+
+def _layer(v, width=4):
+    return {"w": np.full((width, width), v, np.float32), "b": np.full((width,), v, np.float32)}
+
+
+def test_the_losing_writer_is_told_another_writer_is_active(tmp_path):
+    """A writer whose store another process has moved on hears that another writer is active
+    (naming its pid and host), not that a chunk was swapped or rolled back."""
+    import os
+    import socket
+
+    from jaxstream.stream.errors import StoreLockedError, StoreStaleError
+
+    path = str(tmp_path / "s")
+    adam = optax.adam(1e-3)
+    LayerStore.create(path, _params(), optimizer=adam)
+    loser = LayerStore.open(path, optimizer=adam)
+    loser.read(0).result()
+    loser.write(0, _layer(1.0))
+    loser.commit(1)
+    winner = LayerStore.open(path, optimizer=adam)
+    for step in (2, 3):  # the winner overwrites the slot the loser's step 1 committed
+        winner.read(0).result()
+        winner.write(0, _layer(float(step)))
+        winner.commit(step)
+    who = f"pid {os.getpid()} on {socket.gethostname()}"
+    with pytest.raises(StoreStaleError, match=rf"another writer is active .* committed step 3 "
+                                              rf"\({who}\).*One writer per store"):
+        loser.read(0).result()
+    winner.write(1, _layer(4.0))  # mid-step: the winner holds the writer lock
+    with pytest.raises(StoreStaleError, match=rf"step 3 \({who}\); {who} holds its writer lock"):
+        loser.read(0).result()
+    with pytest.raises(StoreLockedError, match=rf"another writer is active .*\(pid {os.getpid()}"):
+        LayerStore.open(path, optimizer=adam).write(2, _layer(6.0))
+    winner.commit(4)
