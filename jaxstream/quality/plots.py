@@ -49,6 +49,19 @@ def _style(i: int) -> dict[str, Any]:
             "capsize": 3, "markersize": 5}
 
 
+def legend_beside(ax: Any, **kw: Any) -> Any:
+    """``ax``'s legend right of the axes, outside the data, so it covers no point or error bar
+    whatever the curves' shape (``fig.tight_layout()`` or ``bbox_inches="tight"`` keep it in
+    the saved figure); ``kw`` override the placement. Call it again after adding lines.
+
+    Example:
+      >>> ax.axhline(0.01, label="theory"); legend_beside(ax); fig.tight_layout()
+    """
+    opts = {"fontsize": "small", "loc": "upper left", "bbox_to_anchor": (1.01, 1.0),
+            "frameon": False, **kw}
+    return ax.legend(**opts)
+
+
 def _note_coinciding(ax: Any, curves: Mapping[str, Sequence[float]]) -> None:
     """Add "lines coincide: a = b" (equal to 3 significant digits) under the panel's title."""
     groups: dict[tuple, list[str]] = {}
@@ -96,7 +109,7 @@ def plot_per_layer(
     ax.set_title(f"{label(metric).split(' (')[0]} per layer")
     if metric.startswith("relative_variance") or metric == "snr":
         ax.set_yscale("log")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    legend_beside(ax)
     fig.tight_layout()
     return fig
 
@@ -153,7 +166,7 @@ def plot_sweep(
                 ax.set_xscale("log", base=2)
             ax.minorticks_off()
             ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])  # counts: integers
-    axes[0][-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    legend_beside(axes[0][-1])
     fig.tight_layout()
     return fig
 
@@ -189,6 +202,6 @@ def plot_settings_bars(
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel(label(metric))
     ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    legend_beside(ax)
     fig.tight_layout()
     return fig
