@@ -9,6 +9,7 @@ charged with the process's warm-up (caches, allocator, first dispatches).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,24 @@ def _integer_x(ax: Any) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def plotted_target(cfg: Any, labels: Any) -> float | None:
+    """The test-accuracy target a train run's plots draw, or None for no line.
+
+    ``target_accuracy`` defaults to a classifier's target (one label per example). Next-token
+    accuracy (``labels`` with a position axis: a character model) has no such target, so there
+    a line is drawn only where the config sets a target of its own (other than the default).
+
+    Example:
+      >>> write_plots(records, arms, run_dir, plotted_target(cfg, data.train["y"]))
+    """
+    target = getattr(cfg, "target_accuracy", None)
+    if target is None or getattr(labels, "ndim", 1) <= 1:
+        return target
+    default = next((f.default for f in dataclasses.fields(cfg) if f.name == "target_accuracy"),
+                   None)
+    return None if target == default else target
 
 
 def _target_line(ax: Any, target: float | None) -> None:

@@ -28,7 +28,7 @@ from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import LocalEngineConfig, split_micro_batches
 from jaxstream.experiment.estimators import describe, family
 from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
-from jaxstream.experiment.plots import write_plots
+from jaxstream.experiment.plots import plotted_target, write_plots
 from jaxstream.experiment.progress import arm_bar, arm_done, bar_hook, status
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import MetricsLog
@@ -195,7 +195,8 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
     summary = {"finished": finished, "target_accuracy": cfg.target_accuracy, "arms": arms,
                "comparison": compare_families(arms, families)}
     if cfg.plots:
-        write_plots(records, [a.name for a in cfg.arms], run_dir, cfg.target_accuracy)
+        write_plots(records, [a.name for a in cfg.arms], run_dir,
+                    plotted_target(cfg, data.train["y"]))
     print(format_table(arms, cfg.target_accuracy))
     return summary
 
