@@ -8,8 +8,15 @@ atomic step), and a restore recomputes them: a damaged array file, or damaged me
 refused with one line naming the checkpoint and the way back (:class:`CheckpointError`), never
 restored as other numbers.
 
+Every checkpoint also carries the identity of what wrote it (the run id, the arm, the optimizer
+with its options: :func:`identity`), checked on restore: a checkpoint copied in from another run
+is refused naming both sides, never trained on as this run's. A checkpoint from before
+identities were recorded is restored with a warning (it cannot be told apart; refusing it would
+strand every run begun before), and the next save records the identity.
+
 Example:
-    >>> ckpt = ArmCheckpointer(run_dir / "checkpoints" / "backprop")
+    >>> ckpt = ArmCheckpointer(run_dir / "checkpoints" / "backprop",
+    ...                        identity=identity("3f2a...", "backprop", {"name": "adam"}))
     >>> ckpt.save(100, state, {"train_time": 1.2})
     >>> step, state, meta = ckpt.restore_latest(state)
 """
@@ -17,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +56,31 @@ def checksums(state: Any) -> dict[str, str | None]:
     return out
 
 
-class ArmCheckpointer:
-    """A small wrapper around ``orbax.checkpoint.CheckpointManager`` (host-side state)."""
+def identity(run_id: str | None, arm: str, optimizer: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint's state belongs to: the run, the arm and the optimizer (its name and
+    options: the kind of state it keeps)."""
+    return {"run_id": run_id, "arm": arm,
+            "optimizer": {"name": optimizer.get("name"), "options": optimizer.get("options", {})}}
 
-    def __init__(self, directory: str | Path, max_to_keep: int = 2):
+
+def describe_identity(ident: dict[str, Any]) -> str:
+    """``run R, arm A, optimizer adam {b1: 0.8}`` for messages."""
+    opt = ident.get("optimizer") or {}
+    options = " " + ", ".join(f"{k}={v}" for k, v in sorted(opt.get("options", {}).items()))
+    return (f"run {ident.get('run_id')}, arm {ident.get('arm')}, optimizer {opt.get('name')}"
+            f"{options if opt.get('options') else ''}")
+
+
+class ArmCheckpointer:
+    """A small wrapper around ``orbax.checkpoint.CheckpointManager`` (host-side state).
+
+    ``identity`` (:func:`identity`) is saved with every checkpoint and must match on restore.
+    """
+
+    def __init__(self, directory: str | Path, max_to_keep: int = 2,
+                 identity: dict[str, Any] | None = None):
         self.directory = Path(directory).absolute()
+        self.identity = identity
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False,
             cleanup_tmp_directories=True,
@@ -68,6 +96,8 @@ class ArmCheckpointer:
         """Save ``state`` (a pytree of arrays) and JSON ``meta`` as ``step``, with the arrays'
         checksums."""
         meta = dict(meta or {}, step=int(step), checksums=checksums(state))
+        if self.identity is not None:
+            meta["identity"] = self.identity
         self.manager.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -105,7 +135,28 @@ class ArmCheckpointer:
                 raise CheckpointError(f"{self._where(step)}: array {bad[0]}{more} differs from "
                                       f"the checksum saved with it (the file is damaged); "
                                       f"{self._way_back(step)}")
+        self._check_identity(step, meta.pop("identity", None))
         return jax.tree.map(_placed_like, out["state"], like), meta
+
+    def _check_identity(self, step: int, saved: dict[str, Any] | None) -> None:
+        """Refuses a checkpoint another run, arm or optimizer wrote (naming both sides)."""
+        if self.identity is None:
+            return
+        if saved is None:
+            warnings.warn(f"{self._where(step)} records no run identity (written before "
+                          "checkpoints recorded one): resumed as this run's; its next save "
+                          "records it", stacklevel=3)
+            return
+        mine = self.identity
+        differ = [k for k in ("run_id", "arm", "optimizer")
+                  if mine.get(k) is not None and saved.get(k) is not None
+                  and mine.get(k) != saved.get(k)]
+        if differ:
+            raise CheckpointError(
+                f"{self._where(step)} was written by {describe_identity(saved)}, not by this "
+                f"{describe_identity(mine)}: its state is not this run's ({', '.join(differ)} "
+                f"differ). Put this run's own checkpoints back in {self.directory}, or resume "
+                "the run that wrote it (its own --out)")
 
     def _where(self, step: int) -> str:
         return f"checkpoint {self.directory / str(step)}"

@@ -27,13 +27,13 @@ import jax.numpy as jnp
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.experiment.rundir import read_run_id
+from jaxstream.ranges import Count, Every
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import StoreError, StoreNonFiniteError, StoreNotFoundError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 from jaxstream.stream.layout import kvstore_spec
 from jaxstream.stream.manifest import MANIFEST
 from jaxstream.stream.store import LayerStore
-from jaxstream.ranges import Count, Every
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,9 +162,12 @@ class StreamEngine:
     """
 
     def __init__(self, cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
-                 model: Any = None, arm: Any = "arm", micro_batches: int = 1, **_: Any):
+                 model: Any = None, arm: Any = "arm", micro_batches: int = 1,
+                 optimizer_config: Any = None, **_: Any):
         """``model``: the model section (recorded in the store, checked when it is reopened);
-        ``arm``: the arm's name (an arm section gives its ``name``), which owns the store."""
+        ``arm``: the arm's name (an arm section gives its ``name``), which owns the store;
+        ``optimizer_config``: the optimizer section (its name and options are recorded in the
+        store with every step, and a store holding another optimizer's state is refused)."""
         self.cfg, self.stack, self.estimator, self.optimizer = cfg, stack, estimator, optimizer
         self.micro_batches = micro_batches if micro_batches > 1 else cfg.micro_batches
         self.arm = arm if isinstance(arm, str) else getattr(arm, "name", "arm")
@@ -177,6 +180,9 @@ class StreamEngine:
         self._init_params: Any = None
         self.run_id: str | None = None  # the run that owns the store (set by resume_at)
         self._stamp: dict = {}  # committed with every step: the run, and a hand-over
+        self.optimizer_id = (None if optimizer_config is None else
+                             {"name": optimizer_config.name,
+                              "options": dict(optimizer_config.options)})
 
     def _open(self) -> LayerStore | None:
         if self.location is None:
@@ -222,7 +228,7 @@ class StreamEngine:
         if self.cfg.store is None:
             self.location = self.cfg.location(self.arm, run_dir)
         self.run_id = read_run_id(run_dir)
-        self._stamp = {"run": self.run_id} if self.run_id else {}
+        self._stamp = self._identity()
         may_exist = resume or self.cfg.continue_store
         ckpt = int(state.step)
         store = self._open()
@@ -243,6 +249,7 @@ class StreamEngine:
                              "engine.continue_store=true to train on from it, or choose "
                              "another path")
         self._check_owner(store, resume)
+        self._check_optimizer(store)
         self.executor = self._new_executor(store)
         if store.step > ckpt:
             return StreamState(jnp.asarray(store.step, jnp.int32)), store.step
@@ -262,7 +269,28 @@ class StreamEngine:
                 "with engine.continue_store=true to train on from it deliberately")
         handovers = [*store.extra.get("handovers", []),
                      {"from_run": owner, "to_run": self.run_id, "step": store.step}]
-        self._stamp = {"run": self.run_id, "handovers": handovers}
+        self._stamp = {**self._identity(), "handovers": handovers}
+
+    def _identity(self) -> dict:
+        """What every commit records: the run, and the optimizer whose state the store holds."""
+        out: dict = {"run": self.run_id} if self.run_id else {}
+        if self.optimizer_id is not None:
+            out["optimizer"] = self.optimizer_id
+        return out
+
+    def _check_optimizer(self, store: LayerStore) -> None:
+        """A store holds one optimizer's state (Adam's and AdaBelief's have the same shapes):
+        one that another optimizer wrote is refused naming both. A store from before stores
+        recorded it is taken as it is (it cannot be told apart)."""
+        theirs = store.extra.get("optimizer")
+        mine = self.optimizer_id
+        if theirs is None or mine is None or theirs == mine:
+            return
+        raise StoreError(
+            f"engine.store: the layer store at {self.location} (step {store.step}) holds the "
+            f"state of optimizer {_describe(theirs)}, this run's optimizer is {_describe(mine)}; "
+            "set the optimizer section to the store's, or start from a new store (another "
+            "engine.store path)")
 
     def _micro(self, batch: dict) -> dict:
         micro = split_micro_batches(batch, self.micro_batches)
@@ -308,14 +336,20 @@ class StreamEngine:
         return jax.tree.map(jnp.asarray, ex.store.read_params())
 
 
+def _describe(opt: dict) -> str:
+    """``adam`` or ``sgd (momentum=0.9)``."""
+    options = ", ".join(f"{k}={v}" for k, v in sorted(opt.get("options", {}).items()))
+    return f"{opt.get('name')}" + (f" ({options})" if options else "")
+
+
 def build_stream_engine(cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
                         model: Any = None, arm: Any = None, micro_batches: int = 1,
-                        **_: Any) -> StreamEngine:
-    """The registry's build: hands the engine its own section, the model section and the arm's
-    name, not the whole experiment config."""
+                        optimizer_config: Any = None, **_: Any) -> StreamEngine:
+    """The registry's build: hands the engine its own section, the model and optimizer
+    sections and the arm's name, not the whole experiment config."""
     return StreamEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
-                        model=model, arm=arm,
-                        micro_batches=micro_batches)
+                        model=model, arm=arm, micro_batches=micro_batches,
+                        optimizer_config=optimizer_config)
 
 
 register_engine("stream", StreamEngineConfig, build_stream_engine)

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxstream.data.batches import batch_at
 from jaxstream.data.stored import batch_source
-from jaxstream.experiment.checkpoints import ArmCheckpointer
+from jaxstream.experiment.checkpoints import ArmCheckpointer, identity
 from jaxstream.experiment.compiled import diagnostics_for, engine_for, evaluator_for, model_for
 from jaxstream.experiment.config import ConfigError
 from jaxstream.experiment.engines import LocalEngineConfig, split_micro_batches
@@ -31,7 +31,7 @@ from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
 from jaxstream.experiment.plots import plotted_target, write_plots
 from jaxstream.experiment.progress import arm_bar, arm_done, bar_hook, status
 from jaxstream.experiment.registry import register_experiment
-from jaxstream.experiment.rundir import MetricsLog
+from jaxstream.experiment.rundir import MetricsLog, read_run_id
 from jaxstream.experiment.summary import compare_families, format_table, summarize_arm
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
 
@@ -83,7 +83,9 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     root = jax.random.key(cfg.seed)
     state = engine.init(init_params, jax.random.fold_in(root, 0))
     step_root = jax.random.fold_in(root, 1)
-    ckpt = ArmCheckpointer(run_dir / "checkpoints" / arm.name)
+    opt = cfg.arm_optimizer(arm)
+    ckpt = ArmCheckpointer(run_dir / "checkpoints" / arm.name, identity=identity(
+        read_run_id(run_dir), arm.name, {"name": opt.name, "options": dict(opt.options)}))
     stop = min(cfg.steps, cfg.max_steps or cfg.steps)
     evaluate = evaluator_for(stack)
     diag = (diagnostics_for(engine, stack, local=arm.estimator.build().plan.local_target)
@@ -147,7 +149,7 @@ def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) ->
         est = arm.estimator.build()
         micro = split_micro_batches(batch, getattr(arm.estimator, "micro_batches", 1))
         try:
-            jax.eval_shape(lambda p, b, k: est(model, p, b, k)[:2], params, micro, key)
+            jax.eval_shape(lambda p, b, k, est=est: est(model, p, b, k)[:2], params, micro, key)
         except (TypeError, ValueError) as e:
             if isinstance(e, jax.errors.ConcretizationTypeError):
                 continue  # needs concrete values to check: the first real step checks it
