@@ -1,18 +1,44 @@
-"""notebooks/03_streaming.ipynb runs top to bottom."""
+"""notebooks/03_streaming.ipynb: committed with its outputs, runs top to bottom, and what its text
+states about the streamed steps holds for the numbers it prints."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
-import nbformat
-from nbclient import NotebookClient
+import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_streaming.ipynb"
+from tests import notebook_claims as nbc
+
+NOTEBOOK = nbc.ROOT / "notebooks" / "03_streaming.ipynb"
 
 
-def test_streaming_notebook_executes(tmp_path):
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
-    assert "committed step 6" in text and "predicted" in text
+def check_claims(c: dict[str, Any]) -> None:
+    """Each stated result, against the notebook's numbers."""
+    n = c["num_layers"]
+    # Every step reads each layer once ...
+    assert c["layers_read"] == [n] * c["steps"]
+    units = c["last_step_units"]
+    forward = [layer for sweep, part, layers in units if sweep == "forward" and part == "block"
+               for layer in layers]
+    assert sorted(forward) == list(range(n))
+    # ... and, with lazy updates, no layer in its update sweep (only the embed and the head).
+    update = [(part, layers) for sweep, part, layers in units if sweep == "update"]
+    assert update and all(part != "block" and not layers for part, layers in update), update
+    # The store's committed step is the number of steps run.
+    assert c["committed_step"] == c["steps"]
+
+
+def test_committed_with_outputs_whose_claims_hold():
+    nb = nbc.committed(NOTEBOOK)
+    assert nbc.unexecuted(nb) == []
+    assert nbc.images(nb) >= 1
+    check_claims(nbc.claims(nb))
+
+
+@pytest.mark.slow  # executes the notebook: under a minute on 2 CPU cores
+def test_streaming_notebook_runs_and_its_claims_hold(monkeypatch, tmp_path):
+    nb = nbc.execute(NOTEBOOK, monkeypatch, cwd=tmp_path, timeout=300)
+    out = nbc.text(nb)
+    assert "committed step 6" in out and "predicted" in out
+    assert nbc.images(nb) >= 1
+    check_claims(nbc.claims(nb))
