@@ -3,7 +3,8 @@
 A deep MLP (width 512, batch 1024, depth 8 / 16 / 32 / 64). For each depth and each mode the
 step is compiled with ``jax.jit(f).lower(...).compile()``; ``memory_analysis()`` gives XLA's
 temporary buffer size (activations, tangents, scratch; params, batch and outputs excluded) and
-the median of timed runs gives the step time; :func:`jaxstream.quality.flops.matmul_flops`
+the median of timed runs gives the step time (the modes timed in interleaved rounds, one run
+of each per round, so a shared machine's load hits them alike); :func:`jaxstream.quality.flops.matmul_flops`
 counts the matrix-multiply FLOPs the compiled step runs (loops by their trip counts), the
 machine-independent cost. Modes:
 
@@ -86,16 +87,27 @@ def step_functions(stack: Any) -> dict[str, Callable]:
 def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float, int]:
     """(temp bytes of the compiled step, median wall milliseconds over ``repeats`` runs,
     matrix-multiply FLOPs of the compiled step)."""
-    compiled = jax.jit(fn).lower(*args).compile()
-    temp = int(compiled.memory_analysis().temp_size_in_bytes)
-    flops = matmul_flops(compiled)
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
+    out = measure_all({"f": fn}, args, repeats)["f"]
+    return out[0], out[1], out[2]
+
+
+def measure_all(fns: dict[str, Callable], args: tuple,
+                repeats: int) -> dict[str, tuple[int, float, int, list[float]]]:
+    """``name -> (temp bytes, median ms, matmul FLOPs, every timed ms)``: every step compiled
+    and warmed up first, then timed in interleaved rounds (one run of each step per round), so
+    load from other work on a shared machine hits every step alike and the ratios between
+    steps stay comparable."""
+    compiled = {name: jax.jit(fn).lower(*args).compile() for name, fn in fns.items()}
+    for c in compiled.values():
+        jax.block_until_ready(c(*args))  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return temp, statistics.median(times), flops
+        for name, c in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(c(*args))
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (int(c.memory_analysis().temp_size_in_bytes), statistics.median(times[name]),
+                   matmul_flops(c), times[name]) for name, c in compiled.items()}
 
 
 def run(depths: list[int], width: int, batch: int, repeats: int,
@@ -108,11 +120,13 @@ def run(depths: list[int], width: int, batch: int, repeats: int,
         stack, params, data = make_problem(depth, width, batch)
         key = jax.random.key(42)
         row: dict[str, Any] = {"depth": depth, "temp_bytes": {}, "step_ms": {}, "flops": {}}
-        for mode, fn in step_functions(stack).items():
-            temp, ms, flops = measure(fn, (params, data, key), repeats)
+        row["times_ms"] = {}
+        for mode, (temp, ms, flops, times) in measure_all(
+                step_functions(stack), (params, data, key), repeats).items():
             row["temp_bytes"][mode] = temp
             row["step_ms"][mode] = ms
             row["flops"][mode] = flops
+            row["times_ms"][mode] = times
         if parts:
             from hybrid_parts import part_functions
 
@@ -125,6 +139,15 @@ def run(depths: list[int], width: int, batch: int, repeats: int,
     return rows
 
 
+def round_spread(row: dict) -> str:
+    """min–max over the interleaved rounds of hybrid / backprop (each round's own pair)."""
+    times = row.get("times_ms")
+    if not times:
+        return "–"
+    ratios = [h / b for h, b in zip(times["hybrid"], times["backprop"])]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}"
+
+
 def format_rows(rows: list[dict], header: bool = True) -> str:
     """Table: temp MiB and step ms per mode, then the ratios vs backprop and vs inference."""
     cols = [("depth", 5)]
@@ -134,7 +157,7 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
     cols += [(f"ms {short.get(m, m[:4])}", 9) for m in MODES]
     cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
     cols += [("GF bp", 7), ("flop fwd/bp", 11), ("flop hyb/bp", 11), ("flop rmat/bp", 12),
-             ("hyb floor/bp", 12)]
+             ("hyb floor/bp", 12), ("hyb/bp per round", 17)]
     lines = []
     if header:
         lines.append(" ".join(name.rjust(w) for name, w in cols))
@@ -152,7 +175,7 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
         f = r["flops"]
         vals += [f"{f['backprop'] / 1e9:.2f}"]
         vals += [f"{f[m] / f['backprop']:.3f}" for m in ("forward", "hybrid", "backprop_remat")]
-        vals += [f"{time_floor(r)['floor']:.2f}"]
+        vals += [f"{time_floor(r)['floor']:.2f}", round_spread(r)]
         lines.append(" ".join(v.rjust(w) for v, (_, w) in zip(vals, cols)))
     return "\n".join(lines)
 
