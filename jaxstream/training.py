@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from jaxstream.grad.checks import check_key, check_loss_fn
 from jaxstream.models.sequential import DROPOUT, Sequential
 from jaxstream.optim.promotion import standard_promotion
 
@@ -32,6 +33,8 @@ class TrainStep:
 
     ``step.init(params)`` gives the matching ``opt_state`` (for a model with batch statistics it
     also carries them: ``opt_state.model``, for ``model.apply(params, x, opt_state.model)``).
+    ``key``: ``jax.random.key(seed)``, or a legacy ``jax.random.PRNGKey(seed)`` (the same key,
+    as every estimator accepts it).
     """
 
     def __init__(self, estimator: Callable, optimizer: optax.GradientTransformation,
@@ -42,6 +45,7 @@ class TrainStep:
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(f"optimizer: expected an optax GradientTransformation, got "
                             f"{type(optimizer).__name__}")
+        check_loss_fn(loss_fn, "train_step")
         self.estimator, self.loss_fn = estimator, loss_fn
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.stateful = isinstance(loss_fn, Sequential) and loss_fn.has_state
@@ -72,10 +76,9 @@ class TrainStep:
 
     def __call__(self, params: Any, opt_state: Any, batch: Any,
                  key: jax.Array) -> tuple[Any, Any, jax.Array]:
-        if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype,
-                                                                     jax.dtypes.prng_key)):
-            raise TypeError(f"key: expected a typed PRNG key from jax.random.key(seed), got "
-                            f"{type(key).__name__} {getattr(key, 'dtype', '')}".rstrip())
+        check_key(key, "train_step")
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # jax.random.PRNGKey(s):
+            key = jax.random.wrap_key_data(key)  # the same key as jax.random.key(s), typed
         return self._step(params, opt_state, batch, key)
 
 

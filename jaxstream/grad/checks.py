@@ -11,7 +11,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +82,23 @@ def check_micro_batches(batch: Any, who: str) -> int:
     return int(jnp.shape(leaves[0][1])[0])
 
 
+def check_loss_fn(loss_fn: Any, who: str) -> None:
+    """A loss function, not a raw nnx module (a user's ``nnx.Sequential`` is wrapped first)."""
+    from flax import nnx
+
+    if isinstance(loss_fn, nnx.Module):
+        name = type(loss_fn).__name__
+        arg = "seq" if isinstance(loss_fn, nnx.Sequential) else f"[{name.lower()}]"
+        raise TypeError(
+            f"{who}: loss_fn is an nnx module ({name}), not a loss function (params, batch) -> "
+            f"scalar: wrap it with model = js.models.from_sequential({arg}, loss='cross_entropy') "
+            f"and pass model with params = model.init(key)")
+
+
 def check_labels(loss_fn: Callable, batch: Any, who: str) -> None:
-    """Integer labels ``batch['y']`` for a stack trained with cross-entropy."""
+    """A loss function (:func:`check_loss_fn`) and integer labels ``batch['y']`` for a stack
+    trained with cross-entropy."""
+    check_loss_fn(loss_fn, who)
     if not (isinstance(loss_fn, Stack) and loss_fn.example_loss is cross_entropy):
         return
     if not isinstance(batch, dict) or "x" not in batch or "y" not in batch:

@@ -120,8 +120,8 @@ def find_blocks(model: Sequential) -> tuple[int, int, int]:
 
 
 def check_pure(model: Sequential) -> None:
-    """Raises ValueError if the model keeps batch statistics, uses dropout or shares a parameter
-    between layers: a stack's blocks are pure functions of their own parameters and inputs."""
+    """Raises ValueError if the model keeps batch statistics, uses dropout or its own RNG streams,
+    or shares a parameter between layers: a stack's blocks are pure functions of their own parameters and inputs."""
     for l, layer in enumerate(model.layers):
         for here, owner, there in layer.ties:
             raise ValueError(
@@ -134,6 +134,13 @@ def check_pure(model: Sequential) -> None:
         raise ValueError(f"model: {model.name!r} has BatchNorm statistics or dropout; as a stack "
                          "(pipeline stages, streamed layers) its blocks must be pure functions of "
                          "parameters and inputs: remove them or train it in memory")
+    for l, layer in enumerate(model.layers):
+        if layer.has_rngs:
+            raise ValueError(
+                f"model: {model.name!r} layer {l} keeps its own nnx.Rngs streams (random draws); "
+                "as a stack (pipeline stages, streamed layers) its blocks must be pure functions "
+                "of parameters and inputs: train it in memory (js.train_step drives the streams "
+                "with the step key), or pass the randomness in explicitly")
 
 
 def run_layers(model: Sequential, layers: tuple[int, ...], params: dict, h: jax.Array):

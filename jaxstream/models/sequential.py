@@ -22,10 +22,16 @@ mode), :meth:`Sequential.update_state` computes the new running averages after a
 Key schedule (on top of :mod:`jaxstream.grad.tangents`):
 
 * activity tangents of layer ``l``: ``block_key(fold_in(key, 3), l)``;
-* dropout of layer ``l``: ``fold_in(fold_in(step_key, DROPOUT), l)``, bound with
-  :meth:`Sequential.with_rng` (``jaxstream.train_step`` does it for every step). The same mask
-  serves every tangent, the exact gradient and both passes of activity perturbation. Without a
-  bound key, dropout is off.
+* dropout ``j`` of layer ``l``: ``fold_in(fold_in(rng, l), j)`` with
+  ``rng = fold_in(step_key, DROPOUT)``, bound with :meth:`Sequential.with_rng`
+  (``jaxstream.train_step`` does it for every step). The same mask serves every tangent, the
+  exact gradient and both passes of activity perturbation. Without a bound key, dropout is off.
+* a layer's own ``nnx.Rngs`` streams (a noise layer's ``self.rngs.noise()``, an attention
+  module's ``dropout_rate``, a recurrent cell's carry): stream ``j`` of layer ``l`` reseeded to
+  ``fold_in(fold_in(fold_in(rng, l), STREAMS), j)`` with count 0 at every call
+  (:mod:`jaxstream.models.rng_streams`), so the same draws serve every pass of a step. A draw in
+  training mode without a bound key is refused by name; evaluation draws from the layer's
+  initial streams (the same every call).
 
 Example:
     >>> rngs = nnx.Rngs(0)
@@ -47,9 +53,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxstream.models import rng_streams as rs
 from jaxstream.models.stack import Batch, cross_entropy, loss_dtype
 
-DROPOUT = 5  # key segment of dropout masks
+DROPOUT = 5  # key segment of a step's random layers (dropout masks, a layer's own RNG streams)
 
 LOSSES: dict[str, Callable[[jax.Array, Batch], jax.Array]] = {"cross_entropy": cross_entropy}
 
@@ -73,6 +80,7 @@ class _Layer:
     has_params: bool = False
     has_stats: bool = False
     has_dropout: bool = False
+    has_rngs: bool = False  # holds nnx.Rngs streams (driven by the step key, rng_streams.py)
     # parameters this layer shares with an earlier one: (path here, owner layer, path there)
     ties: tuple[tuple[tuple, int, tuple], ...] = ()
 
@@ -114,7 +122,8 @@ class Sequential:
         return self.params
 
     def with_rng(self, key: jax.Array | None) -> Sequential:
-        """The same model with dropout masks drawn from ``key`` (None: dropout off)."""
+        """The same model with its random layers (dropout, a layer's own RNG streams) driven by
+        ``key`` (None: dropout off, and a layer drawing from its own streams is refused)."""
         return dataclasses.replace(self, rng=key)
 
     # ------------------------------------------------------------------ layers
@@ -133,13 +142,26 @@ class Sequential:
                 f"perturbation, local losses, stack views): use one of those estimators, or untie "
                 f"the layers")
         stats = state if state is not None else self.state[l]
-        module = nnx.merge(layer.graphdef, p, stats, layer.other)
+        other = rs.fresh(layer.other) if layer.has_rngs else layer.other
+        module = nnx.merge(layer.graphdef, p, stats, other)
         dropout_on = train and self.rng is not None
         module.set_attributes(deterministic=not dropout_on, use_running_average=not train,
                               raise_if_not_found=False)
+        streams = rs.own_streams(module) if layer.has_rngs else []
+        if dropout_on and streams:
+            rs.seed_streams(streams, jax.random.fold_in(jax.random.fold_in(self.rng, l),
+                                                        rs.STREAMS))
         if dropout_on and layer.has_dropout:
             _bind_dropout(module, jax.random.fold_in(self.rng, l))
+        before = rs.counts(streams)
         out = module(h)
+        where = rs.drawn(streams, before) if train and self.rng is None else None
+        if where is not None:
+            raise ValueError(
+                f"layer {l}: {type(module).__name__} draws from its own RNG stream "
+                f"{_where(where)!r}, but no step key drives it (it would repeat one draw every "
+                f"step): train with js.train_step (it binds the step key), or call the estimator "
+                f"on model.with_rng(key); or pass the randomness in explicitly")
         new = nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)) if layer.has_stats else stats
         return out, new
 
@@ -168,7 +190,7 @@ class Sequential:
             raise ValueError(f"params: expected one entry per layer ({self.num_layers}), got "
                              f"{len(params)} params and {len(state)} statistics")
         modules = [layer.fn if layer.fn is not None else
-                   nnx.merge(layer.graphdef, self.tied(params, l), s, layer.other)
+                   nnx.merge(layer.graphdef, self.tied(params, l), s, rs.fresh(layer.other))
                    for l, (layer, s) in enumerate(zip(self.layers, state))]
         for l, layer in enumerate(self.layers):  # one Param object per tie again, as built
             for here, owner, there in layer.ties:
@@ -327,15 +349,7 @@ def _split_layer(element: Any, i: int, ties: list = ()) -> tuple[_Layer, Any, An
             raise TypeError(f"layer {i}: expected an nnx module or a callable, got "
                             f"{type(element).__name__}")
         return _Layer(fn=element), {}, {}
-    for path, m in nnx.iter_graph(element):
-        rate = getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0
-        if not isinstance(m, nnx.Dropout) and isinstance(rate, (int, float)) and rate > 0:
-            where = "/".join(map(str, path)) or "the layer"
-            raise ValueError(
-                f"layer {i}: {type(m).__name__} at {where!r} has dropout_rate={rate}; its mask "
-                f"comes from the module's own RNG state, which the estimators do not drive with "
-                f"the step key (under jit flax cannot update it; outside jit the mask ignores the "
-                f"key): set dropout_rate=0 and put an nnx.Dropout layer in the sequence instead")
+    _check_randomness(element, i)
     graphdef, params, stats, other = nnx.split(element, nnx.Param, nnx.BatchStat, ...)
     has_dropout = any(isinstance(m, nnx.Dropout) for _, m in nnx.iter_graph(element))
     own = nnx.to_pure_dict(params)
@@ -343,8 +357,29 @@ def _split_layer(element: Any, i: int, ties: list = ()) -> tuple[_Layer, Any, An
         own = _without_path(own, here)
     layer = _Layer(graphdef=graphdef, other=other, has_params=bool(jax.tree.leaves(params)),
                    has_stats=bool(jax.tree.leaves(stats)), has_dropout=has_dropout,
-                   ties=tuple(ties))
+                   has_rngs=bool(rs.own_streams(element)), ties=tuple(ties))
     return layer, own, nnx.to_pure_dict(stats)
+
+
+def _check_randomness(element: nnx.Module, i: int) -> None:
+    """Refuse randomness that no step key can drive: an RNG variable outside an ``nnx.Rngs``
+    stream, a ``dropout_rate`` without a stream to draw the masks from."""
+    stray = rs.stray_rng_state(element)
+    if stray is not None:
+        raise ValueError(
+            f"layer {i}: {type(element).__name__} holds an RNG variable at {_where(stray)!r} "
+            f"outside an nnx.Rngs stream, which the step key cannot drive: keep it in an "
+            f"nnx.Rngs (self.rngs = rngs), use nnx.Dropout, or pass the randomness in explicitly")
+    if rs.own_streams(element):
+        return  # a dropout_rate draws from the layer's streams, which the step key drives
+    for path, m in nnx.iter_graph(element):
+        rate = getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0
+        if not isinstance(m, nnx.Dropout) and isinstance(rate, (int, float)) and rate > 0:
+            raise ValueError(
+                f"layer {i}: {type(m).__name__} at {_where(path) or 'the layer'!r} has "
+                f"dropout_rate={rate} but keeps no RNG stream to draw its masks from (built "
+                f"without rngs, or keep_rngs=False): build it with rngs=nnx.Rngs(...), or set "
+                f"dropout_rate=0 and put an nnx.Dropout layer in the sequence")
 
 
 def from_sequential(
@@ -371,7 +406,17 @@ def from_sequential(
       ...     lambda x: nnx.avg_pool(x, (2, 2), strides=(2, 2)),
       ...     lambda x: x.reshape(x.shape[0], -1), nnx.Linear(128, 10, rngs=rngs)))
     """
-    elements = list(model.layers) if isinstance(model, nnx.Sequential) else list(model)
+    if isinstance(model, nnx.Sequential):
+        elements = list(model.layers)
+    elif isinstance(model, (list, tuple)):
+        elements = list(model)
+    else:
+        what = "an nnx.Module" if isinstance(model, nnx.Module) else "not a sequence"
+        raise TypeError(
+            f"model: expected an nnx.Sequential or a list of layers, got "
+            f"{type(model).__name__} ({what}): pass nnx.Sequential(...) or a list such as "
+            f"[{type(model).__name__ if isinstance(model, nnx.Module) else 'layer'}(...)] "
+            f"(a single module is a one-layer model)")
     if not elements:
         raise ValueError("model: the sequence has no layers")
     if isinstance(loss, str):
