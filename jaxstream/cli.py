@@ -75,7 +75,8 @@ def check_run_args(args: argparse.Namespace) -> None:
                         "usage: " + RUN_USAGE)
     path = Path(args.config)
     if not path.is_file():
-        what = "is a directory" if path.is_dir() else "does not exist"
+        what = ("is a directory" if path.is_dir() else "does not exist" if not path.exists()
+                else "is not a regular file (a device, pipe or socket): give a YAML file")
         raise UserError(f"config file {args.config} {what}")
     import yaml
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import stat
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -89,8 +90,15 @@ MAX_DEPTH = 32  # nesting levels
 
 
 def check_file(path: str | Path) -> None:
-    """Refuse a config file larger than ``MAX_CONFIG_BYTES`` before it is parsed."""
-    size = Path(path).stat().st_size
+    """Refuse a config path that is not a regular file (a directory, a device such as
+    ``/dev/zero``, a pipe: reading one may never end) or is larger than ``MAX_CONFIG_BYTES``,
+    before it is read."""
+    st = Path(path).stat()
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a directory" if stat.S_ISDIR(st.st_mode)
+                else "not a regular file (a device, pipe or socket)")
+        raise ConfigError(f"{path}: {what}; give the path of a YAML experiment file")
+    size = st.st_size
     if size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {size} bytes; an experiment file is at most "
                           f"{MAX_CONFIG_BYTES} bytes")

@@ -7,6 +7,9 @@ the group ``jaxstream.plugins``::
     [project.entry-points."jaxstream.plugins"]
     my_data = "my_package.jaxstream_plugin"
 
+An installed entry point that fails to load stops ``jaxstream run`` with one line naming it,
+its package and the error; ``JAXSTREAM_SKIP_PLUGINS=my_data`` (names, comma-separated) skips it.
+
 Registration functions: :func:`register_dataset` (``data: {type: NAME}``),
 :func:`register_model` (``model: {type: NAME}``), :func:`register_optimizer`
 (``optimizer: {name: NAME}``), :func:`register_engine` (``engine: {type: NAME}``),
@@ -65,18 +68,18 @@ __all__ = [
     "Checked",
     "Count",
     "DataConfig",
+    "Dataset",
     "Decay",
+    "Engine",
+    "EngineConfig",
     "Every",
     "Fraction",
+    "ModelConfig",
     "NonNegative",
     "Positive",
     "Probability",
     "Range",
     "Seed",
-    "Dataset",
-    "Engine",
-    "EngineConfig",
-    "ModelConfig",
     "load_plugins",
     "register_choice",
     "register_dataset",

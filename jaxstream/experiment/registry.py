@@ -88,7 +88,9 @@ def load_plugins(extra: Iterable[str] = (), entry_points: bool = True) -> None:
 
     Args:
       extra: a user's modules (``jaxstream run --plugin MODULE``); each must import.
-      entry_points: also load every entry point of the group ``jaxstream.plugins``.
+      entry_points: also load every entry point of the group ``jaxstream.plugins`` (except
+        those named in ``JAXSTREAM_SKIP_PLUGINS``); one that fails to load is refused naming
+        it, its package and the import error.
 
     Example (a plugin module ``my_data.py`` adding a dataset)::
 
@@ -109,9 +111,9 @@ def load_plugins(extra: Iterable[str] = (), entry_points: bool = True) -> None:
     if not _LOADED:
         from jaxstream.experiment import builtin  # noqa: F401  (registers on import)
 
-        _LOADED = True
         if entry_points:
-            _load_entry_points()
+            _load_entry_points()  # a broken one is refused again on the next call
+        _LOADED = True
     for name in extra:
         if name in _IMPORTED:
             continue
@@ -125,15 +127,31 @@ def load_plugins(extra: Iterable[str] = (), entry_points: bool = True) -> None:
         _IMPORTED.add(name)
 
 
+#: Environment variable: entry points (names, comma-separated) that ``load_plugins`` skips.
+SKIP_ENV = "JAXSTREAM_SKIP_PLUGINS"
+
+
 def _load_entry_points() -> None:
+    import os
     from importlib.metadata import entry_points
 
+    skip = {n.strip() for n in os.environ.get(SKIP_ENV, "").split(",") if n.strip()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.value in _IMPORTED:
+        if ep.value in _IMPORTED or ep.name in skip:
             continue
-        obj = ep.load()  # importing the module registers; a callable is called once
-        if callable(obj) and not isinstance(obj, type):
-            obj()
+        try:
+            obj = ep.load()  # importing the module registers; a callable is called once
+            if callable(obj) and not isinstance(obj, type):
+                obj()
+        except Exception as e:  # a broken installed package must not look like our bug
+            dist = getattr(getattr(ep, "dist", None), "name", None)
+            lines = str(e).strip().splitlines()
+            why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+            raise ConfigError(
+                f"plugin entry point {ep.name} = {ep.value} (group {ENTRY_POINT_GROUP}"
+                + (f", package {dist}" if dist else "") + f") failed to load: {why}; fix or "
+                f"uninstall it" + (f" (pip uninstall {dist})" if dist else "")
+                + f", or skip it: {SKIP_ENV}={ep.name}") from e
         _IMPORTED.add(ep.value)
 
 

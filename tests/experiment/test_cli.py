@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -69,6 +70,16 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert "--tensorboard needs the tensorboardX package" in _error(
         capsys, ["run", str(QUICKSTART), "--tensorboard", "--out", "tb"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "broken.yaml", "unsafe.yaml"]
+
+
+def test_a_config_that_is_a_device_or_a_pipe_is_named_as_such(tmp_path, capsys):
+    """/dev/zero and a named pipe exist: one line saying they are not regular files, exit 2."""
+    os.mkfifo(tmp_path / "pipe.yaml")
+    for path in ("/dev/zero", str(tmp_path / "pipe.yaml")):
+        assert _error(capsys, ["run", path, "--out", str(tmp_path / "run")]) == (
+            f"error: config file {path} is not a regular file (a device, pipe or socket): give a "
+            "YAML file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.yaml"]
 
 
 def fake_run(d: Path, arm_acc: dict[str, list[float]], config: str = "experiments/x.yaml") -> Path:

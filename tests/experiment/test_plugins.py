@@ -141,3 +141,37 @@ def test_an_arm_the_model_cannot_run_is_refused_before_any_arm_trains(tmp_path, 
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
     assert len(err) == 1 and err[0].startswith("error: arms.2.estimator (lgfga): "), err
     assert "as_stack(model)" in err[0] and not (tmp_path / "run").exists()
+
+
+def _broken_entry_point(tmp_path, monkeypatch):
+    """An installed package whose jaxstream.plugins entry point fails to import."""
+    (tmp_path / "broken_plugin.py").write_text("import numpy\nimport no_such_dependency_xyz\n")
+    dist = tmp_path / "broken_pkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-pkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[jaxstream.plugins]\nbroken = broken_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_an_entry_point_that_fails_to_import_is_named_with_the_fix(tmp_path, monkeypatch,
+                                                                   capsys):
+    from jaxstream.experiment import registry
+
+    _broken_entry_point(tmp_path, monkeypatch)
+    with pytest.raises(registry.ConfigError) as err:
+        registry._load_entry_points()
+    line = str(err.value)
+    assert "\n" not in line
+    assert line.startswith("plugin entry point broken = broken_plugin (group jaxstream.plugins, "
+                           "package broken-pkg) failed to load: ModuleNotFoundError: No module "
+                           "named 'no_such_dependency_xyz'"), line
+    assert "pip uninstall broken-pkg" in line and "JAXSTREAM_SKIP_PLUGINS=broken" in line
+    # jaxstream run: one line, exit 2 (entry points load once per process: reset for the test)
+    monkeypatch.setattr(registry, "_LOADED", False)
+    assert main(["run", str(QUICKSTART), "--print-config"]) == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert err_lines == [f"error: {line}"]
+    # skipped by name, the run goes on
+    monkeypatch.setenv("JAXSTREAM_SKIP_PLUGINS", "other, broken")
+    assert main(["run", str(QUICKSTART), "--print-config"]) == 0
+    assert "kind: train" in capsys.readouterr().out

@@ -3,6 +3,7 @@ and existing stores, before the run directory is made): nothing is written for a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -32,8 +33,8 @@ CASES = [
      r"optimizer.options.nesterov: expected true or false"),
     (QUICKSTART, ["model.width=1000000000"], r"model: needs about .* GiB .* this machine has"),
     (STREAM, ["arms.1.estimator={type: hybrid_activity}"],
-     r"arms.1.estimator: stream: estimator must be one that mixes exact gradients with weight "
-     r"tangents; got HybridActivity"),
+     (r"arms.1.estimator: stream: estimator must be one that mixes exact gradients with weight "
+      r"tangents; got HybridActivity")),
     (STREAM, ["engine.update=lazy", "arms.1.estimator={type: forward, perturb: activations}"],
      r"arms.1.estimator: stream: update='lazy' needs the forward"),
     (PIPELINE, ["engine.stages=3"], r"engine.stages: 3 must divide model.depth = 8"),
@@ -41,8 +42,8 @@ CASES = [
     (STREAM, ["engine.store=/tmp/one"], r"engine.store: .* shared by the arms"),
     (QUICKSTART, ["arms.0.lr=.inf"], r"arms.0.lr: expected a finite number"),
     (STREAM, ["engine.micro_batches=7"], r"engine.micro_batches: batch_size=64 is not divisible"),
-    (STREAM, ["engine.prefetch=6"], r"engine.prefetch: 6 reads past the model's 6 units \(embed, "
-                                    r"4 blocks, head\); allowed: 0..5"),
+    (STREAM, ["engine.prefetch=6"], (r"engine.prefetch: 6 reads past the model's 6 units "
+                                     r"\(embed, 4 blocks, head\); allowed: 0..5")),
     (QUICKSTART, ["engine={type: dataparallel, devices: 1000}"],
      r"engine.devices: 1000 requested but only \d+ devices exist"),
     (QUICKSTART, ["optimizer.options={b1: 1.5}"], r"optimizer.options.b1: must be in \[0, 1\)"),
@@ -133,3 +134,18 @@ def test_switching_a_sections_type_says_how():
         load_experiment(QUICKSTART, ["data.type=chars"])
     _, cfg = load_experiment(QUICKSTART, ["data={type: chars}"])
     assert type(cfg.data).__name__ == "CharsDataConfig"
+
+
+@pytest.mark.parametrize("kind", ["device", "pipe"])
+def test_a_config_that_is_a_device_or_a_pipe_is_not_a_regular_file(tmp_path, kind):
+    """/dev/zero or a named pipe would be read forever: refused as not a regular file (not as
+    missing), before anything is read or written."""
+    if kind == "device":
+        path = Path("/dev/zero")
+    else:
+        path = tmp_path / "c.yaml"
+        os.mkfifo(path)
+    with pytest.raises(ConfigError, match=rf"^{path}: not a regular file \(a device, pipe or "
+                                          r"socket\); give the path of a YAML experiment file$"):
+        run_experiment(path, out=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
