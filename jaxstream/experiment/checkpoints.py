@@ -23,8 +23,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import logging
+import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +103,27 @@ class ArmCheckpointer:
         meta = dict(meta or {}, step=int(step), checksums=checksums(state))
         if self.identity is not None:
             meta["identity"] = self.identity
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                    meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
-        self.manager.wait_until_finished()
+        try:
+            with _held_logs() as held:
+                self.manager.save(
+                    step,
+                    args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            meta=ocp.args.JsonSave(meta)),
+                    force=True,
+                )
+                self.manager.wait_until_finished()
+        except Exception as e:
+            code = write_errno(e)
+            if code is None:  # not the machine's: a bug, with its traceback and orbax's logs
+                held.release()
+                raise
+            last = [s for s in self.manager.all_steps() if s < step]
+            intact = (f"the checkpoint at step {max(last)} is intact" if last
+                      else "no earlier checkpoint was written")
+            raise OSError(code, f"{os.strerror(code)}: saving {self._where(step)} failed "
+                          f"({intact}); free space (or make it writable), then pass "
+                          "--resume") from e
+        held.release()
 
     def restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
         """Restore ``step`` into the structure, shapes and dtypes of ``like``.
@@ -176,8 +195,67 @@ class ArmCheckpointer:
         state, meta = self.restore(step, like)
         return step, state, meta
 
+    def __enter__(self) -> ArmCheckpointer:  # noqa: PYI034
+        return self
+
+    def __exit__(self, kind: object, err: BaseException | None, tb: object) -> None:
+        if err is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # already failing (e.g. a full disk): that error
+            self.close()                      # is the one to report
+
     def close(self) -> None:
+        """Closes the manager and waits for its threads (none may outlive the run: at
+        interpreter exit they would print)."""
         self.manager.close()
+
+
+#: TensorStore's status codes (orbax raises them as ValueError) of a write the machine refused.
+_STATUS_ERRNO = {"RESOURCE_EXHAUSTED": errno.ENOSPC, "PERMISSION_DENIED": errno.EACCES}
+
+
+def write_errno(err: BaseException) -> int | None:
+    """The errno of a failed write (an OSError's own, or that of TensorStore's status code in
+    orbax's ValueError, e.g. ENOSPC for ``RESOURCE_EXHAUSTED``); None for any other error."""
+    for e in (err, err.__cause__, err.__context__):
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        if isinstance(e, ValueError):
+            head = str(e).lstrip()
+            for status, code in _STATUS_ERRNO.items():
+                if head.startswith(status):
+                    return code
+    return None
+
+
+class _HeldLogs(logging.Filter):
+    """Holds the ``absl`` records orbax's threads log during a save (each thread logs the
+    error the save then raises): :meth:`release` logs them after all; dropped otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def release(self) -> None:
+        logger = logging.getLogger("absl")
+        records, self.records = self.records, []
+        for r in records:
+            logger.handle(r)
+
+
+@contextlib.contextmanager
+def _held_logs() -> Iterator[_HeldLogs]:
+    logger, held = logging.getLogger("absl"), _HeldLogs()
+    logger.addFilter(held)
+    try:
+        yield held
+    finally:
+        logger.removeFilter(held)
 
 
 def _placed_like(restored: Any, like: Any) -> Any:

@@ -89,11 +89,36 @@ def environment() -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def writing(path: str | Path, what: str | None = None) -> Iterator[None]:
+    """A failed write (a full disk, a read-only directory) re-raised as one ``OSError`` line
+    naming the file and the way on: the run's checkpoints are intact, ``--resume`` continues.
+
+    Example:
+        >>> with writing(run_dir / "summary.json"):
+        ...     write_json(run_dir / "summary.json", summary)
+    """
+    try:
+        yield
+    except OSError as err:
+        if err.errno is None or getattr(err, "named", False):
+            raise
+        named = OSError(err.errno, f"{err.strerror or os.strerror(err.errno)}: writing "
+                        f"{what or Path(path).name} ({path}) failed; the run's checkpoints are "
+                        "intact: free space (or make it writable), then pass --resume")
+        named.named = True  # type: ignore[attr-defined]
+        raise named from err
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write ``data`` as indented JSON (atomically: temp file + rename)."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2) + "\n")
-    tmp.replace(path)
+    with writing(path):
+        try:
+            tmp.write_text(json.dumps(_clean(data), indent=2) + "\n")
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _clean(x: Any) -> Any:
@@ -133,7 +158,7 @@ class MetricsLog:
             try:
                 rec = json.loads(line)
                 if not isinstance(rec, dict):
-                    raise ValueError("not a record")
+                    raise json.JSONDecodeError("not a record", line, 0)
                 out.append(rec)
             except ValueError:
                 if i == len(lines) and not text.endswith("\n"):
@@ -152,13 +177,17 @@ class MetricsLog:
         self._rewrite(records)
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
+        with writing(self.path, "the metrics log"), self.path.open("a") as f:
             f.write(json.dumps(_clean(record)) + "\n")
 
     def _rewrite(self, records: Iterable[dict[str, Any]]) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in records))
-        tmp.replace(self.path)
+        with writing(self.path, "the metrics log"):
+            try:
+                tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in records))
+                tmp.replace(self.path)
+            finally:
+                tmp.unlink(missing_ok=True)
 
 
 LOCK_FILE = "run.lock"

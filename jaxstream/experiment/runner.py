@@ -23,6 +23,7 @@ from jaxstream.experiment.rundir import (
     run_lock,
     undo_on_refusal,
     write_json,
+    writing,
 )
 
 #: Fields that may change between a run and its ``--resume`` (they do not change any metric).
@@ -109,7 +110,8 @@ def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, 
     with run_lock(run_dir), undo_on_refusal(run_dir, _refusals(), new=not resume, made=made):
         if resume:
             _check_resume(run_dir, kind, cfg)
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
+        with writing(run_dir / "config.yaml"):
+            (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
         write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
                                           "overrides": overrides, "resume": resume,
                                           "run_id": _run_id(run_dir, resume)})

@@ -31,7 +31,7 @@ from jaxstream.experiment.loop import Resume, TrainLoop, resumed_records
 from jaxstream.experiment.plots import plotted_target, write_plots
 from jaxstream.experiment.progress import arm_bar, arm_done, bar_hook, status
 from jaxstream.experiment.registry import register_experiment
-from jaxstream.experiment.rundir import MetricsLog, read_run_id
+from jaxstream.experiment.rundir import MetricsLog, read_run_id, writing
 from jaxstream.experiment.summary import compare_families, format_table, summarize_arm
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
 
@@ -86,54 +86,53 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
     opt = cfg.arm_optimizer(arm)
     ckpt = ArmCheckpointer(run_dir / "checkpoints" / arm.name, identity=identity(
         read_run_id(run_dir), arm.name, {"name": opt.name, "options": dict(opt.options)}))
-    stop = min(cfg.steps, cfg.max_steps or cfg.steps)
-    evaluate = evaluator_for(stack)
-    diag = (diagnostics_for(engine, stack, local=arm.estimator.build().plan.local_target)
-            if cfg.diag_every else None)
-    tags = {"arm": arm.name}
-    loop = TrainLoop(engine.step, tags=tags,
-                     batch_at=batches,
-                     key_at=lambda s: jax.random.fold_in(step_root, s),
-                     stop_if=_diverged)
+    with ckpt:  # closed, its threads waited for, however the arm ends
+        stop = min(cfg.steps, cfg.max_steps or cfg.steps)
+        evaluate = evaluator_for(stack)
+        diag = (diagnostics_for(engine, stack, local=arm.estimator.build().plan.local_target)
+                if cfg.diag_every else None)
+        tags = {"arm": arm.name}
+        loop = TrainLoop(engine.step, tags=tags,
+                         batch_at=batches,
+                         key_at=lambda s: jax.random.fold_in(step_root, s),
+                         stop_if=_diverged)
 
-    resume_ckpt = Resume(ckpt)
-    if resume:
-        loop.add_start_hook(resume_ckpt)
-    resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
-    if resume_at is not None:
-        loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume))
-    state, start = loop.begin(state)
-    records = resumed_records(kept, start, tags)
-    if start == 0:
-        records = [{**tags, "step": 0,
-                    **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
-    on_start(records)
-    diverged = resume_ckpt.diverged
-    if diverged or start >= stop:
-        ckpt.close()
-        return {"records": records, "compile_time": None, "diverged": diverged}
+        resume_ckpt = Resume(ckpt)
+        if resume:
+            loop.add_start_hook(resume_ckpt)
+        resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
+        if resume_at is not None:
+            loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume))
+        state, start = loop.begin(state)
+        records = resumed_records(kept, start, tags)
+        if start == 0:
+            records = [{**tags, "step": 0,
+                        **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
+        on_start(records)
+        diverged = resume_ckpt.diverged
+        if diverged or start >= stop:
+            return {"records": records, "compile_time": None, "diverged": diverged}
 
-    status(f"{arm.name}: compiling the first step")
-    compile_time = _warm_up(engine, state, loop.batch_at(start), jax.random.fold_in(step_root, 0))
-    if diag is not None:
-        loop.add_hook(lambda i: i.record.update(diag(i.state, i.batch, i.key)),
-                      every=cfg.diag_every, before=True)
-    loop.add_hook(lambda i: i.record.update(
-        _eval_record(evaluate, engine.params(i.state), data.train, data.test)),
-        every=cfg.eval_every, at=(cfg.steps,))
-    bar = arm_bar(arm.name, start=start, total=stop, enabled=cfg.progress)
-    loop.add_hook(bar_hook(bar))
-    loop.add_hook(lambda i: (records.append(i.record), log.append(i.record)))
-    loop.add_hook(lambda i: ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
-                                                        "diverged": _diverged(i.record)}),
-                  every=cfg.checkpoint_every, at_end=True)
-    out = loop.run(state, start=start, stop=stop, train_time=resume_ckpt.train_time)
-    bar.close()
-    stopped = stop if stop < cfg.steps and not out.stopped else None
-    arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
-             cfg.progress, stopped_at=stopped, steps=cfg.steps)
-    ckpt.close()
-    return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
+        status(f"{arm.name}: compiling the first step")
+        compile_time = _warm_up(engine, state, loop.batch_at(start), jax.random.fold_in(step_root, 0))
+        if diag is not None:
+            loop.add_hook(lambda i: i.record.update(diag(i.state, i.batch, i.key)),
+                          every=cfg.diag_every, before=True)
+        loop.add_hook(lambda i: i.record.update(
+            _eval_record(evaluate, engine.params(i.state), data.train, data.test)),
+            every=cfg.eval_every, at=(cfg.steps,))
+        bar = arm_bar(arm.name, start=start, total=stop, enabled=cfg.progress)
+        loop.add_hook(bar_hook(bar))
+        loop.add_hook(lambda i: (records.append(i.record), log.append(i.record)))
+        loop.add_hook(lambda i: ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
+                                                            "diverged": _diverged(i.record)}),
+                      every=cfg.checkpoint_every, at_end=True)
+        out = loop.run(state, start=start, stop=stop, train_time=resume_ckpt.train_time)
+        bar.close()
+        stopped = stop if stop < cfg.steps and not out.stopped else None
+        arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
+                 cfg.progress, stopped_at=stopped, steps=cfg.steps)
+        return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
 
 
 def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) -> None:
@@ -197,8 +196,9 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
     summary = {"finished": finished, "target_accuracy": cfg.target_accuracy, "arms": arms,
                "comparison": compare_families(arms, families)}
     if cfg.plots:
-        write_plots(records, [a.name for a in cfg.arms], run_dir,
-                    plotted_target(cfg, data.train["y"]))
+        with writing(run_dir, "the plots"):
+            write_plots(records, [a.name for a in cfg.arms], run_dir,
+                        plotted_target(cfg, data.train["y"]))
     print(format_table(arms, cfg.target_accuracy))
     return summary
 
