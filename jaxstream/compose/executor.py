@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
 import typing
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -42,13 +42,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.dataparallel import ShardRows
-from jaxstream.compose.circular import Circular
 from jaxstream.compose import peers
-from jaxstream.compose.peers import PeerWatch, lost_peer, wait_for_peers
+from jaxstream.compose.circular import Circular
+from jaxstream.compose.peers import PeerWatch, lost_peer, settle_copies, wait_for_peers, watch_peers
 from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
 from jaxstream.grad.plan import Plan
 from jaxstream.models.stack import Stack
+from jaxstream.stream.errors import StoreError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor, plan_of
 from jaxstream.stream.placement import Placement, agree_across_processes
 from jaxstream.stream.store import LayerStore
@@ -95,10 +96,11 @@ class ComposedExecutor(StreamedExecutor):
       mesh: from :func:`make_mesh`.
       schedule: ``"circular"`` (default: each sweep is one circular pass over its chunks,
         :mod:`.circular`) or ``"chunked"`` (one GPipe pass per chunk, :mod:`.pipe`).
-      peer_timeout_s: on a mesh over several processes, a step after the first (which
-        compiles its passes) that makes no progress for this long ends the process with one
-        line and exit status 2 (a lost peer, :mod:`.peers`); keep it above the slowest unit's
-        time and below ``jax.distributed``'s heartbeat timeout.
+      peer_timeout_s: on a mesh over several processes, a peer that gives no sign of life for
+        this long, or a step after the first (which compiles its passes) that makes no
+        progress for this long, ends the process with one line and exit status 2 (a lost
+        peer, :mod:`.peers`); keep it above the slowest unit's time and below half of
+        ``jax.distributed``'s ``heartbeat_timeout_seconds`` (100 s by default).
       startup_timeout_s: on a mesh over several processes, how long opening the store waits
         for every process to arrive (start-up skew), and how long each program, compiled
         ahead of its first run, waits for every process to compile it (compile skew), before
@@ -110,7 +112,7 @@ class ComposedExecutor(StreamedExecutor):
 
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
                  config: StreamConfig | None = None, *, mesh: Mesh, schedule: str = "circular",
-                 peer_timeout_s: float = 60.0, startup_timeout_s: float = 300.0):
+                 peer_timeout_s: float = 40.0, startup_timeout_s: float = 300.0):
         if tuple(mesh.axis_names) != (DATA, STAGE):
             raise ValueError(f"mesh: axes must be {(DATA, STAGE)}, got {tuple(mesh.axis_names)} "
                              "(use jaxstream.compose.make_mesh)")
@@ -148,7 +150,7 @@ class StageChunks(Placement):
     examples split over ``data``."""
 
     def __init__(self, stack: Stack, spec: Any, dtype: Any, mesh: Mesh,
-                 schedule: str = "circular", peer_timeout_s: float = 60.0,
+                 schedule: str = "circular", peer_timeout_s: float = 40.0,
                  startup_timeout_s: float = 300.0):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -161,6 +163,7 @@ class StageChunks(Placement):
         self.watch = PeerWatch(peer_timeout_s) if self.shared else None
         if self.shared:  # compile skew: each program waits for every process's compile
             peers.compile_timeout_s = self.startup_timeout_s
+            watch_peers(peer_timeout_s)  # a dead peer ends this process wherever it waits
         self.stack, self.spec, self.dtype, self.mesh = stack, spec, jnp.dtype(dtype), mesh
         self.num_stages, self.schedule = mesh.shape[STAGE], schedule
         self._stage = NamedSharding(mesh, P(STAGE))
@@ -169,12 +172,25 @@ class StageChunks(Placement):
 
     def agree(self, store: Any) -> None:
         """Every process of a mesh that spans several streams from its own store copy: they
-        must hold the same commit (:func:`~jaxstream.stream.placement.agree_across_processes`)."""
-        if self.shared:
+        must hold the same commit (:func:`~jaxstream.stream.placement.agree_across_processes`).
+        On opening, a copy one step ahead of the others' rolls back to their commit first
+        (:func:`~jaxstream.compose.peers.settle_copies`). A peer lost meanwhile (the check is a
+        collective) ends the process with one line, as in a step."""
+        if not self.shared:
+            return
+        refused = None
+        try:
             if not self._opened:  # start-up skew: wait for every process, then compare
                 wait_for_peers(f"jaxstream-open-{next(_OPENED)}", self.startup_timeout_s)
                 self._opened = True
+                refused = settle_copies(store)
             agree_across_processes(store)
+        except jax.errors.JaxRuntimeError as err:  # after a commit: the peer did not get there
+            lost_peer(err)
+        except StoreError as err:
+            if refused is None:
+                raise
+            raise StoreError(f"{err}; this copy was not rolled back: {refused}") from None
 
     def begin_step(self) -> None:
         self._ticks, self._busy, self._counts = 0, 0, []
@@ -495,7 +511,7 @@ def _local(stack, spec, num_micro, emit_sum=True, weights=False, impl=DEFAULT_IM
     def fn(p, layer, head, state, aux):
         (h,), (kd, b) = state, aux
         key = jax.random.wrap_key_data(kd, impl=impl)
-        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)  # noqa: E731
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)
         out, g = sg.local_grad(stack, lambda pp: stack.block(pp, h), p,
                                spec if weights else _rows(spec), key, layer, head, example,
                                weights)
@@ -510,7 +526,7 @@ def _local_exact(stack, spec, num_micro, emit_sum=True):
 
     def fn(p, layer, head, state, b):
         (h,) = state
-        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)  # noqa: E731
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), b)
         out, g = _guess_kernel(stack, head, example)(lambda pp: stack.block(pp, h), p, layer)
         return (out,), jax.tree.map(lambda a: a / num_micro, jax.lax.pmean(g, DATA))
     return fn, {"state_specs": (ACT,), "aux_specs": ACT, "emit_specs": P(STAGE)}

@@ -20,8 +20,8 @@ from typing import Any
 from jaxstream.compose.executor import Schedule
 from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.experiment.engines import register_engine
+from jaxstream.ranges import Count, Positive
 from jaxstream.stream.store import LayerStore
-from jaxstream.ranges import Count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +35,16 @@ class ComposedEngineConfig(StreamEngineConfig):
       schedule: ``circular`` (each sweep one circular pass over its chunks: one fill and one
         drain per sweep, up to ``stage`` exact chains for the ticks of one) or ``chunked`` (one
         GPipe pass per chunk of ``stage`` layers, the earlier schedule).
+      peer_timeout_s: under ``jax.distributed``, a peer process silent (or a step without
+        progress) this long ends the run with one line and exit status 2; keep it above the
+        slowest chunk's time and below half of ``jax.distributed.initialize``'s
+        ``heartbeat_timeout_seconds`` (see :mod:`jaxstream.compose.peers`).
     """
 
     data: Count = 1
     stage: Count = 1
     schedule: Schedule = "circular"
+    peer_timeout_s: Positive = 40.0
 
     def check(self) -> None:
         super().check()
@@ -90,7 +95,8 @@ class ComposedEngine(StreamEngine):
                             self.cfg.depth)
         return ComposedExecutor(self.stack, self.estimator, self.optimizer, store, scfg,
                                 mesh=make_mesh(self.cfg.data, self.cfg.stage),
-                                schedule=self.cfg.schedule)
+                                schedule=self.cfg.schedule,
+                                peer_timeout_s=float(self.cfg.peer_timeout_s))
 
 
 def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: Any,

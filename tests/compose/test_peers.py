@@ -27,7 +27,7 @@ else:                       # a step that stalls
 def run(mode: str) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=60, check=False)
     return out, time.monotonic() - t0
 
 
@@ -43,3 +43,62 @@ def test_progress_and_idle_time_do_not_end_it():
     for mode in ("idle", "beating"):
         out, _ = run(mode)
         assert out.returncode == 0 and out.stdout.strip() == "alive", out.stderr
+
+
+# Two processes of jax.distributed (one CPU device each): process 1 dies, or lives on slowly;
+# process 0 watches its peers (2 s) and then waits at a barrier, or in jax.distributed's shutdown.
+PAIR = """
+import os, sys, time
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax
+port, pid, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid)
+from jax._src import distributed
+from jaxstream.compose.peers import watch_peers
+watch_peers(2.0)
+distributed.global_state.client.wait_at_barrier("both-watching", 60000)
+time.sleep(1.5)  # each has heard the other
+if pid == 1:
+    if mode == "slow":  # alive, and late to the shutdown by twice the timeout
+        time.sleep(4.0); jax.distributed.shutdown(); print("done"); sys.exit(0)
+    os._exit(9)
+if mode == "barrier":  # JAX's barrier would wait for the dead peer until its heartbeat timeout
+    distributed.global_state.client.wait_at_barrier("never", 120000)
+jax.distributed.shutdown()
+print("done")
+"""
+
+
+def run_pair(mode: str) -> list[subprocess.CompletedProcess]:
+    from tests.processes import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", PAIR, port, str(i), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs)]
+
+
+def test_a_dead_peer_ends_a_process_waiting_at_a_barrier_or_the_shutdown_in_one_line():
+    """Before: the survivor waited in the barrier (or JAX's shutdown) until JAX's heartbeat
+    timeout and was aborted with a C++ stack dump; the peer watch does not run there."""
+    for mode in ("barrier", "shutdown"):
+        out = run_pair(mode)[0]
+        assert out.returncode == 2 and "done" not in out.stdout, (mode, out.stderr[-2000:])
+        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("jaxstream:")]
+        assert len(lines) == 1 and out.stderr.strip().splitlines()[-1] == lines[0], out.stderr
+        assert lines[0].startswith("jaxstream: process 0 of 2: process 1 gave no sign of life")
+        assert "peer_timeout_s=2" in lines[0] and "Check failure" not in out.stderr
+
+
+def test_a_slow_live_peer_is_not_taken_for_lost():
+    for out in run_pair("slow"):
+        assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
