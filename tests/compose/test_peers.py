@@ -102,3 +102,21 @@ def test_a_dead_peer_ends_a_process_waiting_at_a_barrier_or_the_shutdown_in_one_
 def test_a_slow_live_peer_is_not_taken_for_lost():
     for out in run_pair("slow"):
         assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
+
+
+def test_only_copies_one_step_ahead_of_the_commit_the_others_hold_roll_back():
+    """Rows (step, fingerprint, previous step, previous fingerprint), one per process."""
+    import numpy as np
+
+    from jaxstream.compose.peers import ahead_by_one
+
+    a, b, c, d = 0xA, 0xB, 0xC, 0xD
+    none = 0xFFFFFFFF  # a copy that keeps no earlier commit
+    rows = lambda *r: np.array(r, np.int64)
+    assert ahead_by_one(rows([2, a, 1, b], [1, b, 0, c])) == [0]
+    assert ahead_by_one(rows([1, b, 0, c], [2, a, 1, b], [2, a, 1, b])) == [1, 2]
+    assert ahead_by_one(rows([1, b, 0, c], [1, b, 0, c])) is None  # they agree
+    assert ahead_by_one(rows([2, a, 1, d], [1, b, 0, c])) is None  # ahead of another commit
+    assert ahead_by_one(rows([3, a, 2, b], [1, b, 0, c])) is None  # two steps apart
+    assert ahead_by_one(rows([2, a, 1, b], [1, b, 0, c], [1, d, 0, c])) is None  # behind differ
+    assert ahead_by_one(rows([2, a, none, 0], [1, b, 0, c])) is None
