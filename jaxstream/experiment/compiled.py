@@ -50,7 +50,12 @@ def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
                               "statistics (BatchNorm); the runner's engines do not carry running "
                               "averages, so its evaluations would use the initial ones: remove "
                               "BatchNorm, or train it with js.train_step in your own loop")
-        return to_stack(model, x) if staged else model
+        try:  # a layer the engines cannot drive (its own RNG streams), a model not stackable
+            if x is not None and hasattr(model, "check_layers"):
+                model.check_layers(x)
+            return to_stack(model, x) if staged else model
+        except ValueError as e:
+            raise ConfigError(str(e) if str(e).startswith("model") else f"model: {e}") from None
 
     shape = None if x is None else (tuple(np.shape(x)), str(np.asarray(x).dtype))
     return _cached(("model", repr(cfg.model), tuple(sorted(info.items())), staged, shape), make)

@@ -159,9 +159,10 @@ class Sequential:
         if where is not None:
             raise ValueError(
                 f"layer {l}: {type(module).__name__} draws from its own RNG stream "
-                f"{_where(where)!r}, but no step key drives it (it would repeat one draw every "
-                f"step): train with js.train_step (it binds the step key), or call the estimator "
-                f"on model.with_rng(key); or pass the randomness in explicitly")
+                f"{_where(where)!r}, but no step key is bound to drive it (jaxstream run's "
+                f"engines bind none; it would repeat one draw every step): train it with "
+                f"js.train_step, which binds the step key, or call the estimator on "
+                f"model.with_rng(key); or pass the randomness in explicitly")
         new = nnx.to_pure_dict(nnx.state(module, nnx.BatchStat)) if layer.has_stats else stats
         return out, new
 
@@ -244,6 +245,12 @@ class Sequential:
         """Share of correct argmax predictions (evaluation mode)."""
         out = self.apply(params, batch["x"], state)
         return jnp.mean(jnp.argmax(out, axis=-1) == batch["y"])
+
+    def check_layers(self, x: Any) -> None:
+        """One training-mode pass over inputs ``x`` traced abstractly (``jax.eval_shape``, no
+        compute), so that what a layer refuses -- a draw from its own RNG streams without a bound
+        key -- is raised before a run starts rather than inside its first step."""
+        jax.eval_shape(lambda p, h: self.apply(p, h, train=True), self.params, x)
 
     def check_batch(self, params: tuple, batch: Batch) -> None:
         """Clear errors for the common mistakes, before any layer is traced."""

@@ -175,3 +175,48 @@ def test_an_entry_point_that_fails_to_import_is_named_with_the_fix(tmp_path, mon
     monkeypatch.setenv("JAXSTREAM_SKIP_PLUGINS", "other, broken")
     assert main(["run", str(QUICKSTART), "--print-config"]) == 0
     assert "kind: train" in capsys.readouterr().out
+
+
+NOISE_PLUGIN = textwrap.dedent('''
+    import dataclasses
+    import jax
+    from flax import nnx
+    from jaxstream.experiment.plugins import ModelConfig, register_model
+    from jaxstream.models import from_sequential
+
+    class GaussianNoise(nnx.Module):
+        def __init__(self, scale, rngs):
+            self.scale, self.rngs = scale, rngs
+
+        def __call__(self, x):
+            return x + self.scale * jax.random.normal(self.rngs.noise(), x.shape)
+
+    @register_model("noisy_mlp")
+    @dataclasses.dataclass(frozen=True)
+    class NoisyMLP(ModelConfig):
+        width: int = 8
+        depth: int = 1
+
+        def build(self, info):
+            r, w = nnx.Rngs(0), self.width
+            return from_sequential(nnx.Sequential(
+                nnx.Linear(info["in_dim"], w, rngs=r), GaussianNoise(0.1, nnx.Rngs(noise=1)),
+                nnx.relu, nnx.Linear(w, info["num_classes"], rngs=r)))
+''')
+
+
+@pytest.mark.parametrize("engine", ["local", "stream"])
+def test_a_plugin_models_own_random_layer_is_refused_by_the_runner_in_one_line(
+        tmp_path, monkeypatch, capsys, engine):
+    """The runner's engines bind no step key to a model: a layer drawing from its own nnx.Rngs
+    is refused by name when the model is built (one line, exit 2), and nothing is written."""
+    (tmp_path / "my_noise.py").write_text(NOISE_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--plugin", "my_noise", str(QUICKSTART), "model={type: noisy_mlp}",
+                 f"engine={{type: {engine}}}", *TINY, "--out", "run"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith(
+        "error: model: layer 1: GaussianNoise draws from its own RNG stream 'rngs/noise', but no "
+        "step key is bound"), err
+    assert not (tmp_path / "run").exists()

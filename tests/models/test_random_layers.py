@@ -90,7 +90,7 @@ def test_a_draw_without_a_step_key_is_refused_by_name():
     model, data = noisy_model(), batch()
     params = model.init(None)
     with pytest.raises(ValueError, match=r"^layer 1: GaussianNoise draws from its own RNG stream "
-                                         r"'rngs/noise', but no step key drives it.*train_step"):
+                                         r"'rngs/noise', but no step key is bound.*js.train_step"):
         js.grad.backprop()(model, params, data, jax.random.key(0))
     # bound by hand, the estimator runs it
     bound = model.with_rng(jax.random.fold_in(jax.random.key(11), DROPOUT))
