@@ -17,7 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-RUN_USAGE = ("jaxstream run CONFIG [key=value ...] [--out DIR] [--resume] [--plugin MODULE] "
+RUN_USAGE = ("jaxstream run CONFIG [key=value ...] [--out DIR] [--resume | --rollback] "
+             "[--plugin MODULE] "
              "[--tensorboard] [--print-config]")
 
 
@@ -39,6 +40,11 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out (default: the latest runs/<config name>*) "
                         "from its last checkpoints")
+    p.add_argument("--rollback", action="store_true",
+                   help="continue the run in --out from its last sane state, also after it "
+                        "diverged (a layer store's last commit that passed its divergence "
+                        "guard; locally, the last checkpoint before the divergence); the arms' "
+                        "lr may change")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (it registers datasets, models, optimizers, engines "
                         "or kinds); repeatable. Installed packages can use the entry-point group "
@@ -120,7 +126,7 @@ def main_run(args: argparse.Namespace) -> int:
 
     try:
         run_dir, _ = run_experiment(args.config, args.overrides, out=args.out,
-                                    resume=args.resume,
+                                    resume=args.resume, rollback=args.rollback,
                                     on_start=follow if args.tensorboard else None)
     finally:
         for events in live:  # also when the run fails: its curves so far are kept

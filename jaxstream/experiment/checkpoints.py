@@ -187,13 +187,20 @@ class ArmCheckpointer:
                     "or start a new run")
         return "start the run again without --resume (or with another --out)"
 
-    def restore_latest(self, like: Any) -> tuple[int | None, Any, dict[str, Any]]:
-        """``(step, state, meta)`` of the latest checkpoint, or ``(None, like, {})``."""
-        step = self.latest_step()
-        if step is None:
-            return None, like, {}
-        state, meta = self.restore(step, like)
-        return step, state, meta
+    def restore_latest(self, like: Any, where: Any = None) -> tuple[int | None, Any, dict[str, Any]]:
+        """``(step, state, meta)`` of the latest checkpoint (whose ``meta`` passes ``where``,
+        when given), or ``(None, like, {})``."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            state, meta = self.restore(step, like)
+            if where is None or where(meta):
+                return step, state, meta
+        return None, like, {}
+
+    def drop_after(self, step: int) -> None:
+        """Deletes the checkpoints past ``step`` (a branch abandoned by ``--rollback``)."""
+        for s in self.manager.all_steps():
+            if s > step:
+                self.manager.delete(s)
 
     def __enter__(self) -> ArmCheckpointer:  # noqa: PYI034
         return self

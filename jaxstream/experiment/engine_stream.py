@@ -11,12 +11,16 @@ store, or an existing store in a new run is an error that says what to do.
 Each arm has its own store (``{arm}`` in ``engine.store``; a store records the arm that owns
 it); ``store: null`` keeps it in the run directory (``<run>/stores/<arm>``). Non-finite
 parameters are never committed: a diverging step leaves the store at its last finite step and
-reports a non-finite loss, which stops the run as diverged.
+reports a non-finite loss, which stops the run as diverged. A commit that fails the store's
+divergence guard (:mod:`jaxstream.stream.guard`: parameter norm past 10x the last sane commit's,
+or a non-finite loss) stops the run too (``guard_failed``); the store keeps the last sane
+commit, and ``jaxstream run ... --rollback`` continues from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
@@ -29,7 +33,12 @@ from jaxstream.experiment.engines import EngineConfig, register_engine, split_mi
 from jaxstream.experiment.rundir import read_run_id
 from jaxstream.ranges import Count, Every
 from jaxstream.stream.depth import DepthPolicy
-from jaxstream.stream.errors import StoreError, StoreNonFiniteError, StoreNotFoundError
+from jaxstream.stream.errors import (
+    StoreDivergedError,
+    StoreError,
+    StoreNonFiniteError,
+    StoreNotFoundError,
+)
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 from jaxstream.stream.layout import kvstore_spec
 from jaxstream.stream.manifest import MANIFEST
@@ -218,12 +227,14 @@ class StreamEngine:
         return StreamState(jnp.asarray(0, jnp.int32))
 
     def resume_at(self, state: StreamState, start: int, *, run_dir: str | Path,
-                  resume: bool) -> tuple[StreamState, int]:
+                  resume: bool, rollback: bool = False) -> tuple[StreamState, int]:
         """Reconciles the restored checkpoint (``state``, step ``start``) with the store.
 
         Returns the state and step to continue from: the store's step when it is ahead of the
         checkpoint (those steps are not redone). Raises StoreError when the store is missing
-        or behind the checkpoint, or exists in a new run without ``continue_store``.
+        or behind the checkpoint, or exists in a new run without ``continue_store``. With
+        ``rollback`` the store first goes back to its last sane commit
+        (:meth:`LayerStore.rollback_to_sane`), and the run continues from there.
         """
         if self.cfg.store is None:
             self.location = self.cfg.location(self.arm, run_dir)
@@ -239,6 +250,12 @@ class StreamEngine:
                                  "store or start a new run")
             self._executor()
             return state, start
+        if rollback:
+            self._check_owner(store, resume)
+            store.rollback_to_sane()
+            if store.step < ckpt:
+                state, start, ckpt = StreamState(jnp.asarray(store.step, jnp.int32)), \
+                    store.step, store.step
         if store.step < ckpt:
             raise StoreError(f"the layer store at {self.location} is at step {store.step}, behind "
                              f"the checkpoint at step {ckpt}: it is not this run's store (or an "
@@ -306,10 +323,12 @@ class StreamEngine:
                              f"run at step {s}: another process wrote it, or it is not this run's "
                              "store")
         try:
-            m = ex.step(self._micro(batch), key, step=s, extra=self._stamp)
-        except StoreNonFiniteError:
+            m = ex.step(self._micro(batch), key, step=s,
+                        extra=lambda loss: {**self._stamp, "loss_finite": math.isfinite(loss)})
+        except (StoreNonFiniteError, StoreDivergedError):
             return state, {"loss": float("nan"), "nonfinite_refused": 1.0}
-        return StreamState(jnp.asarray(s + 1, jnp.int32)), {
+        guard = {} if ex.store.sane_step == s + 1 else {"guard_failed": 1.0}
+        return StreamState(jnp.asarray(s + 1, jnp.int32)), {**guard,
             "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"]),
             "host_update_time": m["host_update_s"], "update_wait_time": m["wait_update_s"],
             "write_wait_time": m["wait_write_s"],

@@ -165,12 +165,19 @@ class Resume:
         >>> state, start = loop.begin(state)   # start: the checkpoint's step, or 0
     """
 
-    def __init__(self, checkpointer: Any):
+    def __init__(self, checkpointer: Any, sane: bool = False):
+        """``sane``: resume from the latest checkpoint saved before the run diverged (``--rollback``)
+        instead of the latest one."""
         self.checkpointer = checkpointer
+        self.sane = sane
         self.meta: dict[str, Any] = {}
 
     def __call__(self, state: Any, start: int) -> tuple[Any, int]:
-        step, state, self.meta = self.checkpointer.restore_latest(state)
+        if self.sane:
+            step, state, self.meta = self.checkpointer.restore_latest(
+                state, where=lambda meta: not meta.get("diverged", False))
+        else:
+            step, state, self.meta = self.checkpointer.restore_latest(state)
         return state, step or start
 
     @property

@@ -74,22 +74,25 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
 
 def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
                    out: str | Path | None = None, resume: bool = False,
-                   on_start: Callable[[Path], None] | None = None) -> tuple[Path, dict]:
+                   on_start: Callable[[Path], None] | None = None,
+                   rollback: bool = False) -> tuple[Path, dict]:
     """Load ``config_path`` + overrides, check them, run, and write the run directory.
 
     Returns ``(run_dir, summary)``. Config errors (ValueError naming the field) are raised
     before anything is written or computed. ``on_start(run_dir)`` is called once the run
     directory holds its config, before the experiment runs (e.g. to follow its metrics live).
+    ``rollback``: resume from the run's last sane state, also after a divergence (the arms'
+    learning rates may change; see :func:`jaxstream.experiment.train.train_arm`).
     """
     forget_datasets()
     try:
-        return _run(config_path, list(overrides), out, resume, on_start)
+        return _run(config_path, list(overrides), out, resume or rollback, on_start, rollback)
     finally:
         forget_datasets()
 
 
 def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, resume: bool,
-         on_start: Callable[[Path], None] | None) -> tuple[Path, dict]:
+         on_start: Callable[[Path], None] | None, rollback: bool = False) -> tuple[Path, dict]:
     kind, cfg = load_experiment(config_path, overrides)
     exp = get_experiment(kind)
     check_run = getattr(cfg, "check_run", None)  # memory, existing stores: before any write
@@ -105,11 +108,15 @@ def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, 
         kwargs["resume"] = resume
     elif resume:
         raise ConfigError(f"--resume: experiments of kind {kind!r} cannot be resumed")
+    if "rollback" in inspect.signature(exp.run).parameters:
+        kwargs["rollback"] = rollback
+    elif rollback:
+        raise ConfigError(f"--rollback: experiments of kind {kind!r} cannot be rolled back")
     made = not (out is not None and Path(out).exists())
     run_dir = resolve_run_dir(config_path, out, resume)
     with run_lock(run_dir), undo_on_refusal(run_dir, _refusals(), new=not resume, made=made):
         if resume:
-            _check_resume(run_dir, kind, cfg)
+            _check_resume(run_dir, kind, cfg, rollback)
         with writing(run_dir / "config.yaml"):
             (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
         write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
@@ -133,17 +140,22 @@ def _run_id(run_dir: Path, resume: bool) -> str:
     return uuid.uuid4().hex
 
 
-def _check_resume(run_dir: Path, kind: str, cfg: Any) -> None:
+def _check_resume(run_dir: Path, kind: str, cfg: Any, rollback: bool = False) -> None:
     """A ``--resume`` continues the same experiment: same kind, same config but for
-    ``RESUMABLE_CHANGES``."""
+    ``RESUMABLE_CHANGES`` (and, with ``--rollback``, the arms' learning rates)."""
+    flag = "--rollback" if rollback else "--resume"
     saved_kind, saved = load_experiment(run_dir / "config.yaml")
     if saved_kind != kind:
-        raise ConfigError(f"--resume: kind {kind!r} differs from {saved_kind!r} in "
+        raise ConfigError(f"{flag}: kind {kind!r} differs from {saved_kind!r} in "
                          f"{run_dir / 'config.yaml'}")
-    diff = diff_configs(saved, cfg, ignore=RESUMABLE_CHANGES)
+    allowed = list(RESUMABLE_CHANGES)
+    if rollback:
+        allowed += [f"arms.{i}.lr" for i in range(len(getattr(cfg, "arms", ())))]
+    diff = diff_configs(saved, cfg, ignore=allowed)
     if diff:
-        raise ConfigError(f"--resume: the config differs from {run_dir / 'config.yaml'} in "
-                         f"{', '.join(diff)}; only {', '.join(RESUMABLE_CHANGES)} may change")
+        may = ", ".join(RESUMABLE_CHANGES) + (", arms.N.lr" if rollback else "")
+        raise ConfigError(f"{flag}: the config differs from {run_dir / 'config.yaml'} in "
+                         f"{', '.join(diff)}; only {may} may change")
 
 
 def _refusals() -> tuple[type[BaseException], ...]:

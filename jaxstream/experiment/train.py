@@ -48,7 +48,8 @@ def _eval_record(evaluate: Callable, params: Any, train: Mapping, test: Mapping
 
 
 def _diverged(record: dict) -> bool:
-    return not math.isfinite(record.get("loss", 0.0))
+    """A non-finite loss, or a commit that failed a layer store's divergence guard."""
+    return not math.isfinite(record.get("loss", 0.0)) or bool(record.get("guard_failed"))
 
 
 def _warm_up(engine: Any, state: Any, batch: dict, key: jax.Array) -> float:
@@ -71,8 +72,10 @@ def _warm_up(engine: Any, state: Any, batch: dict, key: jax.Array) -> float:
 
 def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_params: Any,
               run_dir: Path, log: MetricsLog, kept: list[dict], resume: bool,
-              on_start: Callable[[list[dict]], None]) -> dict[str, Any]:
-    """Train one arm from its last checkpoint (if resuming) to ``min(steps, max_steps)``.
+              on_start: Callable[[list[dict]], None], rollback: bool = False) -> dict[str, Any]:
+    """Train one arm from its last checkpoint (if resuming) to ``min(steps, max_steps)``;
+    with ``rollback``, from its last sane state (a layer store's last sane commit, or the last
+    checkpoint saved before the run diverged), even after a divergence.
 
     ``kept`` are the arm's records from an earlier session; those up to the restored step are
     kept and handed to ``on_start`` (which puts them in the log) before training goes on.
@@ -97,19 +100,23 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
                          key_at=lambda s: jax.random.fold_in(step_root, s),
                          stop_if=_diverged)
 
-        resume_ckpt = Resume(ckpt)
+        resume_ckpt = Resume(ckpt, sane=rollback)
         if resume:
             loop.add_start_hook(resume_ckpt)
         resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
         if resume_at is not None:
-            loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume))
+            back = {"rollback": True} if rollback else {}
+            loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume,
+                                                        **back))
         state, start = loop.begin(state)
+        if rollback:
+            ckpt.drop_after(start)
         records = resumed_records(kept, start, tags)
         if start == 0:
             records = [{**tags, "step": 0,
                         **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
         on_start(records)
-        diverged = resume_ckpt.diverged
+        diverged = resume_ckpt.diverged and not rollback
         if diverged or start >= stop:
             return {"records": records, "compile_time": None, "diverged": diverged}
 
@@ -156,8 +163,10 @@ def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) ->
             raise ConfigError(f"arms.{i}.estimator ({arm.name}): {first}") from e
 
 
-def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str, Any]:
-    """Train every arm; write metrics.jsonl, plots; print and return the summary."""
+def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False,
+              rollback: bool = False) -> dict[str, Any]:
+    """Train every arm; write metrics.jsonl, plots; print and return the summary.
+    ``rollback``: resume every arm from its last sane state (see :func:`train_arm`)."""
     run_dir = Path(run_dir)
     status(f"loading data ({type(cfg.data).__name__})")
     data = cfg.data.dataset(cfg.seed)
@@ -179,8 +188,9 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False) -> dict[str
 
         kept = [r for r in old if r.get("arm") == arm.name]
         results[arm.name] = train_arm(cfg, arm, stack=stack, data=data, init_params=init_params,
-                                      run_dir=run_dir, log=log, kept=kept, resume=resume,
-                                      on_start=on_start)
+                                      run_dir=run_dir, log=log, kept=kept,
+                                      resume=resume or rollback, on_start=on_start,
+                                      rollback=rollback)
     # New records of an arm were appended after the later arms' old ones: restore the order.
     log.rewrite([r for a in names for r in results[a]["records"]])
 

@@ -54,3 +54,8 @@ def not_committed(what: str, file: str = "") -> StoreNotCommittedError:
     return StoreNotCommittedError(
         f"{what}: the chunk holds other values than the manifest committed for it (a chunk file "
         f"swapped, copied in or rolled back{', ' + file if file else ''}); refusing to read it")
+
+
+class StoreDivergedError(StoreError, ArithmeticError):
+    """The last commit failed the divergence guard (:mod:`jaxstream.stream.guard`): no step is
+    staged past it, so the last sane commit stays whole for :meth:`LayerStore.rollback_to_sane`."""

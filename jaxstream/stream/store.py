@@ -46,6 +46,7 @@ import tensorstore as ts
 from jaxstream.stream.direct_read import FileChunks
 from jaxstream.stream.errors import (
     StoreCorruptError,
+    StoreDivergedError,
     StoreError,
     StoreNonFiniteError,
     StoreNotCommittedError,
@@ -53,6 +54,7 @@ from jaxstream.stream.errors import (
     StoreStaleError,
     StoreWriteError,
 )
+from jaxstream.stream.guard import guard_commit, guard_message, sane_after_rollback
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore, write_group
 from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
 from jaxstream.stream.store_init import tree_structures, write_new_store
@@ -96,6 +98,7 @@ class LayerStore:
         self._direct: dict[tuple[str, str, int], FileChunks | None] = {}  # local-file fast path
         self._staged: dict[str, int] = {}
         self._staged_digests: dict[tuple[str, str], list[int]] = {}
+        self._staged_norms: dict[str, tuple[list[int], float]] = {}  # unit -> (crcs, |p|^2)
         self._writes: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._writer = writer
@@ -485,6 +488,7 @@ class LayerStore:
             raise StoreError(f"carry slot must be 0 or 1, got {slot!r}")
         part, l = self._part(unit)
         idx = (slot,) if l is None else (l, slot)
+        self._check_sane()
         self._begin_write()
         what = f"carry of {part if l is None else f'layer {l}'} to the store at {self._where}"
         futs, crcs = [], []
@@ -528,6 +532,7 @@ class LayerStore:
         """
         part, l = self._part(unit)
         key = part if l is None else f"blocks/{l}"
+        self._check_sane()
         self._begin_write()
         with self._lock:
             slot = 1 - int(self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l])
@@ -542,7 +547,7 @@ class LayerStore:
                     continue
             leaves = jax.tree_util.tree_leaves(tree)
             table = self._m["leaves"][kind][part]
-            crcs = []
+            crcs, sq = [], 0.0
             if len(leaves) != len(table):
                 raise StoreError(f"{kind} of {key} has {len(leaves)} leaves, the store has {len(table)}")
             for i, (x, e) in enumerate(zip(leaves, table)):
@@ -556,6 +561,8 @@ class LayerStore:
                         f"{kind} leaf {e['name']!r} of {key} holds non-finite values; nothing of "
                         f"this step is committed, the store stays at step {self.step}")
                 crcs.append(digest(x))
+                if kind == "params" and np.issubdtype(x.dtype, np.inexact):
+                    sq += float(np.sum(np.square(x, dtype=np.float64)))
                 try:
                     fut = self._arrays[(kind, part, i)][idx].write(x)
                 except Exception as err:
@@ -564,6 +571,8 @@ class LayerStore:
                     self._writes.append((key, fut, x.nbytes))
             with self._lock:
                 self._staged_digests[(kind, key)] = crcs
+                if kind == "params":
+                    self._staged_norms[key] = (crcs, sq)
             self._throttle()
 
     def _throttle(self) -> None:
@@ -652,6 +661,7 @@ class LayerStore:
             writes, self._writes = self._writes, []
             staged = dict(self._staged)
             digests = dict(self._staged_digests)
+            norms, self._staged_norms = self._staged_norms, {}
         for key, f, _ in writes:
             try:
                 f.result()
@@ -676,6 +686,8 @@ class LayerStore:
         m["writer_pid"], m["writer_host"] = os.getpid(), socket.gethostname()
         if extra is not None:
             m["extra"] = extra
+        guard_commit(self, m, {k: n for k, (c, n) in norms.items()
+                               if digests.get(("params", k)) == c})
         try:
             write_manifest(self._root, m, self._where)
         except StoreError:
@@ -707,6 +719,38 @@ class LayerStore:
             raise StoreError(f"{self.manifest_file}: no earlier commit to roll back to (the store "
                              f"was created, or rolled back, at step {self.step} and not "
                              "committed since)")
+        return self._roll_back_to(prev)
+
+    @property
+    def sane_step(self) -> int:
+        """The step of the last commit that passed the guard (:mod:`jaxstream.stream.guard`):
+        the store's own step unless its last commit failed it."""
+        return int(self._m.get("sane", {}).get("step", self.step))
+
+    def rollback_to_sane(self) -> int:
+        """Makes the last sane commit current again (nothing to do when the last commit is
+        sane) and returns its step; its chunks are checked as :meth:`rollback` checks them.
+
+        Example::
+
+            store = LayerStore.open("/nvme/run/stores/bp")
+            store.rollback_to_sane()   # or: jaxstream run CONFIG --out RUN --rollback
+        """
+        target = self._m.get("sane", {})
+        if "slots" not in target:
+            return self.step
+        return self._roll_back_to(target)
+
+    def _check_sane(self) -> None:
+        """Refuses to stage writes past a commit that failed the guard: they would overwrite
+        the chunks of the last sane commit, the rollback target."""
+        failed = self._m.get("sane", {}).get("failed")
+        if failed is not None and "slots" in self._m["sane"]:
+            raise StoreDivergedError(guard_message(self._where, self._m["sane"]))
+
+    def _roll_back_to(self, prev: dict) -> int:
+        """Makes the commit ``prev`` (step, slots, digests, extra) current after checking every
+        chunk of it that the current commit replaced."""
         self._begin_write()
         try:
             for kind in ("params", "opt"):
@@ -716,7 +760,12 @@ class LayerStore:
                         self._verify(kind, part, l, slot, prev["digests"][kind], prev["step"])
             m = json.loads(json.dumps(self._m))
             m.update({k: prev[k] for k in ("step", "slots", "digests", "extra")})
-            m.pop("previous")
+            m.pop("previous", None)
+            for k, v in (("norms", prev.get("norms")), ("sane", sane_after_rollback(prev))):
+                if v is None:
+                    m.pop(k, None)
+                else:
+                    m[k] = v
             m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
             write_manifest(self._root, m, self._where)
             self._m = m

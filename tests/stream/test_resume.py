@@ -106,8 +106,8 @@ def test_arms_never_share_a_store(tmp_path):
     import optax
 
     import jaxstream.grad as jg
-    from jaxstream.models import mlp
     from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
+    from jaxstream.models import mlp
 
     stack = mlp(4, 4, 1, 2)
     ecfg = StreamEngineConfig(store=str(tmp_path / "s"))
@@ -122,15 +122,18 @@ def test_arms_never_share_a_store(tmp_path):
 
 
 def test_diverging_run_keeps_its_last_finite_commit(tmp_path):
-    """Case 12: a step that would commit non-finite parameters commits nothing; the run stops
-    with diverged: true and the store keeps its last finite step."""
+    """Case 12: a step that would commit non-finite parameters commits nothing, one whose
+    commit fails the divergence guard (its norm jumped) is not the sane commit; either stops
+    the run with diverged: true, and the store's last sane step is the one before."""
     arms = [{"name": "fwd", "estimator": {"type": "backprop"}, "lr": 1e38}]
     run, s = run_experiment(_config(tmp_path, arms=arms, steps=4), out=tmp_path / "r")
     assert s["arms"]["fwd"]["diverged"]
     store = LayerStore.open(run / "stores" / "fwd")
     last = [r for r in MetricsLog(run / "metrics.jsonl").read() if r["step"] > 0]
-    assert store.step == len(last) - 1  # the diverged step was not committed
+    assert last[-1].get("guard_failed") or not np.isfinite(last[-1]["loss"])
+    assert store.sane_step == len(last) - 1  # the diverged step is not the sane one
     assert all(np.isfinite(x).all() for x in jax_leaves(store.read_params()))
+    assert store.rollback_to_sane() == len(last) - 1
 
 
 def jax_leaves(tree):

@@ -1,0 +1,107 @@
+"""The divergence guard of a layer store: which commit is the last *sane* one.
+
+A commit is sane when
+
+* every parameter is finite (the store never stages non-finite values at all),
+* the loss the step computed is finite (where the committer reports it: the stream engine
+  commits ``loss_finite`` in the commit's metadata), and
+* the parameters' global L2 norm is at most ``GROWTH`` (10) times ``max(1, norm of the last
+  sane commit)``: no healthy optimizer step multiplies the norm of a whole model by ten (the
+  floor of 1 lets a model initialised near zero grow), while a diverging one does at once
+  (sgd at lr 2e38 takes an MLP's norm from ~10 to ~1e37 in one step).
+
+The norm costs no read: each unit's squared norm is summed while its write is staged, and the
+manifest keeps every unit's (``norms``). A store from before norms were kept reads the units it
+does not know once. The manifest's ``sane`` record names the last sane commit; when a commit
+fails the guard, that record keeps the sane commit's slots, digests and metadata, and the store
+refuses to stage any further write (:class:`StoreDivergedError`): the next step would write
+into the sane commit's slots. :meth:`LayerStore.rollback_to_sane` makes it current again.
+
+A guard on the norm's growth cannot see a slow drift (a norm that grows 9× a step, or 1 % a
+step for a thousand steps): only a jump, and non-finite values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+GROWTH = 10.0
+
+
+def _keys(m: dict) -> list[str]:
+    return ["embed", "head", *[f"blocks/{l}" for l in range(int(m["num_layers"]))]]
+
+
+def _unit(key: str) -> str | int:
+    return int(key.split("/")[1]) if key.startswith("blocks/") else key
+
+
+def _sq(tree: Any) -> float:
+    import jax
+
+    return float(sum(np.sum(np.square(np.asarray(x), dtype=np.float64))
+                     for x in jax.tree_util.tree_leaves(tree)
+                     if np.issubdtype(np.asarray(x).dtype, np.inexact)))
+
+
+def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:
+    """Sets ``m["norms"]`` and ``m["sane"]`` for the commit ``m`` that ``store`` is about to
+    make (``staged``: squared norms of the units this step wrote)."""
+    old = store._m
+    old_sane = old.get("sane")
+    if old_sane is not None and "slots" in old_sane:  # a commit with no writes past a failed
+        m["sane"] = old_sane                        # one (writes are refused): keep the target
+        return
+    known = dict(old.get("norms") or {})
+
+    def committed(key: str) -> float:  # the unit's squared norm in the commit before this one
+        if key not in known:
+            known[key] = _sq(store.read(_unit(key)).result())
+        return known[key]
+
+    new = {}
+    for key in _keys(m):
+        if key in staged:
+            new[key] = staged[key]
+        elif key in store._staged:  # staged but its norm was not taken: read what was staged
+            new[key] = _sq(store.read(_unit(key), staged=True).result())
+        else:
+            new[key] = committed(key)
+    base = old_sane["norm"] if old_sane else math.sqrt(sum(committed(k) for k in _keys(m)))
+    norm = math.sqrt(sum(new.values()))
+    bound = GROWTH * max(1.0, base)
+    loss_ok = bool((m.get("extra") or {}).get("loss_finite", True))
+    m["norms"] = new
+    if "previous" in m:
+        m["previous"]["norms"] = known if len(known) == len(new) else None
+    if math.isfinite(norm) and norm <= bound and loss_ok:
+        m["sane"] = {"step": int(m["step"]), "norm": norm}
+        return
+    m["sane"] = {"step": int(old["step"]), "norm": base,
+                 **{k: old[k] for k in ("slots", "digests", "extra") if k in old},
+                 "norms": known if len(known) == len(new) else None,
+                 "failed": {"step": int(m["step"]), "norm": norm if math.isfinite(norm) else None,
+                            "bound": bound, "loss_finite": loss_ok}}
+
+
+def guard_message(where: str, sane: dict) -> str:
+    """Why the store refuses to go on past a commit that failed the guard, and the way back."""
+    f = sane["failed"]
+    why = ("the step's loss was not finite" if not f["loss_finite"] else
+           f"its parameter norm {f['norm']:.3g} exceeds {GROWTH:g}x the last sane commit's "
+           f"({sane['norm']:.3g})" if f["norm"] is not None else "its parameter norm overflowed")
+    return (f"the store at {where}: the commit of step {f['step']} failed the divergence guard "
+            f"({why}); the last sane commit, step {sane['step']}, is kept: roll back to it "
+            "(jaxstream run CONFIG --out RUN --rollback, or LayerStore.rollback_to_sane()) "
+            "and train on with a smaller learning rate")
+
+
+def sane_after_rollback(prev: dict) -> dict | None:
+    """The ``sane`` record of a store rolled back to ``prev`` (None: recomputed next commit)."""
+    norms = prev.get("norms")
+    if not norms:
+        return None
+    return {"step": int(prev["step"]), "norm": math.sqrt(sum(norms.values()))}

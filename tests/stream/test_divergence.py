@@ -1,0 +1,110 @@
+"""A diverging run leaves a sane state: the layer store keeps the last commit that passed its
+divergence guard (finite parameters and loss, parameter norm at most 10x the last sane
+commit's), refuses to write past a commit that failed it, and ``--rollback`` continues from
+the sane commit, bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxstream.cli import main as cli_main
+from jaxstream.experiment.runner import run_experiment
+from jaxstream.stream import LayerStore
+from jaxstream.stream.errors import StoreDivergedError
+from jaxstream.stream.guard import GROWTH
+
+ROOT = Path(__file__).resolve().parents[2]
+STREAM = ROOT / "experiments" / "stream_mlp.yaml"
+
+
+def _params(layers=2, width=4):
+    r = np.random.default_rng(0)
+    return {"embed": {"w": r.standard_normal((5, width), dtype=np.float32)},
+            "blocks": {"w": r.standard_normal((layers, width, width), dtype=np.float32)},
+            "head": {"w": r.standard_normal((width, 2), dtype=np.float32)}}
+
+
+def _norm(tree) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64))
+                             for x in jax.tree.leaves(tree))))
+
+
+def _equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_the_store_keeps_its_last_sane_commit(tmp_path):
+    adam = optax.adam(1e-3)
+    p = _params()
+    store = LayerStore.create(str(tmp_path / "s"), p, optimizer=adam)
+    base = _norm(p)
+    # Layer 0 scaled so that the whole norm grows just under the bound: sane.
+    w0 = p["blocks"]["w"][0]
+    rest = base ** 2 - float(np.sum(np.square(w0, dtype=np.float64)))
+    k = np.sqrt(((0.99 * GROWTH * base) ** 2 - rest) / np.sum(np.square(w0, dtype=np.float64)))
+    store.write(0, {"w": (w0 * k).astype(np.float32)})
+    store.commit(1)
+    assert store.sane_step == 1
+    sane = store.read_params()
+    assert _norm(sane) == pytest.approx(0.99 * GROWTH * base, rel=1e-5)
+    store.write(1, {"w": np.full((4, 4), 1e37, np.float32)})  # finite, exploded
+    store.commit(2)
+    assert (store.step, store.sane_step) == (2, 1)
+    with pytest.raises(StoreDivergedError, match=r"step 2 failed the divergence guard .*norm "
+                                                 r"4e\+37 exceeds 10x .* step 1, is kept.*"
+                                                 r"--rollback"):
+        store.write(0, {"w": p["blocks"]["w"][0]})
+    again = LayerStore.open(str(tmp_path / "s"), optimizer=adam)  # the record is committed
+    assert again.sane_step == 1 and again.rollback_to_sane() == 1
+    assert _equal(again.read_params(), sane) and np.isfinite(_norm(again.read_params()))
+    # Trains on from there; a step whose loss was not finite fails the guard too.
+    again.write(1, {"w": p["blocks"]["w"][1]})
+    again.commit(2, extra={"loss_finite": False})
+    assert again.sane_step == 1
+    with pytest.raises(StoreDivergedError, match="the step's loss was not finite"):
+        again.write(1, {"w": p["blocks"]["w"][1]})
+
+
+def _arm(lr: float) -> str:
+    return f"arms=[{{name: bp, estimator: {{type: backprop}}, lr: {lr}}}]"
+
+
+TINY = ["steps=6", "eval_every=3", "diag_every=0", "checkpoint_every=2", "model.width=8",
+        "model.depth=2", "batch_size=16", "plots=false", "progress=false", "optimizer.name=sgd"]
+
+
+def test_rollback_resumes_a_diverged_streamed_run_from_its_last_sane_commit(tmp_path, capsys):
+    """The attack: sgd at lr 2e38 on a streamed run. Three sane steps at lr 0.1, then the lr
+    raised to 2e38 (``--rollback`` lets the lr change): step 4's commit holds parameters near
+    1e37 and fails the guard, the run stops as diverged. ``--rollback`` at lr 0.1 continues
+    from step 3, whose parameters come back bit for bit, and finishes the run."""
+    out = tmp_path / "run"
+    run_experiment(STREAM, [*TINY, _arm(0.1), "max_steps=3"], out=out)
+    store = LayerStore.open(str(out / "stores" / "bp"))
+    sane = store.read_params()
+    store.close()
+    _, summary = run_experiment(STREAM, [*TINY, _arm(2e38)], out=out, rollback=True)
+    assert summary["arms"]["bp"]["diverged"]
+    store = LayerStore.open(str(out / "stores" / "bp"))
+    assert (store.step, store.sane_step) == (4, 3)
+    assert max(float(np.abs(x).max()) for x in jax.tree.leaves(store.read_params())) > 1e30
+    store.close()
+    # --resume does not continue a diverged run; --rollback does, from the sane commit.
+    args = ["run", str(STREAM), *TINY, _arm(0.1), "--out", str(out)]
+    assert cli_main([*args, "--rollback", "max_steps=3"]) == 0
+    store = LayerStore.open(str(out / "stores" / "bp"))
+    assert store.step == 3 and _equal(store.read_params(), sane)
+    store.close()
+    assert cli_main([*args, "--rollback"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["finished"] and not summary["arms"]["bp"]["diverged"]
+    steps = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]  # the diverged step 4 was replaced
+    capsys.readouterr()
