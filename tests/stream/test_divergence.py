@@ -79,6 +79,7 @@ TINY = ["steps=6", "eval_every=3", "diag_every=0", "checkpoint_every=2", "model.
         "model.depth=2", "batch_size=16", "plots=false", "progress=false", "optimizer.name=sgd"]
 
 
+@pytest.mark.slow
 def test_rollback_resumes_a_diverged_streamed_run_from_its_last_sane_commit(tmp_path, capsys):
     """The attack: sgd at lr 2e38 on a streamed run. Three sane steps at lr 0.1, then the lr
     raised to 2e38 (``--rollback`` lets the lr change): step 4's commit holds parameters near
