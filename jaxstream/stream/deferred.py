@@ -25,10 +25,7 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-
-from jaxstream.grad.tangents import micro_key
 
 LayerKey = str | int
 
@@ -82,8 +79,9 @@ class Combine:
     def keys(self) -> jax.Array:
         """The micro-batches' keys (N,), as the step drew its tangents (drawn once per
         record, not once per unit)."""
-        key = jax.random.wrap_key_data(self.key_data, impl=self.impl)
-        return jax.vmap(lambda i: micro_key(key, i))(jnp.arange(self.n))
+        from jaxstream.stream.kernels import micro_keys
+
+        return micro_keys(jax.random.wrap_key_data(self.key_data, impl=self.impl), self.n)
 
     def member(self, unit: LayerKey) -> np.ndarray:
         """Which selected micro-batches have ``unit``'s exact gradient (nested groups: the
@@ -97,8 +95,8 @@ class Combine:
         model's size."""
         outside = np.ones(self.n, np.float32)
         outside[self.idx] = 0.0
-        return {"idx": jnp.asarray(self.idx, jnp.int32), "outside": jnp.asarray(outside),
-                "total_size": jnp.float32(self.total_size)}
+        return {"idx": np.asarray(self.idx, np.int32), "outside": outside,
+                "total_size": np.float32(self.total_size)}  # NumPy: a jitted kernel's arguments
 
     # ------------------------------------------------------------------ JSON
     def encode(self, slot: int, crcs: list[int]) -> dict:

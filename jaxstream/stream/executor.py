@@ -36,7 +36,7 @@ import numpy as np
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.plan import Plan
-from jaxstream.grad.tangents import TangentSpec, micro_key
+from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import deferred, lazy
@@ -66,6 +66,13 @@ class StreamConfig:
       depth: which layers each step runs (:class:`DepthPolicy`).
       overlap_update: run each unit's host update and write beside the next unit's compute
         (one update in flight); False runs it in line (the same values, for comparison).
+      stash_bytes: device bytes for the block inputs a reverse sweep stashes (None: no
+        limit); beyond it they spill to host memory, asynchronously (one device).
+      async_commit: write and fsync each step's manifest on a thread while the next step
+        computes (:meth:`LayerStore.commit` with ``wait=False``); the next step's first write
+        waits for it, a failed one is raised by the next step before anything is written, and
+        a kill before it lands resumes at the step before. ``store.settle()`` (or
+        ``store.close()``) waits for the last one. False: every step returns committed.
     """
 
     prefetch: int = 2
@@ -73,6 +80,8 @@ class StreamConfig:
     update: str = "eager"
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     overlap_update: bool = True
+    stash_bytes: int | None = None
+    async_commit: bool = False
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -81,6 +90,9 @@ class StreamConfig:
             raise ValueError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
         if self.update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+        if self.stash_bytes is not None and (not isinstance(self.stash_bytes, int)
+                                             or self.stash_bytes < 0):
+            raise ValueError(f"stash_bytes must be None or an int >= 0, got {self.stash_bytes!r}")
 
 
 RUNS = ("none", "weights", "activity", "local", "local_weights",  # the forward passes it runs
@@ -143,7 +155,8 @@ class StreamedExecutor:
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
-                                                device or jax.local_devices()[0])
+                                                device or jax.local_devices()[0],
+                                                config.stash_bytes)
         self.placement.agree(store)
         if self.plan.forward == "local_guess" and not self.placement.runs_local_guess:
             raise ValueError(f"{type(self.placement).__name__}: the local guess's sweeps (exact "
@@ -179,8 +192,7 @@ class StreamedExecutor:
                         unit, rec["slot"], rec["crc"]).result(), self._record(rec)), self.host)
                 else:
                     key, coeffs = lazy.decode(rec)
-                    g = K.unit_estimate(self.spec, K.seg_keys(key[None], unit),
-                                        jnp.asarray(coeffs), params)
+                    g = K.unit_estimate(self.spec, K.step_seg_keys(key, unit), coeffs, params)
                 params, opt = K.optax_step(self.optimizer, g, opt, params)
             params, opt = jax.tree.map(np.asarray, (params, opt))
         self.store.write(unit, params, opt)
@@ -201,12 +213,11 @@ class StreamedExecutor:
         :class:`~jaxstream.stream.deferred.Combine` (the eager update sweep and a deferred
         update both form it here, from the same inputs)."""
         with jax.default_device(self.host):
-            st = {**c.common(), "h": h, "member": jnp.asarray(c.member(unit))}
+            st = {**c.common(), "h": h, "member": c.member(unit)}
             if c.scale is not None:
                 st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(c.scale), h)
-            return K.unit_combine(self.plan.rule, self.spec, K.seg_keys(c.keys, unit),
-                                  jnp.asarray(c.d), jax.device_put(params, self.host), st,
-                                  c.totals)
+            return K.unit_combine(self.plan.rule, self.spec, K.seg_keys(c.keys, unit), c.d,
+                                  params, st, c.totals)
 
     def _block_hosts(self, unit: Unit, staged: bool = False) -> list:
         """Host params of each layer of a block unit (lazy updates applied unless ``staged``:
@@ -227,8 +238,9 @@ class StreamedExecutor:
         """A sweep's units: the embed, the placement's block units of ``layers``, the head."""
         return [EMBED, *self.placement.chunks(layers), HEAD]
 
-    def _sweep(self, units: Sequence[Unit], load: Callable, t0: float, name: str):
-        pf = Prefetcher(load, units, self.cfg.prefetch, t0, name)
+    def _sweep(self, units: Sequence[Unit], load: Callable, t0: float, name: str,
+               fence: Callable | None = None):
+        pf = Prefetcher(load, units, self.cfg.prefetch, t0, name, fence)
         for item in pf:
             self.placement.progress()
             yield item
@@ -245,18 +257,26 @@ class StreamedExecutor:
         they complete. Returns the last unit's state."""
         units = self._units(layers)
         last = units[0] if reverse else units[-1]
-        for u, loaded in self._sweep(units[::-1] if reverse else units, load, t0, name):
-            if u.is_block:
-                state, finished = blocks(u, loaded, state)
-            else:
-                if u == last:
-                    state, landed = self.placement.land(state)
-                    if done is not None:
-                        done(landed)
-                state, finished = end(u, loaded, state)
+        latest = [state]  # what the loads wait for: the device runs ahead by the prefetch depth
+        for u, loaded in self._sweep(units[::-1] if reverse else units, load, t0, name,
+                                     lambda: latest[0]):
+            with jax.profiler.TraceAnnotation(f"{name} {u}"):
+                state, finished = self._unit(u, loaded, state, blocks, end, done, last)
+            latest[0] = state
             if done is not None:
                 done(finished)
         return state
+
+    def _unit(self, u: Unit, loaded: Any, state: Any, blocks: Callable, end: Callable,
+              done: Callable | None, last: Unit) -> tuple:
+        """One unit of :meth:`_drive`: ``(state, finished)``."""
+        if u.is_block:
+            return blocks(u, loaded, state)
+        if u == last:
+            state, landed = self.placement.land(state)
+            if done is not None:
+                done(landed)
+        return end(u, loaded, state)
 
     def _cast_batch(self, batch: dict) -> dict:
         return self.placement.cast_batch(batch)
@@ -271,8 +291,16 @@ class StreamedExecutor:
             self._apply_update(unit, grads, params, opt)
             self.clock["wait_update_s"] += time.perf_counter() - t0
             return
+        self._submit(self._apply_update, unit, _copying(grads), params, opt)
+
+    def _submit(self, fn: Callable, *args: Any) -> Future:
+        """Runs ``fn(*args)`` on the host worker after the work in flight (waited for first,
+        so one unit's host work is in flight beside the device): device arrays among the
+        arguments are materialised there, never on the main thread."""
         self._wait_updates()
-        self._inflight.append(self._worker.submit(self._apply_update, unit, grads, params, opt))
+        fut = self._worker.submit(fn, *args)
+        self._inflight.append(fut)
+        return fut
 
     def _wait_updates(self) -> None:
         """Waits for the updates in flight (their errors raise here), timed as
@@ -300,14 +328,23 @@ class StreamedExecutor:
         if opt is None:
             opt = self.store.read_opt(unit, staged=True).result()
         t0 = time.perf_counter()
-        with jax.default_device(self.host):
+        with jax.default_device(self.host), jax.profiler.TraceAnnotation(f"host update {unit}"):
             grads = _f32(grads, self.host)
             new_p, new_opt = K.optax_step(self.optimizer, grads, opt, params)
             new = jax.tree.map(np.asarray, (new_p, new_opt))
         t1 = time.perf_counter()
-        self.store.write(unit, *new)  # waits only while too many bytes are in flight
+        with jax.profiler.TraceAnnotation(f"write {unit}"):
+            self.store.write(unit, *new)  # waits only while too many bytes are in flight
         self.clock["host_update_s"] += t1 - t0
         self.clock["wait_write_s"] += time.perf_counter() - t1
+
+    def _write_scratch(self, unit: LayerKey, tree: Any) -> list:
+        """(Host worker) ``tree`` as fp32 into the unit's scratch: the write's futures."""
+        return self.store.write_scratch(unit, _host32(tree))
+
+    def _write_carry(self, unit: LayerKey, tree: Any, slot: int) -> tuple:
+        """(Host worker) ``tree`` as fp32 into the unit's carry ``slot``: (futures, crcs)."""
+        return self.store.write_carry(unit, _host32(tree), slot)
 
     # ------------------------------------------------------------------ public
     def layers(self, step: int) -> tuple[int, ...]:
@@ -326,37 +363,50 @@ class StreamedExecutor:
             function of the step's loss returning it.
 
         Returns:
-          metrics: loss, ``step_time_s``, and where the step's time went: ``stall_s``
-          (waiting for a layer's read), ``wait_update_s`` (waiting for the host optimizer, which
-          runs beside the sweeps: ``host_update_s`` is its total, mostly overlapped),
-          ``wait_write_s`` (staged writes past ``max_write_bytes``, and the commit's wait for
-          every write); ``layers_read``; a placement's own (ticks).
+          metrics: loss, ``step_time_s``, and the main thread's idle time per cause:
+          ``stall_s`` (waiting for a layer's read), ``wait_update_s`` (waiting for the host
+          worker — optimizer updates and scratch writes — which runs beside the sweeps:
+          ``host_update_s`` is its total, mostly overlapped, ``wait_write_s`` the part of it
+          spent waiting for staged writes past ``max_write_bytes``), ``wait_commit_s`` (the
+          commit: the step's writes, then the manifest written and fsynced), ``idle_s``
+          (stall, update and commit waits summed: the rest of the step is the main thread's
+          dispatch and host work); ``layers_read``; a
+          placement's own (ticks). The main thread never waits for the device: it reads the
+          step's few scalars (loss, directional derivatives, a selection) once.
         """
-        step = self.store.step if step is None else int(step)
+        at = self.store.step
+        step = at if step is None else int(step)
         t0 = time.perf_counter()
         self.events = []
         self.clock = _clock()
         self.placement.begin_step()
         pending = {k: list(v) for k, v in self._pending.items()}
         try:
-            loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
-            if callable(extra):
-                extra = extra(float(loss))
-            self._wait_updates()
-            tc = time.perf_counter()
-            self.store.commit(step + 1, extra={**self.store.extra, **run_extra, **(extra or {})})
-            self.clock["wait_write_s"] += time.perf_counter() - tc
+            with jax.profiler.StepTraceAnnotation("stream_step", step_num=step):
+                loss, run_extra = self._run(batch, key, self.layers(step), self._update, t0)
+                if callable(extra):
+                    extra = extra(float(loss))
+                self._wait_updates()
+                tc = time.perf_counter()
+                with jax.profiler.TraceAnnotation("commit"):
+                    self.store.commit(step + 1, extra={**self.store.extra, **run_extra,
+                                                       **(extra or {})},
+                                      wait=not self.cfg.async_commit)
+                self.clock["wait_commit_s"] += time.perf_counter() - tc
         except BaseException as e:
             self._drop_updates()
             self._pending = pending  # a failed step leaves no trace: a retry redoes it exactly
             self.store.abort()
+            if self.store.step != at:  # the step before did not land (async_commit)
+                self._pending = dict(self.store.extra.get("pending", {}))
             self.placement.end_step(e)
             raise
         self.placement.agree(self.store)  # the copies committed the same step, or this raises
         self.placement.end_step()
         dt = time.perf_counter() - t0
-        return {"loss": float(loss), "step_time_s": dt,
-                "stall_s": float(sum(e.stall for e in self.events)), **self.clock,
+        stall = float(sum(e.stall for e in self.events))
+        return {"loss": float(loss), "step_time_s": dt, "stall_s": stall, **self.clock,
+                "idle_s": stall + self.clock["wait_update_s"] + self.clock["wait_commit_s"],
                 "layers_read": sum(len(e.unit.layers) for e in self.events) - self._reused,
                 **self.placement.metrics()}
 
@@ -466,7 +516,8 @@ class StreamedExecutor:
             if u == EMBED:
                 return K.embed_jvp(self.stack, self.spec, dev, x["x"], keys), []
             h, dh = state
-            stash["head"] = None if stash_idx is None else host_value(h[stash_idx])
+            if stash_idx is not None:
+                stash["head"] = self.placement.keep(K.take(h, stash_idx))
             return K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys), []
 
         losses, d = self._drive(layers, load, t0, "forward", end, lambda u, loaded, st: (
@@ -489,8 +540,7 @@ class StreamedExecutor:
         def load(u: Unit):
             p = self._like(u.key, hosts, staged=True)
             with jax.default_device(self.host):
-                g = K.unit_estimate(self.spec, K.seg_keys(key[None], u.key), jnp.asarray(coeffs),
-                                    p)
+                g = K.unit_estimate(self.spec, K.step_seg_keys(key, u.key), coeffs, p)
             return p, g
 
         for u, (p, g) in self._sweep(eager_units, load, t0, "update"):
@@ -512,7 +562,7 @@ class StreamedExecutor:
         estimate needs only its own output and the head: one sweep."""
         x = self._cast_batch(batch)
         keys = key[None]
-        z = jnp.int32(0)
+        z = np.int32(0)
         hosts: dict = {}
 
         kept = functools.partial(_kept, hosts)
@@ -530,9 +580,7 @@ class StreamedExecutor:
                 kept(lambda u, dev, st: self.placement.local_grad(dev, u, keys, st, head_dev, x,
                                                                   weights)),
                 done, state=(x["x"],))
-            loss = jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
-                o.astype(jnp.float32), b))(out, x))
-            return float(loss)
+            return float(K.mean_loss(self.stack, out, x))
 
         def end(u, loaded, state):
             dev = loaded[1]
@@ -555,7 +603,7 @@ class StreamedExecutor:
         U_u (kept in the store's scratch), a sweep along U giving d = ∇L·U, and an update
         sweep ĝ_u = d / ‖U‖² · U_u; own local heads get their exact gradients as they are."""
         x = self._cast_batch(batch)
-        z = jnp.int32(0)
+        z = np.int32(0)
         hosts: dict = {}
         ends: dict = {}  # the embed's and the head's host params, for the sweep along U
         heads: dict = {}  # own local heads' exact gradients per address
@@ -565,14 +613,13 @@ class StreamedExecutor:
         head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
 
         def keep(addr, g, host):
-            g = _f32(g, self.host)
             if own and "local_head" in g:  # the direction reaches the module only
                 heads[addr] = g["local_head"]
-                g = {**g, "local_head": jax.tree.map(jnp.zeros_like, g["local_head"])}
+                g = {**g, "local_head": K.zeros32(g["local_head"])}
             if addr in ("embed", "head"):
                 ends[addr] = host
-            sq.append(sum(float(np.vdot(a, a)) for a in jax.tree.leaves(host_value(g))))
-            scratch.extend(self.store.write_scratch(addr, jax.tree.map(np.asarray, g)))
+            sq.append(K.sq_norm(g))
+            scratch.append(self._submit(self._write_scratch, addr, _copying(g)))
 
         kept = functools.partial(_kept, hosts)
 
@@ -586,12 +633,12 @@ class StreamedExecutor:
                 self.stack, u.part, dev, z, st[0], head_dev, x))),
             kept(lambda u, dev, st: self.placement.local_exact(dev, u, st, head_dev, x)),
             done, state=(x["x"],))
-        loss = float(jnp.mean(jax.vmap(lambda o, b: self.stack.example_loss(
-            o.astype(jnp.float32), b))(out, x)))
-        for f in scratch:
-            f.result()
+        loss, sq_sum = host_value((K.mean_loss(self.stack, out, x), K.total(sq)))
+        for task in scratch:
+            for f in task.result():
+                f.result()
         d = float(np.mean(self._along_sweep(batch, layers, ends, t0, 1.0)))
-        c = np.float32(d / max(sum(sq), float(np.finfo(np.float32).tiny)))
+        c = np.float32(d / max(float(sq_sum), float(np.finfo(np.float32).tiny)))
 
         def load(u: Unit):
             p = self._like(u.key, ends, staged=True)
@@ -603,7 +650,7 @@ class StreamedExecutor:
         units = [of_key(a) for a in ["embed", *layers, "head"]]
         for u, (p, g) in self._sweep(units, load, t0, "update"):
             sink(u.key, g, p)
-        return loss
+        return float(loss)
 
     @staticmethod
     def _unit_grad(u: Unit, out: tuple) -> tuple:
@@ -625,7 +672,7 @@ class StreamedExecutor:
         mixes, rule = self.plan.mixes, self.plan.rule
         if mixes:
             idx = self._selection(key, n)
-            keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+            keys = K.micro_keys(key, n)
             losses, d, hosts, stash, x = self._forward_sweep(batch, keys, layers, t0, idx)
         else:
             idx, keys, d = np.arange(n), None, None
@@ -634,9 +681,9 @@ class StreamedExecutor:
         later = mixes and (rule.cross or rule.along)  # estimates wait for every unit's share
         defer = later and commit_lazy and self.cfg.update == "lazy"
         self._carried = {}  # unit -> (carry slot, crc32c per leaf) of its h_u (deferred)
-        partials: list = []  # each unit's share of the rule's sums (host values)
-        sq: dict = {}  # ‖h_u‖² per unit (a direction's norm): plain host numbers
-        scratch: list = []
+        partials: list = []  # each unit's share of the rule's sums (device values)
+        sq: list = []  # ‖h_u‖² per unit (a direction's norm), device scalars
+        tasks: dict = {}  # unit -> (carry slot or None, the host worker's write of its h_u)
         # what every unit's combine shares (the totals, and the d of a direction, come later)
         c = deferred.Combine.of(rule=rule.name, key=key, n=n, d=d, totals={}, idx=idx,
                                 depth=self.plan.select(n, key, self.store.num_layers)[1],
@@ -644,43 +691,37 @@ class StreamedExecutor:
         common = c.common() if mixes else {}
 
         def finish(u, g, p):
-            """g: per selected micro-batch gradients (mixes) or the mean gradient (backprop)."""
+            """g: per selected micro-batch gradients (mixes) or the mean gradient (backprop),
+            device values: reduced there, handed to the host worker as they are."""
             if not mixes:
-                return sink(u, _f32(g, self.host), p)
-            with jax.default_device(self.host):
-                g, p_h = _f32(g, self.host), jax.device_put(p, self.host)
-                m = jnp.asarray(c.member(u))
-                h_u = K.unit_group(g, m, p_h)
-                st = {**common, "h": h_u, "member": m}
-                sk, dj = K.seg_keys(keys, u), jnp.asarray(d)
-                if not later:
-                    return sink(u, K.unit_combine(rule, self.spec, sk, dj, p_h, st, {}), p)
-                if rule.cross:
-                    partials.append(host_value(K.unit_partials(rule, self.spec, sk, dj, p_h, st)))
-                sq[u] = float(sum(np.vdot(a, a) for a in jax.tree.leaves(host_value(h_u))))
-            h_u = jax.tree.map(np.asarray, h_u)
+                return sink(u, g, p)
+            est, h_u, part, sq_u = K.unit_share(rule, self.spec, K.shapes(p), bool(later), g,
+                                                c.member(u), K.seg_keys(keys, u), d, common)
+            if not later:
+                return sink(u, est, p)
+            partials.append(part)
+            sq.append(sq_u)
             if defer:
                 slot = deferred.carry_slot(self._pending, u)
-                futs, crcs = self.store.write_carry(u, h_u, slot)
-                self._carried[u] = (slot, crcs)
-                scratch.extend(futs)
+                tasks[u] = (slot, self._submit(self._write_carry, u, _copying(h_u), slot))
             else:
-                scratch.extend(self.store.write_scratch(u, h_u))
-            for f in [f for f in scratch if f.done()]:  # keep only the writes in flight;
-                f.result()  # a failed one raises now
-                scratch.remove(f)
+                tasks[u] = (None, self._submit(self._write_scratch, u, _copying(h_u)))
 
         head_losses = self._reverse_sweep(layers, hosts, stash, sel, mixes, finish, t0)
         if not mixes:
             losses = head_losses
 
         if later:
-            for f in scratch:
-                f.result()
-            totals = jax.tree.map(lambda *a: sum(a), *partials) if partials else {}
+            for u, (slot, task) in tasks.items():  # every h_u written (a failed write raises)
+                futs, crcs = task.result() if defer else (task.result(), None)
+                for f in futs:
+                    f.result()
+                if defer:
+                    self._carried[u] = (slot, crcs)
+            totals, sq_sum = host_value((K.total(partials), K.total(sq)))  # once per sweep
             scale = None
             if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
-                scale = 1.0 / max(float(np.sqrt(sum(sq.values()))), 1e-30)
+                scale = 1.0 / max(float(np.sqrt(sq_sum)), 1e-30)
                 d = self._along_sweep(batch, layers, hosts, t0, scale)[:, None]
             c = dataclasses.replace(c, d=np.asarray(d, np.float32), scale=scale,
                                     totals={k: np.asarray(v) for k, v in totals.items()})
@@ -695,7 +736,7 @@ class StreamedExecutor:
         micro-batch with ``mixes``, else their mean) handed to ``finish(address, gradient,
         host params)``. The head and embed are the forward sweep's copies; blocks are read as
         staged. Returns the head's per-example losses (mean gradients) or None."""
-        h_in = self._to_device(stash["head"])
+        h_in = self.placement.bring(stash["head"])
         s = jax.tree.leaves(sel)[0].shape[0]
         rhosts: dict = {}
         out: list = [None]
@@ -718,7 +759,7 @@ class StreamedExecutor:
                 else:
                     head_losses, g, ct = K.head_loss_vjp(self.stack, loaded[1], h_in, sel,
                                                          jnp.full((s,), 1.0 / s, jnp.float32))
-                    out[0] = host_value(head_losses)
+                    out[0] = head_losses  # read when the sweep is done
                 return (ct,), [(u, g)]
             (ct,) = state
             g = (K.embed_vjp_each if mixes else K.embed_vjp)(self.stack, loaded[1], sel["x"], ct)
@@ -733,11 +774,11 @@ class StreamedExecutor:
                 self._each(v, g, rhosts.pop(v), finish)
 
         self._drive(layers, rload, t0, "reverse", end, blocks, done, reverse=True)
-        return out[0]
+        return None if out[0] is None else host_value(out[0])
 
     def _total_size(self, layers: Sequence[int], hosts: dict) -> float:
         """The model's parameter count (a combine rule's shrinkage reads it)."""
-        size = lambda u: float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))  # noqa: E731
+        size = lambda u: float(sum(np.size(a) for a in jax.tree.leaves(self._like(u, hosts))))
         return size("embed") + size("head") + (size(layers[0]) * self.store.num_layers
                                                if layers else 0.0)
 
@@ -779,7 +820,7 @@ class StreamedExecutor:
     def _done(self, done: list, hosts: dict, sink: Callable) -> None:
         """Sinks the gradients a placement completed (fp32, on the host), one per layer."""
         for u, g in done:
-            self._each(u, g, hosts.pop(u), lambda l, gl, hl: sink(l, _f32(gl, self.host), hl))
+            self._each(u, g, hosts.pop(u), sink)
 
     def _each(self, u: Unit, g: Any, host: Any, fn: Callable) -> None:
         """``fn(store address, gradient, host params)`` for each layer of unit ``u`` (the
@@ -822,7 +863,7 @@ class StreamedExecutor:
             hosts[u.key], dev = loaded
             if u == EMBED:
                 return (K.embed_apply(self.stack, dev, x["x"]),), []
-            stash["head"] = host_value(state[0])
+            stash["head"] = self.placement.keep(state[0])
             return None, []
 
         self._drive(layers, self._keeping_last(layers), t0, "forward", end,
@@ -840,7 +881,21 @@ def _kept(hosts: dict, kernel: Callable) -> Callable:
 
 
 def _clock() -> dict:
-    return {"host_update_s": 0.0, "wait_update_s": 0.0, "wait_write_s": 0.0}
+    return {"host_update_s": 0.0, "wait_update_s": 0.0, "wait_write_s": 0.0,
+            "wait_commit_s": 0.0}
+
+
+def _copying(tree: Any) -> Any:
+    """``tree`` with the copy to the host of its device arrays started (not waited for)."""
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and a.is_fully_addressable:
+            a.copy_to_host_async()
+    return tree
+
+
+def _host32(tree: Any) -> Any:
+    """A pytree as fp32 NumPy values (waits for the device: a worker thread's job)."""
+    return jax.tree.map(lambda a: np.asarray(a, np.float32), host_value(tree))
 
 
 def _f32(tree: Any, host: Any) -> Any:

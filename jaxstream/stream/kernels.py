@@ -13,12 +13,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
-from jaxstream.grad.tangents import TangentSpec, combine, gram, project
+from jaxstream.grad.tangents import TangentSpec, combine, gram, micro_key, project
 from jaxstream.models.stack import Stack
 
 
@@ -115,9 +116,88 @@ def optax_step(optimizer: optax.GradientTransformation, grads: Any, opt_state: A
     return optax.apply_updates(params, updates), opt_state
 
 
+@functools.partial(jax.jit, static_argnums=(1,))
+def _end_keys(keys: jax.Array, name: str) -> jax.Array:
+    return jax.vmap(lambda k: unit_key(k, name))(keys)
+
+
+@jax.jit
+def _block_keys(keys: jax.Array, layer: jax.Array) -> jax.Array:
+    return jax.vmap(lambda k: unit_key(k, layer))(keys)
+
+
 def seg_keys(keys: jax.Array, unit: Any) -> jax.Array:
-    """Segment keys (N,) of a unit for micro-batch keys (N,)."""
-    return jax.vmap(lambda k: unit_key(k, unit))(keys)
+    """Segment keys (N,) of a unit for micro-batch keys (N,): jitted, the layer index traced
+    (one compilation serves every layer; a steady step traces nothing)."""
+    if isinstance(unit, str):
+        return _end_keys(keys, unit)
+    return _block_keys(keys, np.int32(unit))
+
+
+@jax.jit
+def _one(key: jax.Array) -> jax.Array:
+    return key[None]
+
+
+def step_seg_keys(key: jax.Array, unit: Any) -> jax.Array:
+    """Segment keys (1,) of a unit for one step key (a forward estimate's update)."""
+    return seg_keys(_one(key), unit)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def micro_keys(key: jax.Array, n: int) -> jax.Array:
+    """The N micro-batches' keys of a step key (as the in-memory estimators draw them)."""
+    return jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def mean_loss(stack: Stack, out: jax.Array, batch: dict) -> jax.Array:
+    """The mean example loss of the head's outputs ``out`` (N, B, ...) over every sample."""
+    return jnp.mean(jax.vmap(lambda o, b: stack.example_loss(o.astype(jnp.float32), b))(
+        out, batch))
+
+
+@jax.jit
+def take(a: jax.Array, idx: jax.Array) -> jax.Array:
+    """``a[idx]`` (the selected micro-batches), one dispatch."""
+    return a[idx]
+
+
+@jax.jit
+def total(trees: list) -> Any:
+    """The leaf-wise sum of a list of pytrees (one call per sweep, on the device)."""
+    return jax.tree.map(lambda *a: functools.reduce(jnp.add, a), *trees)
+
+
+@jax.jit
+def sq_norm(tree: Any) -> jax.Array:
+    """‖tree‖² in fp32 (a device scalar: the host reads the sweep's sum once)."""
+    return sum(jnp.vdot(a.astype(jnp.float32), a.astype(jnp.float32))
+               for a in jax.tree.leaves(tree))
+
+
+@jax.jit
+def zeros32(tree: Any) -> Any:
+    """fp32 zeros shaped like ``tree``."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), tree)
+
+
+@jax.jit
+def to_f32(tree: Any) -> Any:
+    """A pytree's floating leaves as fp32 (the optimizer's precision), on their device."""
+    return jax.tree.map(lambda a: a.astype(jnp.float32)
+                        if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def shapes(tree: Any) -> tuple:
+    """A static, hashable description of a pytree's leaves as fp32 (a combine's ``like``)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(jax.ShapeDtypeStruct(np.shape(a), jnp.float32) for a in leaves)
+
+
+def _like(spec_: tuple) -> Any:
+    treedef, sds = spec_
+    return jax.tree.unflatten(treedef, [jnp.zeros(s.shape, s.dtype) for s in sds])
 
 
 # ----------------------------------------------------------------------------- per micro-batch
@@ -206,7 +286,7 @@ def unit_local_grad(stack: Stack, spec: TangentSpec, unit: str, p: Any, layer: j
     n = inp.shape[0]
 
     def one(i, kn, bn):
-        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)  # noqa: E731
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)
         out, g = sg.local_grad(stack, lambda pp: fn(pp, i), p, spec, kn, seg, head, example,
                                weights)
         return out, jax.tree.map(lambda a: a / n, g)
@@ -227,7 +307,7 @@ def unit_local_exact(stack: Stack, unit: str, p: Any, layer: jax.Array, inp: jax
     n = inp.shape[0]
 
     def one(i, bn):
-        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)  # noqa: E731
+        example = lambda lg: stack.example_loss(lg.astype(jnp.float32), bn)
         out, g = _guess_kernel(stack, head, example)(lambda pp: fn(pp, i), p, seg)
         return out, jax.tree.map(lambda a: a / n, g)
 
@@ -282,3 +362,20 @@ def block_along(stack: Stack, p: Any, v: Any, h: jax.Array, dh: jax.Array):
 def head_along(stack: Stack, p: Any, v: Any, h: jax.Array, dh: jax.Array, batch: dict):
     """Per micro-batch mean loss (N,) and its derivative along the direction (N,)."""
     return jax.vmap(lambda hn, dhn, bn: sg.head_jvp_along(stack, p, v, hn, dhn, bn))(h, dh, batch)
+
+
+# ----------------------------------------------------------------------------- a hybrid's unit, on the device
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def unit_share(rule: cb.Rule, spec: TangentSpec, like: tuple, later: bool, g_each: Any,
+               member: jax.Array, seg_keys: jax.Array, d: jax.Array, common: dict) -> tuple:
+    """One unit of a hybrid's reverse sweep, on the device where its exact gradients are:
+    ``(estimate, h, partials, ‖h‖²)`` — the estimate under ``rule`` when the rule needs no
+    other unit's share (else None), the group mean h, this unit's share of the rule's
+    cross-unit sums, ‖h‖². ``like`` is :func:`shapes` of the unit's params (only the shapes
+    enter the rule)."""
+    params = _like(like)
+    h = cb.group_stats(to_f32(g_each), {"tree": member}, params)[0]
+    stats = unit_stats(spec, seg_keys, d, params, h=h, member=member, **common)
+    if not later:
+        return rule.estimate(stats, {}), h, {}, jnp.float32(0)
+    return None, h, rule.partials(stats) if rule.cross else {}, sq_norm(h)

@@ -91,6 +91,16 @@ class Placement(abc.ABC):
         """What the placement adds to a step's metrics."""
         return {}
 
+    def keep(self, tree: Any) -> Any:
+        """A block input (the head's) stashed for the reverse sweep; :meth:`bring` puts it
+        back. Here host values (arrays spread over several processes are gathered); a
+        placement with a device stash keeps it there."""
+        return host_value(tree)
+
+    def bring(self, tree: Any) -> Any:
+        """A stashed value (:meth:`keep`) on the main device, for the reverse sweep."""
+        return self.to_device(tree)
+
     # ---------------------------------------------------------------- kernels on a block unit
     # ``state`` is what flows between units (a tuple of activations, leaves (N, ...)); a
     # placement may return an opaque state that only it reads (a pass still in flight) and hand
@@ -159,10 +169,34 @@ def agree_across_processes(store: Any) -> None:
 
 
 class OneDevice(Placement):
-    """One layer per unit, on one device (the streamed executor's default)."""
+    """One layer per unit, on one device (the streamed executor's default).
 
-    def __init__(self, stack: Stack, spec: TangentSpec, dtype: Any, device: Any):
+    Nothing here waits for the device: block inputs stashed for the reverse sweep stay on the
+    device while they fit ``stash_bytes`` (None: no limit); beyond it they spill to host
+    memory by an asynchronous copy and come back the same way when the reverse sweep needs
+    them."""
+
+    def __init__(self, stack: Stack, spec: TangentSpec, dtype: Any, device: Any,
+                 stash_bytes: int | None = None):
         self.stack, self.spec, self.dtype, self.device = stack, spec, jnp.dtype(dtype), device
+        self.stash_bytes = stash_bytes
+        self.host = jax.local_devices(backend="cpu")[0]
+        self._stashed = 0  # device bytes stashed this step
+        self.spilled = 0  # bytes spilled to the host this step
+
+    def begin_step(self) -> None:
+        self._stashed = self.spilled = 0
+
+    def keep(self, tree: Any) -> Any:
+        size = sum(a.nbytes for a in jax.tree.leaves(tree))
+        if self.stash_bytes is None or self._stashed + size <= self.stash_bytes:
+            self._stashed += size
+            return tree
+        self.spilled += size
+        return jax.device_put(tree, self.host)  # asynchronous: the main thread moves on
+
+    def bring(self, tree: Any) -> Any:
+        return jax.device_put(tree, self.device)
 
     def chunks(self, layers: Sequence[int]) -> list[Unit]:
         return [block(l) for l in layers]
@@ -190,38 +224,32 @@ class OneDevice(Placement):
     def jvp(self, dev, unit, keys, state, stash: dict, stash_idx):
         h, dh = state
         if stash_idx is not None:
-            stash[unit.key] = host_value(h[stash_idx])
-        h_in = h
-        h, dh = K.block_jvp(self.stack, self.spec, dev, np.int32(unit.key), keys, h, dh)
-        # wait for the previous block, not this one: this block is queued behind it, so the
-        # device never idles while Python fetches the next layer and dispatches it, and no
-        # more layers are held than with a wait per block
-        h_in.block_until_ready()
-        return h, dh
+            stash[unit.key] = self.keep(K.take(h, stash_idx))
+        return K.block_jvp(self.stack, self.spec, dev, np.int32(unit.key), keys, h, dh)
 
     def act(self, dev, unit, keys, state):
-        return K.block_act(self.stack, self.spec, dev, jnp.int32(unit.key), keys, *state)
+        return K.block_act(self.stack, self.spec, dev, np.int32(unit.key), keys, *state)
 
     def act_grad(self, dev, unit, keys, state, d):
-        h, g = K.unit_act_grad(self.stack, self.spec, "block", dev, jnp.int32(unit.key), keys,
+        h, g = K.unit_act_grad(self.stack, self.spec, "block", dev, np.int32(unit.key), keys,
                                state[0], d)
         return (h,), [(unit, g)]
 
     def local_grad(self, dev, unit, keys, state, head_dev, x, weights: bool):
-        h, g = K.unit_local_grad(self.stack, self.spec, "block", dev, jnp.int32(unit.key),
+        h, g = K.unit_local_grad(self.stack, self.spec, "block", dev, np.int32(unit.key),
                                  keys, state[0], head_dev, x, weights)
         return (h,), [(unit, g)]
 
     runs_local_guess = True
 
     def local_exact(self, dev, unit, state, head_dev, x):
-        h, g = K.unit_local_exact(self.stack, "block", dev, jnp.int32(unit.key), state[0],
+        h, g = K.unit_local_exact(self.stack, "block", dev, np.int32(unit.key), state[0],
                                   head_dev, x)
         return (h,), [(unit, g)]
 
     def vjp(self, dev, unit, stash: dict, state, each: bool):
         vjp = K.block_vjp_each if each else K.block_vjp
-        g, ct = vjp(self.stack, dev, jax.device_put(stash[unit.key], self.device), state[0])
+        g, ct = vjp(self.stack, dev, self.bring(stash[unit.key]), state[0])
         return (ct,), [(unit, g)]
 
     def along(self, dev, unit, v, state):
@@ -229,5 +257,5 @@ class OneDevice(Placement):
 
     def apply(self, dev, unit, state, stash: dict):
         (h,) = state
-        stash[unit.key] = host_value(h)
+        stash[unit.key] = self.keep(h)
         return (K.block_apply(self.stack, dev, h),)

@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.stream.direct_read import BUFFERS
@@ -40,6 +41,10 @@ class Prefetcher:
       depth: how many units are in flight beyond the current one (p >= 0; 0 = no overlap).
       t0: the step's start time (``time.perf_counter()``), for the timeline.
       sweep: a label for the events ("forward", "reverse", "update").
+      fence: called on the consumer's thread when a load is queued; the loading thread waits
+        for the device values it returns (the latest unit's outputs) before it loads, so the
+        device holds at most ``depth + 1`` units beyond the one computing while the consumer
+        itself never waits for the device.
 
     Example::
 
@@ -48,17 +53,22 @@ class Prefetcher:
     """
 
     def __init__(self, load: Callable[[Any], Any], order: Sequence[Any], depth: int,
-                 t0: float | None = None, sweep: str = "forward"):
+                 t0: float | None = None, sweep: str = "forward",
+                 fence: Callable[[], Any] | None = None):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self._load, self._order, self._depth = load, list(order), int(depth)
         self._t0 = time.perf_counter() if t0 is None else t0
         self._sweep = sweep
+        self._fence = fence
         self.events: list[Event] = []
 
-    def _timed(self, unit: Any) -> tuple[Any, float, float]:
+    def _timed(self, unit: Any, fence: Any = None) -> tuple[Any, float, float]:
+        if fence is not None:
+            jax.block_until_ready(fence)
         start = time.perf_counter() - self._t0
-        value = self._load(unit)
+        with jax.profiler.TraceAnnotation(f"read {self._sweep} {unit}"):
+            value = self._load(unit)
         return value, start, time.perf_counter() - self._t0
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -71,7 +81,8 @@ class Prefetcher:
             def submit() -> None:
                 u = next(it, _END)
                 if u is not _END:
-                    pending.append((u, pool.submit(self._timed, u)))
+                    fence = self._fence() if self._fence is not None else None
+                    pending.append((u, pool.submit(self._timed, u, fence)))
 
             for _ in range(max(1, self._depth)):
                 submit()
@@ -110,7 +121,10 @@ def to_device(tree: Any, dtype: Any, device: Any) -> Any:
     """
     dtype = np.dtype(dtype)
 
-    def cast(a: Any) -> np.ndarray:
+    def cast(a: Any) -> Any:
+        if isinstance(a, jax.Array):  # already a device value: cast there, never read back
+            floating = jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != dtype
+            return a.astype(dtype) if floating else a
         a = np.asarray(a)
         if not np.issubdtype(a.dtype, np.floating) or a.dtype == dtype:
             return a

@@ -609,9 +609,10 @@ class LayerStore:
 
     def _begin_write(self) -> None:
         """Takes the writer lock for this step (once) and checks no other writer committed
-        since this handle last saw the manifest."""
+        since this handle last saw the manifest; a commit still landing lands first."""
         self._wrote = True
         with self._begin_lock:  # prefetch threads stage writes concurrently
+            self._settle_locked()
             if self._writer is None or self._writer.held:
                 return
             self._acquire()
@@ -629,7 +630,13 @@ class LayerStore:
             raise StoreStaleError(self._other_writer(m))
 
     def abort(self) -> None:
-        """Drops the staged writes of this step; the committed step stays as it was."""
+        """Drops the staged writes of this step; the committed step stays as it was (a commit
+        still landing lands first; its error, if any, is raised by the next :meth:`settle`)."""
+        with self._begin_lock:
+            try:
+                self._settle_locked()
+            except StoreError as err:
+                self._lost = err
         with self._lock:
             self._staged.clear()
             self._staged_digests.clear()
@@ -646,12 +653,17 @@ class LayerStore:
         """Drops uncommitted writes and releases the writer lock."""
         self.abort()
 
-    def commit(self, step: int, extra: dict | None = None) -> None:
+    def commit(self, step: int, extra: dict | None = None, *, wait: bool = True) -> None:
         """Waits for the staged writes, then atomically makes them the committed state.
 
         Args:
           step: the step number to record.
           extra: JSON metadata committed together with the writes (replaces the old one).
+          wait: False returns once the writes are done and the manifest is built: this handle
+            reads the new step at once, while the manifest is written and fsynced on a thread
+            (off the caller's critical path). The next write, commit, abort or :meth:`settle`
+            waits for it first, so the next step's writes (to the slots this commit does not
+            name) never overtake it; a kill before it lands resumes at the step before.
         Raises:
           StoreWriteError: a staged write or the manifest write failed; the store is left
             at its previous committed step.
@@ -688,6 +700,8 @@ class LayerStore:
             m["extra"] = extra
         guard_commit(self, m, {k: n for k, (c, n) in norms.items()
                                if digests.get(("params", k)) == c})
+        if not wait:
+            return self._land(m)
         try:
             write_manifest(self._root, m, self._where)
         except StoreError:
@@ -699,6 +713,51 @@ class LayerStore:
             self._staged_digests.clear()
         if self._writer is not None:
             self._writer.release()
+
+    _landing: tuple | None = None  # (manifest before, thread, [error]) of a commit landing
+    _lost: BaseException | None = None  # a landing's error that an abort swallowed
+
+    def _land(self, m: dict) -> None:
+        """Makes ``m`` this handle's state now and writes it (fsynced) on a thread; the writer
+        lock is released when it has landed."""
+        with self._lock:
+            old, self._m = self._m, m
+            self._staged.clear()
+            self._staged_digests.clear()
+        err: list = []
+
+        def land() -> None:
+            try:
+                write_manifest(self._root, m, self._where)
+            except BaseException as e:  # noqa: BLE001 - raised by settle() on the caller's thread
+                err.append(e)
+            finally:
+                if self._writer is not None:
+                    self._writer.release()
+
+        t = threading.Thread(target=land, name="jaxstream-commit", daemon=False)
+        t.start()
+        self._landing = (old, t, err)
+
+    def settle(self) -> None:
+        """Waits for a commit still landing (``commit(wait=False)``). Raises its error (the
+        store is then back at the step before it, in memory as on disk)."""
+        with self._begin_lock:
+            self._settle_locked()
+
+    def _settle_locked(self) -> None:
+        landing, self._landing = self._landing, None
+        lost, self._lost = self._lost, None
+        if lost is not None:
+            raise lost
+        if landing is None:
+            return
+        old, t, err = landing
+        t.join()
+        if err:
+            with self._lock:
+                self._m = old
+            raise err[0]
 
     def rollback(self) -> int:
         """Makes the commit before the last one current again and returns its step.

@@ -13,9 +13,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, Union
+from typing import Literal, NamedTuple
 
-LayerKey = Union[str, int]  # the store's address of the embed ("embed"), the head ("head") or a layer
+LayerKey = str | int  # the store's address of the embed ("embed"), the head ("head") or a layer
 
 
 class Unit(NamedTuple):

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 WIDTH, DEPTH, IN_DIM, CLASSES, BATCH, MICRO = 32, 6, 16, 4, 16, 2
+# the workers commit asynchronously (the manifest lands while the next step computes)
+ASYNC = os.environ.get("CRASH_ASYNC_COMMIT", "0") == "1"
 
 
 @functools.cache
@@ -75,7 +77,7 @@ def train(path: str, steps: int, update: str = "lazy", snapshots: dict | None = 
     except StoreNotFoundError:
         store = LayerStore.create(path, params, optimizer=opt)
     ex = StreamedExecutor(stack, est, opt, store, StreamConfig(
-        prefetch=2, compute_dtype="float32",
+        prefetch=2, compute_dtype="float32", async_commit=ASYNC,
         update="lazy" if update in ("lazy", "hybrid_lazy") else "eager"))
     times = []
     if snapshots is not None:
@@ -85,8 +87,10 @@ def train(path: str, steps: int, update: str = "lazy", snapshots: dict | None = 
         m = ex.step(_batch(s), jax.random.fold_in(jax.random.key(1), s), step=s)
         times.append(m["step_time_s"])
         if snapshots is not None:
+            store.settle()  # the snapshot reads the store from disk: the commit has landed
             snapshots[store.step] = _committed_params(path, update)
     ex.flush()
+    store.settle()
     return float(np.mean(times[1:])) if len(times) > 1 else 0.0
 
 
