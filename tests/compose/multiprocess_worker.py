@@ -5,8 +5,9 @@ Each process has 4 CPU devices; the 2 × 4 mesh spans both through ``jax.distrib
 0 holds data row 0, process 1 row 1). Each process streams from its own copy of the store (its
 local disk) and applies the same host updates. Two hybrid steps; then process 0 writes the max
 relative error of its store's parameters against a single-process run of the same steps on one
-device (the streamed executor) to DIR/err.txt. With ``disagree``, process 1's copy is one step
-ahead: each process writes the refusal it got to DIR/refused<ID>.txt. ``skewN``: process 1
+device (the streamed executor) to DIR/err.txt. With ``disagree``, process 1's copy is two steps
+ahead (one step ahead is rolled back on opening): each process writes the refusal it got to
+DIR/refused<ID>.txt. ``skewN``: process 1
 opens its executor N s late; ``lateN``: it runs its first step N s late (compile skew: process
 0 has compiled and waits for it); ``lost``: process 1 dies after step 1; ``resume``: both
 restart on their copies and run the steps left.
@@ -48,9 +49,10 @@ if mode == "resume":  # a restart after a lost peer: each process opens its own 
 else:
     store = LayerStore.create(os.path.join(root, f"store{pid}"), params, optimizer=opt)
 if disagree:
-    if pid == 1:  # this copy moved on alone
-        store.write(0, jax.tree.map(lambda x: x + 1, store.read(0).result()))
-        store.commit(1)
+    if pid == 1:  # this copy moved on alone, by two steps
+        for s in (1, 2):
+            store.write(0, jax.tree.map(lambda x: x + 1, store.read(0).result()))
+            store.commit(s)
     try:
         ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4))
     except StoreError as e:
@@ -58,9 +60,8 @@ if disagree:
             fh.write(str(e))
     jax.distributed.shutdown()
     sys.exit(0)
-if mode.startswith("skew"):  # process 1 opens its executor late (start-up skew)
-    if pid == 1:
-        time.sleep(float(mode[4:]))
+if mode.startswith("skew") and pid == 1:  # process 1 opens its executor late (start-up skew)
+    time.sleep(float(mode[4:]))
 if mode == "lost":  # process 1 dies after the first step: process 0 must stop, in one line
     ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(2, 4), peer_timeout_s=5)
     ex.step(batch, jax.random.key(0))
