@@ -44,9 +44,9 @@ class TangentSpec:
       num: tangents per micro-batch (K >= 1).
       distribution: ``"rademacher"`` (±1) or ``"gaussian"``.
       orthogonal: orthogonalise the K tangents within each leaf holding at least K entries
-        (rescaled so each stays on the sphere of radius √n; still E[v vᵀ] = I at every leaf
-        size: rows a small leaf's sign vectors leave linearly dependent are redrawn, see
-        :func:`_orthogonalise`).
+        (Gram–Schmidt, rescaled so each stays on the sphere of radius √n; still E[v vᵀ] = I at
+        every leaf size: rows a small leaf's sign vectors leave linearly dependent are redrawn,
+        see :func:`_orthogonalise`).
       antithetic: refused (kept so that a caller asking for it is told why): every estimate
         here is a jvp, and (∇L·(−v))(−v) = (∇L·v)v, so a ±v pair adds only compute.
     """
@@ -80,29 +80,50 @@ class TangentSpec:
 
 
 def _orthogonalise(v: jax.Array, spare: jax.Array) -> jax.Array:
-    """The rows of ``v`` (draws, size) Gram–Schmidt orthogonalised (QR), each rescaled to norm
+    """The rows of ``v`` (draws, size) Gram–Schmidt orthogonalised, each rescaled to norm
     √size, so E[v vᵀ] = I still holds.
 
     The draws' distribution is invariant under signed permutations of the entries (and the
-    Gaussian's under every rotation), and QR is equivariant under them, so the result keeps that
-    invariance — unless some rows are linearly dependent (sign vectors of a small leaf often
-    are: two equal rows, or ±1 patterns that add up), where QR completes the basis with fixed
-    directions and the tangents become biased. Those rows (|r_kk| ≈ 0) are redrawn as Gaussian
-    rows from ``spare`` before a second QR: a Gaussian row is independent of the others almost
-    surely and rotation-invariant, so the completion is invariant too. QR's sign convention is
-    fixed (r_kk > 0) so Q is Haar-distributed: zero-mean rows.
-    """
-    def qr(m):
-        q, r = jnp.linalg.qr(m.T)
-        d = jnp.diagonal(r)
-        return q.T * jnp.where(d < 0, -1.0, 1.0)[:, None], jnp.abs(d)
+    Gaussian's under every rotation), and Gram–Schmidt is equivariant under them, so the result
+    keeps that invariance — unless some rows are linearly dependent (sign vectors of a small leaf
+    often are: two equal rows, or ±1 patterns that add up). Those rows (distance to the span of
+    the rows before them below 1e-3 √size) are redrawn as Gaussian rows from ``spare`` before a
+    second pass: a Gaussian row is independent of the others almost surely and
+    rotation-invariant, so the completion is invariant too. Each q_k has a positive component
+    along its row (QR with r_kk > 0: Q is Haar-distributed, zero-mean rows).
 
+    Plain ``jnp`` with a fixed number of steps, no LAPACK call: under ``jax.vmap`` over keys,
+    XLA's CPU runtime ran the batched QR's two custom calls (geqrf, orgqr) at once, each
+    waiting in its parallel batch loop for pool threads the other held — a deadlock of every
+    thread (jaxlib 0.10.2), in about half of the runs above 12,000 keys.
+    """
     size = v.shape[1]
-    q, d = qr(v)
-    deficient = d < 1e-3 * jnp.sqrt(jnp.float32(size))  # a sign row's norm is √size
+    tol = 1e-3 * jnp.sqrt(jnp.float32(size))  # a sign row's norm is √size
+    q, d = _gram_schmidt(v, tol)
+    deficient = d < tol
     redrawn = jnp.where(deficient[:, None], jax.random.normal(spare, v.shape, jnp.float32), v)
-    q = jnp.where(jnp.any(deficient), qr(redrawn)[0], q)
+    q = jnp.where(jnp.any(deficient), _gram_schmidt(redrawn, tol)[0], q)
     return q * jnp.sqrt(jnp.float32(size))
+
+
+def _gram_schmidt(v: jax.Array, tol: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q, d): the orthonormal rows of ``v`` (draws, size) in order, and each row's distance
+    d_k to the span of the rows before it (|r_kk| of a QR). Classical Gram–Schmidt with one
+    re-orthogonalisation (CGS2: orthogonal to float32 precision); a row closer than ``tol`` to
+    that span leaves a zero row in q and is not projected out of the rows after it."""
+    draws = v.shape[0]
+
+    def step(k, qd):
+        q, d = qd
+        w = jax.lax.dynamic_index_in_dim(v, k, keepdims=False)
+        for _ in range(2):
+            w = w - (q @ w) @ q  # q's rows from k on are still zero
+        norm = jnp.sqrt(jnp.sum(w * w))
+        row = jnp.where(norm >= tol, w / jnp.maximum(norm, tol), 0.0)
+        return q.at[k].set(row), d.at[k].set(norm)
+
+    start = (jnp.zeros_like(v), jnp.zeros((draws,), v.dtype))
+    return jax.lax.fori_loop(0, draws, step, start, unroll=True)
 
 
 def rademacher_bits(key: jax.Array, draws: int, size: int) -> jax.Array:
@@ -170,7 +191,7 @@ def _segment_apply(fn, keys: jax.Array, like: Any, first_layer: int = 0, rows: A
     leading layer axis; None: no rows); blocks are mapped layer by layer."""
     if not is_stack_params(like):
         return {"tree": fn(keys, like, None if rows is None else rows["tree"])}
-    seg = lambda k, s: jax.vmap(lambda kk: fold_in(kk, s))(k)  # noqa: E731
+    seg = lambda k, s: jax.vmap(lambda kk: fold_in(kk, s))(k)
     num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
     layers = first_layer + jnp.arange(num_layers)
     block_rows = None if rows is None else rows["blocks"]
@@ -225,12 +246,12 @@ def combine(
 
         return jax.lax.scan(body, acc, (seg_keys, c_all.astype(_acc_dtype(c_all))))[0]
 
-    cast = lambda acc, tree: jax.tree.map(  # noqa: E731
+    cast = lambda acc, tree: jax.tree.map(
         lambda a, x: a.astype(jnp.result_type(x)), acc, tree)
     if not is_stack_params(like):
         return cast(seg(keys, start, None if rows is None else rows["tree"]), like)
-    seg_keys = lambda s: jax.vmap(lambda kk: fold_in(kk, s))(keys)  # noqa: E731
-    get = lambda name: None if rows is None else rows[name]  # noqa: E731
+    seg_keys = lambda s: jax.vmap(lambda kk: fold_in(kk, s))(keys)
+    get = lambda name: None if rows is None else rows[name]
 
     def layer(l, blocks):
         keys_l = jax.vmap(lambda kk: block_key(kk, first_layer + l))(keys)
