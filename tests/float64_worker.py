@@ -1,7 +1,8 @@
 """Runs every in-memory engine in float64 (``jax_enable_x64``, float64 parameters and data) and
 prints, as JSON, each engine's largest relative error against a float64 reference: for backprop
 the gradient of a loss written here (the stack's forward, a float64 log-softmax of our own), for
-the estimators the in-memory estimator for the same key. Run by tests/test_float64.py in a
+the estimators the in-memory estimator for the same key, for every hybrid correction with
+every micro-batch exact (N = 3, 5, 6, 8; argument ``all_exact``) backprop. Run by tests/test_float64.py in a
 process of its own (the x64 flag is global)."""
 
 import json
@@ -11,19 +12,19 @@ import sys
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_enable_x64", True)
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
-import jaxstream.grad as jg  # noqa: E402
-from jaxstream.comm import data_parallel  # noqa: E402
-from jaxstream.models import mlp  # noqa: E402
-from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward  # noqa: E402
-from jaxstream.pipeline.executor import pipeline  # noqa: E402
+import jaxstream.grad as jg
+from jaxstream.comm import data_parallel
+from jaxstream.models import mlp
+from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward
+from jaxstream.pipeline.executor import pipeline
 
 M, N = 4, 4
 
@@ -78,6 +79,42 @@ def main() -> dict:
     return out
 
 
+def problem(stack, n: int) -> tuple[dict, dict]:
+    """(micro-batches (n, 2, 5), the same examples flat) in float64."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, 2, 5))
+    y = rng.integers(0, 3, (n, 2)).astype(np.int32)
+    return ({"x": jnp.asarray(x), "y": jnp.asarray(y)},
+            {"x": jnp.asarray(x.reshape(-1, 5)), "y": jnp.asarray(y.reshape(-1))})
+
+
+def all_exact(stack=None, params=None) -> dict:
+    """Every hybrid correction with every micro-batch exact equals backprop (the exact mean)
+    at N = 3, 5, 6, 8: weights such as 1/3 are formed in the parameters' dtype (in float32 they
+    were 3e-8 off unless N is a power of two); the pipeline's too (N = 3)."""
+    if stack is None:
+        stack = mlp(5, 6, M, 3)
+        params = jax.tree.map(lambda a: a.astype(jnp.float64), stack.init(jax.random.key(0)))
+    out = {"reference_is_float64": True}
+    corrections = ("replace", "control_variate", "weighted", "stein")
+    for n in (3, 5, 6, 8):
+        micro, flat = problem(stack, n)
+        _, ref = jax.jit(lambda p, b=flat: jg.backprop()(stack, p, b))(params)
+        out["reference_is_float64"] &= f64(ref)
+        ests = [jg.hybrid(exact_indices=tuple(range(n)), correction=c, num_tangents=2)
+                for c in corrections]
+        # one program for the four corrections (one compile)
+        grads = jax.jit(lambda p, es=ests, b=micro: [e(stack, p, b, jax.random.key(1))[1]
+                                                     for e in es])(params)
+        for corr, g in zip(corrections, grads):
+            out[f"all_exact_N{n}_{corr}"] = (rel(g, ref), f64(g))
+        if n == 3:
+            _, g, _ = pipeline(stack, complete(M, n, tuple(range(n))), ests[2])(
+                params, micro, jax.random.key(1))
+            out[f"all_exact_N{n}_pipeline_weighted"] = (rel(g, ref), f64(g))
+    return out
+
+
 if __name__ == "__main__":
-    print(json.dumps(main()))
+    print(json.dumps(all_exact() if sys.argv[1:] == ["all_exact"] else main()))
     sys.exit(0)

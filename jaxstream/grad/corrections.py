@@ -21,11 +21,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxstream.grad.tangents import TangentSpec, combine, project
-from jaxstream.models.stack import is_stack_params
+from jaxstream.models.stack import is_stack_params, loss_dtype
 
 
 def _bcast(v: jax.Array, ndim: int) -> jax.Array:
     return v.reshape(v.shape + (1,) * (ndim - v.ndim))
+
+
+def scalar_dtype(like: Any) -> Any:
+    """The dtype of a segment's masks, counts, sizes, β and norms: the parameters' widest
+    floating dtype, at least float32. In float32 a weight such as 1/3 is rounded to float32's
+    precision, which a float64 model would inherit (its all-exact hybrid 3e-8 off backprop)."""
+    return loss_dtype(*(jnp.result_type(x) for x in jax.tree.leaves(like)))
 
 
 def _per_leaf(seg: dict, like: Any) -> Any:
@@ -51,20 +58,22 @@ def group_masks(like: Any, depth: jax.Array) -> dict:
         ``>= depth[i]`` (0: every segment; ``L``: the head only). For non-stack params every
         selected micro-batch is in the one group.
     Returns:
-      ``{"embed": (k,), "blocks": (k, L), "head": (k,)}`` float masks, or ``{"tree": (k,)}``.
+      ``{"embed": (k,), "blocks": (k, L), "head": (k,)}`` float masks, or ``{"tree": (k,)}``,
+      in :func:`scalar_dtype` of ``like`` (so are the counts and weights derived from them).
     """
+    dtype = scalar_dtype(like)
     if not is_stack_params(like):
-        return {"tree": jnp.ones(depth.shape, jnp.float32)}
+        return {"tree": jnp.ones(depth.shape, dtype)}
     layers = jnp.arange(jax.tree.leaves(like["blocks"])[0].shape[0])
-    return group_masks_for_layers(depth, layers)
+    return group_masks_for_layers(depth, layers, dtype)
 
 
-def group_masks_for_layers(depth: jax.Array, layers: jax.Array) -> dict:
+def group_masks_for_layers(depth: jax.Array, layers: jax.Array, dtype: Any = jnp.float32) -> dict:
     """Masks for blocks with global indices ``layers``; the embed is in block 0's group and the
     head in the group of every selected micro-batch with ``depth <= L`` (always, here)."""
-    m_blocks = (depth[:, None] <= layers[None, :]).astype(jnp.float32)
-    m_embed = (depth <= 0).astype(jnp.float32)
-    return {"embed": m_embed, "blocks": m_blocks, "head": jnp.ones(depth.shape, jnp.float32)}
+    m_blocks = (depth[:, None] <= layers[None, :]).astype(dtype)
+    m_embed = (depth <= 0).astype(dtype)
+    return {"embed": m_embed, "blocks": m_blocks, "head": jnp.ones(depth.shape, dtype)}
 
 
 def group_mean(exact: Any, masks: dict, like: Any) -> tuple[Any, dict]:
@@ -89,22 +98,24 @@ def group_mean(exact: Any, masks: dict, like: Any) -> tuple[Any, dict]:
 
 
 def segment_sizes(like: Any) -> dict:
-    """Number of parameters per segment (blocks: per layer)."""
+    """Number of parameters per segment (blocks: per layer), in :func:`scalar_dtype`."""
+    dtype = scalar_dtype(like)
+    size = lambda t: jnp.asarray(sum(x.size for x in jax.tree.leaves(t)), dtype)
     if not is_stack_params(like):
-        return {"tree": jnp.float32(sum(x.size for x in jax.tree.leaves(like)))}
+        return {"tree": size(like)}
     num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
     per_layer = sum(x.size for x in jax.tree.leaves(like["blocks"])) // num_layers
-    return {
-        "embed": jnp.float32(sum(x.size for x in jax.tree.leaves(like["embed"]))),
-        "blocks": jnp.full((num_layers,), per_layer, jnp.float32),
-        "head": jnp.float32(sum(x.size for x in jax.tree.leaves(like["head"]))),
-    }
+    return {"embed": size(like["embed"]), "blocks": jnp.full((num_layers,), per_layer, dtype),
+            "head": size(like["head"])}
 
 
 def outside_rows(masks: dict, idx: jax.Array, n: int) -> dict:
     """Per segment, 1 for the N micro-batches outside the segment's group, 0 inside: the rows
-    whose residual is still estimated by tangents (a member's residual g_n − h is known)."""
-    onehot = jax.nn.one_hot(idx, n, dtype=jnp.float32)  # (k, N)
+    whose residual is still estimated by tangents (a member's residual g_n − h is known); in
+    the masks' dtype."""
+    dtype = loss_dtype(*(jnp.result_type(m) for m in masks.values()))
+    masks = {name: jnp.asarray(m, dtype) for name, m in masks.items()}
+    onehot = jax.nn.one_hot(idx, n, dtype=dtype)  # (k, N)
     return {name: 1.0 - jnp.tensordot(m, onehot, axes=((0,), (0,))) if m.ndim == 1
             else 1.0 - jnp.einsum("kl,kn->ln", m, onehot) for name, m in masks.items()}
 
@@ -136,7 +147,7 @@ def shrinkage(counts: dict, sizes: dict, n: int, k: int,
         total_size = sum(jnp.sum(v) for v in sizes.values())
     out = {}
     for name, c in counts.items():
-        c = jnp.asarray(c, jnp.float32)
+        c = jnp.asarray(c, loss_dtype(jnp.result_type(c), jnp.result_type(total_size)))
         cc = jnp.maximum(c, 1.0)
         a = cc / (cc + 1.0) * (1.0 / cc - 1.0 / n) / total_size
         b = (n - c) / (n * n * k)
@@ -152,8 +163,8 @@ def residual_variance(counts: dict, sizes: dict, q: jax.Array, n: int, k: int) -
 
 
 def _segment_sq(tree: Any, like: Any) -> dict:
-    """‖tree‖² per segment (blocks: per layer)."""
-    sq = lambda t, lead: sum(jnp.sum(jnp.square(x.astype(jnp.float32)).reshape(  # noqa: E731
+    """‖tree‖² per segment (blocks: per layer), in each leaf's dtype (at least float32)."""
+    sq = lambda t, lead: sum(jnp.sum(jnp.square(x.astype(loss_dtype(x.dtype))).reshape(
         x.shape[:lead] + (-1,)), axis=-1) for x in jax.tree.leaves(t))
     if not is_stack_params(like):
         return {"tree": sq(tree, 0)}
@@ -213,14 +224,19 @@ def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0
 
 def _scaled_rows(rows: dict | None, beta: dict, n: int, like: Any) -> dict:
     """``rows`` (ones where None) times β per segment (blocks: per layer)."""
+    dtype = scalar_dtype(like)
     if rows is None:
-        ones = jnp.ones((n,), jnp.float32)
+        ones = jnp.ones((n,), dtype)
         if not is_stack_params(like):
             rows = {"tree": ones}
         else:
             num_layers = jax.tree.leaves(like["blocks"])[0].shape[0]
-            rows = {"embed": ones, "blocks": jnp.ones((num_layers, n), jnp.float32), "head": ones}
-    return {name: r * _bcast(jnp.asarray(beta[name], r.dtype), r.ndim) for name, r in rows.items()}
+            rows = {"embed": ones, "blocks": jnp.ones((num_layers, n), dtype), "head": ones}
+    out = {}
+    for name, r in rows.items():
+        r_dtype = loss_dtype(jnp.result_type(r), dtype)
+        out[name] = r.astype(r_dtype) * _bcast(jnp.asarray(beta[name], r_dtype), r.ndim)
+    return out
 
 
 def residual_scalars(spec: TangentSpec, keys, h, like_first_layer: int = 0) -> jax.Array:
