@@ -2,7 +2,7 @@
 MODE [POINT].
 
 Each process has 4 CPU devices (a 2 × 4 mesh over both, ``jax.distributed`` on loopback) and
-its own store copy DIR/store<ID>. ``train``: up to 40 Adam steps of a hybrid with
+its own store copy DIR/store<ID>. ``train``: up to 40 Adam steps of backprop with
 ``peer_timeout_s=10``; after each commit the process writes the step to DIR/step<ID>.txt. With
 POINT, process 1 dies (``os._exit(9)``, as by SIGKILL) in its second step at that point:
 ``before_commit`` (after the step's last collective: its peer commits the step alone),
@@ -42,7 +42,7 @@ params = jax.tree.map(np.asarray, stack.init(jax.random.key(0)))
 rng = np.random.default_rng(1)
 batch = {"x": rng.standard_normal((4, 2, 5), dtype=np.float32),
          "y": rng.integers(0, 3, (4, 2), dtype=np.int32)}
-est, opt = jg.hybrid(num_exact=2, num_tangents=2, correction="weighted"), optax.adam(1e-2)
+est, opt = jg.backprop(), optax.adam(1e-2)  # the fewest passes to compile: a forward, a reverse
 cfg = StreamConfig(compute_dtype="float32", prefetch=1)
 where = os.path.join(root, f"store{pid}")
 if mode == "open":

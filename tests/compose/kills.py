@@ -97,9 +97,11 @@ def _store_step(where: Path) -> int:
 
 
 def kill_once(root: Path, point: str, victim: int = 1, delay: float = 0.0,
-              env: dict | None = None, timeout: float = 400) -> Kill:
+              env: dict | None = None, timeout: float = 400,
+              restart: bool | None = True) -> Kill:
     """One run of both processes, one of them killed: at a named ``point`` of process 1's second
-    step, or (``point="timed"``) ``delay`` s after both committed their first step."""
+    step, or (``point="timed"``) ``delay`` s after both committed their first step. Then both
+    restart on their copies (``restart=None``: only when the copies' steps differ)."""
     port = str(free_port())
     env = {**os.environ, **(env or {})}
     named = point in POINTS
@@ -131,10 +133,22 @@ def kill_once(root: Path, point: str, victim: int = 1, delay: float = 0.0,
     aborted = bool(re.search(r"Check failure|Traceback|^F\d{4} |Aborted|Terminating process",
                              err, re.MULTILINE)) or survivor.returncode in (-6, 134)
     steps = (_store_step(root / "store0"), _store_step(root / "store1"))
-    opened, restart_lines = _restart(root, env, timeout)
+    if restart or (restart is None and steps[0] != steps[1]):
+        opened, restart_lines = _restart(root, env, timeout)
+    else:  # both at one step: what opening would check, read from the manifests
+        fp = {_fingerprint(root / f"store{i}") for i in range(2)}
+        opened = (f"agreed {steps[0]}",) * 2 if len(fp) == 1 else ("differ", "differ")
+        restart_lines = []
     return Kill(point if named else f"timed+{delay:.2f}s", victim, survivor.returncode,
                 None if died is None else ended - died, lines, aborted, steps, opened,
                 restart_lines, (outs[0][1][-1500:], outs[1][1][-1500:]))
+
+
+def _fingerprint(where: Path) -> int:
+    """The copy's commit fingerprint, as :meth:`LayerStore.fingerprint` computes it."""
+    from jaxstream.stream import LayerStore
+
+    return LayerStore.open(where).fingerprint()
 
 
 def _death_time(root: Path, victim: int, proc: subprocess.Popen) -> float | None:
