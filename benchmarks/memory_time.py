@@ -97,17 +97,25 @@ def measure_all(fns: dict[str, Callable], args: tuple,
     and warmed up first, then timed in interleaved rounds (one run of each step per round), so
     load from other work on a shared machine hits every step alike and the ratios between
     steps stay comparable."""
+    CPU_MS.clear()
     compiled = {name: jax.jit(fn).lower(*args).compile() for name, fn in fns.items()}
     for c in compiled.values():
         jax.block_until_ready(c(*args))  # warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, c in compiled.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(c(*args))
             times[name].append((time.perf_counter() - t0) * 1e3)
+            CPU_MS.setdefault(name, []).append((time.process_time() - c0) * 1e3)
     return {name: (int(c.memory_analysis().temp_size_in_bytes), statistics.median(times[name]),
                    matmul_flops(c), times[name]) for name, c in compiled.items()}
+
+
+# name -> process CPU milliseconds of each timed run of the last measure_all (every thread of
+# the process: on a loaded machine the work a step did, where its wall time also counts waits
+# for a core)
+CPU_MS: dict[str, list[float]] = {}
 
 
 def run(depths: list[int], width: int, batch: int, repeats: int,
@@ -127,6 +135,7 @@ def run(depths: list[int], width: int, batch: int, repeats: int,
             row["step_ms"][mode] = ms
             row["flops"][mode] = flops
             row["times_ms"][mode] = times
+        row["cpu_ms"] = {mode: statistics.median(t) for mode, t in CPU_MS.items()}
         if parts:
             from hybrid_parts import part_functions
 
@@ -157,7 +166,8 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
     cols += [(f"ms {short.get(m, m[:4])}", 9) for m in MODES]
     cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
     cols += [("GF bp", 7), ("flop fwd/bp", 11), ("flop hyb/bp", 11), ("flop rmat/bp", 12),
-             ("hyb floor/bp", 12), ("hyb/bp per round", 17)]
+             ("hyb floor/bp", 12), ("hyb/bp per round", 17), ("cpu hyb/bp", 10),
+             ("cpu rmat/bp", 11), ("cpu fwd/bp", 10)]
     lines = []
     if header:
         lines.append(" ".join(name.rjust(w) for name, w in cols))
@@ -176,6 +186,9 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
         vals += [f"{f['backprop'] / 1e9:.2f}"]
         vals += [f"{f[m] / f['backprop']:.3f}" for m in ("forward", "hybrid", "backprop_remat")]
         vals += [f"{time_floor(r)['floor']:.2f}", round_spread(r)]
+        cpu = r.get("cpu_ms") or {}
+        vals += [f"{cpu[m] / cpu['backprop']:.2f}" if m in cpu else "–"
+                 for m in ("hybrid", "backprop_remat", "forward")]
         lines.append(" ".join(v.rjust(w) for v, (_, w) in zip(vals, cols)))
     return "\n".join(lines)
 

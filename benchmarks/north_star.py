@@ -163,29 +163,36 @@ def evict(directory: Path) -> None:
 class Case:
     """One (width, estimator): an in-memory train step and a streamed executor on a store."""
 
-    def __init__(self, name: str, width: int, workdir: Path, seed: int = 0):
+    def __init__(self, name: str, width: int, workdir: Path, seed: int = 0, *,
+                 micro: int = MICRO, micro_size: int = MICRO_SIZE, dtype: str = "float32",
+                 depth: int = DEPTH):
+        """``dtype``: the compute dtype of both sides (the in-memory parameters are cast to
+        it; the store keeps fp32 masters and casts each layer as it is read)."""
         from jaxstream.stream import LayerStore
         from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
-        self.name, self.width = name, width
+        self.name, self.width, self.micro, self.micro_size = name, width, micro, micro_size
         est, update, micro_in_memory = estimator(name)
-        self.stack = js.models.mlp(IN_DIM, width, DEPTH, CLASSES)
+        self.stack = js.models.mlp(IN_DIM, width, depth, CLASSES)
         params = self.stack.init(jax.random.key(seed))
         opt = optax.sgd(LR)
         self.mem_step = js.train_step(est, opt, self.stack)
-        self.params, self.opt_state = params, self.mem_step.init(params)
+        self.dtype = jnp.dtype(dtype)
+        mem_params = jax.tree.map(lambda a: a.astype(self.dtype), params)
+        self.params, self.opt_state = mem_params, self.mem_step.init(mem_params)
         self.micro_in_memory = micro_in_memory
         self.path = workdir / f"{name}-{width}"
         store = LayerStore.create(str(self.path), jax.device_get(params), optimizer=opt,
                                   model_config={"name": self.stack.name, "width": width})
-        cfg = StreamConfig(prefetch=2, compute_dtype="float32", update=update)
+        cfg = StreamConfig(prefetch=2, compute_dtype=dtype, update=update)
         self.executor = StreamedExecutor(self.stack, est, opt, store, cfg)
 
     def batches(self, step: int) -> tuple[dict, dict]:
         """(in-memory batch, streamed micro-batches) of the same examples."""
         kx, ky = jax.random.split(jax.random.key(1000 + step))
-        micro = {"x": jax.random.normal(kx, (MICRO, MICRO_SIZE, IN_DIM), jnp.float32),
-                 "y": jax.random.randint(ky, (MICRO, MICRO_SIZE), 0, CLASSES)}
+        shape = (self.micro, self.micro_size)
+        micro = {"x": jax.random.normal(kx, (*shape, IN_DIM), self.dtype),
+                 "y": jax.random.randint(ky, shape, 0, CLASSES)}
         flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), micro)
         return (micro if self.micro_in_memory else flat), micro
 
@@ -257,15 +264,16 @@ def summarise(mem: list[float], steps: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------- run
 def run(widths: list[int], estimators: list[str], caches: list[str], rounds: int,
-        warmup: int = 1, log: Callable[[str], None] = print) -> dict:
-    """Every (width, estimator, cache): in-memory and streamed steps interleaved by round."""
+        warmup: int = 1, log: Callable[[str], None] = print, **options: Any) -> dict:
+    """Every (width, estimator, cache): in-memory and streamed steps interleaved by round.
+    ``options``: :class:`Case` options (micro-batches, their size, compute dtype, depth)."""
     results: dict[str, Any] = {}
     counter = BlockingCounter()
     with counter.installed():
         for width in widths:
             work = Path(tempfile.mkdtemp(prefix=f"north_star_{width}_"))
             try:
-                cases = [Case(name, width, work) for name in estimators]
+                cases = [Case(name, width, work, **options) for name in estimators]
                 for case in cases:  # compile both sides, fill the store's slots
                     for w in range(warmup):
                         case.memory(10_000 + w)

@@ -26,7 +26,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,13 +68,15 @@ def probe_dot(v: Any, probe: Any) -> jax.Array:
 
 
 def _dot(v: jax.Array, p: jax.Array) -> jax.Array:
-    """(K,) Σ v_k ⊙ p summed in two stages (over the last axis, then the rest): XLA fuses a
-    dot with the tangent draw into one sequential reduction otherwise, whose rounding grows
-    with the leaf's size."""
-    prod = v * p[None]
-    if p.ndim >= 2:
-        prod = jnp.sum(prod, axis=-1)
-    return jnp.sum(prod.reshape(v.shape[0], -1), axis=-1)
+    """(K,) Σ v_k ⊙ p as one matrix-vector product of the flattened leaf, as
+    :func:`jaxstream.grad.tangents.project` forms it (accumulated in at least float32, returned
+    in ``v``'s dtype). XLA reads the tangent once, where an elementwise product and a reduction
+    wrote and read back a tangent-sized buffer per micro-batch and layer (a hybrid's forward
+    pass draws one tangent per micro-batch: this was a sixth of its step)."""
+    acc = v.dtype if jnp.finfo(v.dtype).bits >= 32 else jnp.dtype(jnp.float32)
+    out = jax.lax.dot_general(v.reshape(v.shape[0], -1), p.reshape(-1),
+                              (((1,), (0,)), ((), ())), preferred_element_type=acc)
+    return out.astype(v.dtype)
 
 
 def _with_probe(out: tuple, v: Any, probe: Any) -> tuple:
@@ -133,7 +136,7 @@ def segment_sweep(stack: Stack, params: dict, x: jax.Array, kernel: Callable,
     layer's work is live at a time. A slice of the model (a pipeline stage) leaves out the
     embed (``x`` is then the first block's input) or the head (the output is the last block's);
     a left-out segment's result is zeros. Returns the output and the per-segment results."""
-    zeros = lambda name: jax.tree.map(jnp.zeros_like, params[name])  # noqa: E731
+    zeros = lambda name: jax.tree.map(jnp.zeros_like, params[name])
     h, g_embed = (kernel(lambda p: stack.embed(p, x), params["embed"], "embed") if embed
                   else (x, zeros("embed")))
 
@@ -195,7 +198,7 @@ def head_act(stack: Stack, spec: TangentSpec, p: Any, h: jax.Array, dh: jax.Arra
     over every segment output m."""
     logits, dlogits = jvp_k(lambda hh: stack.head(p, hh), (h,), (dh.astype(h.dtype),))
     dlogits = dlogits + _u(spec, key, "head", logits)
-    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
     return jvp_k(example, (logits,), (dlogits,))
 
 
@@ -297,7 +300,7 @@ def local_grad(stack: Stack, fn: Callable, p: Any, spec: TangentSpec, key: jax.A
     if stack.local_head is None:
         return kernel(fn, p, spec, key, segment, lambda h: example(stack.head(head, h)))
     own = p["local_head"]
-    module = lambda m: fn({"module": m, "local_head": own})  # noqa: E731
+    module = lambda m: fn({"module": m, "local_head": own})
     if stack.local_groups > 1:
         if weights:
             raise ValueError(f"local_forward_weights: {stack.name!r} has grouped local losses, "

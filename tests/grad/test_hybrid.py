@@ -58,9 +58,9 @@ def test_weighted_beta_does_not_move_with_the_selection():
             betas.append(jax.tree.map(np.asarray, diag["beta"]))
             b = diag["beta"]
             c = cv(key)
-            want = {"embed": jax.tree.map(lambda hh, c: hh + b["embed"] * (c - hh),
+            want = {"embed": jax.tree.map(lambda hh, c, b=b: hh + b["embed"] * (c - hh),
                                           h["embed"], c["embed"]),
-                    "head": jax.tree.map(lambda hh, c: hh + b["head"] * (c - hh),
+                    "head": jax.tree.map(lambda hh, c, b=b: hh + b["head"] * (c - hh),
                                          h["head"], c["head"])}
             chex.assert_trees_all_close({"embed": g["embed"], "head": g["head"]}, want,
                                         rtol=2e-4, atol=1e-6)
@@ -118,7 +118,7 @@ def test_weighted_with_one_exact_gradient_shrinks_by_the_size_formula():
 
 def test_nested_groups_match_a_per_layer_reference():
     """exact_from: block l uses the exact gradients of micro-batches with exact_from <= l."""
-    stack, params, batch, micro = tiny_problem(depth=3)
+    stack, params, _, micro = tiny_problem(depth=3)
     exact_from = (0, 2, 3, 4)  # L = 3: 3 = head only, 4 = none
     key = jax.random.key(5)
     est = jg.hybrid(exact_from=exact_from, correction="replace")
@@ -126,7 +126,7 @@ def test_nested_groups_match_a_per_layer_reference():
     fwd = jax.jit(lambda p, b, k: jg.forward(1)(stack, p, b, k)[1])
     grad = jax.jit(jax.grad(stack))
     n = 4
-    per_micro = [jax.tree.map(lambda a: a[i], micro) for i in range(n)]
+    per_micro = [jax.tree.map(lambda a, i=i: a[i], micro) for i in range(n)]
     g_exact = [grad(params, b) for b in per_micro]
     g_fwd = [fwd(params, b, micro_key(key, i)) for i, b in enumerate(per_micro)]
 
@@ -145,13 +145,13 @@ def test_nested_groups_match_a_per_layer_reference():
         chex.assert_trees_all_close(got[seg], want, rtol=1e-5, atol=1e-6)
     for layer in range(3):
         want = jax.tree.map(lambda *xs: sum(xs) / n, *[pick(i, "blocks", layer) for i in range(n)])
-        chex.assert_trees_all_close(jax.tree.map(lambda a: a[layer], got["blocks"]), want, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(jax.tree.map(lambda a, layer=layer: a[layer], got["blocks"]), want, rtol=1e-5, atol=1e-6)
 
 
 def test_groups_are_nested():
     from jaxstream.grad.corrections import group_masks
 
-    stack, params, _, _ = tiny_problem(depth=3)
+    _, params, _, _ = tiny_problem(depth=3)
     masks = group_masks(params, jnp.array([0, 2, 1, 3]))
     blocks = np.asarray(masks["blocks"])  # (k, L)
     assert np.all(np.asarray(masks["embed"]) <= blocks[:, 0])
@@ -183,3 +183,22 @@ def test_hybrid_bad_arguments_error_before_compute():
     bad = {"x": micro["x"], "y": batch["y"]}
     with pytest.raises(ValueError, match=r"batch\['y'\] has shape \(16,\).*micro-batch axis"):
         jg.hybrid(1)(stack, params, bad, key)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_probe_dot_of_a_large_leaf_equals_float64(dtype):
+    """The control variate's scalars c_k = h·v_k of one 512×512 leaf (one matrix-vector
+    product per leaf) against float64 NumPy, within an error bound from the terms' magnitudes
+    that does not grow with a sequential sum's length; bf16 tangents accumulate in float32."""
+    from jaxstream.grad.segments import probe_dot
+
+    v = jax.random.rademacher(jax.random.key(0), (3, 512, 512), jnp.float32).astype(dtype)
+    h = jax.random.normal(jax.random.key(1), (512, 512), jnp.float32).astype(dtype)
+    c = jax.jit(probe_dot)({"w": v}, {"w": h})
+    assert c.shape == (3,) and c.dtype == dtype
+    vv = np.asarray(v, np.float64).reshape(3, -1)
+    hh = np.asarray(h, np.float64).reshape(-1)
+    want = vv @ hh
+    rounding = float(jnp.finfo(dtype).eps) * np.abs(want)  # the result's own rounding
+    bound = 64 * np.finfo(np.float32).eps * (np.abs(vv) @ np.abs(hh)) + rounding
+    assert np.all(np.abs(np.asarray(c, np.float64) - want) <= bound), (c, want, bound)
