@@ -25,9 +25,12 @@ from jaxstream.quality.flops import matmul_flops
 from jaxstream.quality.groups import group_names, group_sums, num_parameters
 from jaxstream.quality.metrics import (
     EstimateQuality,
+    GradientError,
     SeedStatistics,
     cosine_similarity,
     estimate_quality,
+    gradient_error,
+    max_rel_err,
     seed_statistics,
 )
 from jaxstream.quality.table import QualityTable, format_table, save_rows
@@ -40,6 +43,7 @@ from jaxstream.quality.theory import (
 __all__ = [
     "EstimateQuality",
     "ExactSubset",
+    "GradientError",
     "MicrobatchForward",
     "QualityTable",
     "SeedStatistics",
@@ -54,9 +58,11 @@ __all__ = [
     "gaussian_cosine_approx",
     "gaussian_cosine_mean",
     "gaussian_cosine_std",
+    "gradient_error",
     "group_names",
     "group_sums",
     "matmul_flops",
+    "max_rel_err",
     "num_parameters",
     "save_rows",
     "seed_statistics",

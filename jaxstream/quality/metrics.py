@@ -138,31 +138,67 @@ def seed_statistics(estimates: Any, exact: Any) -> SeedStatistics:
     )
 
 
-#: A leaf's error is measured against at least this share of the whole tree's largest entry.
+#: A leaf's error is measured against at least this share of the whole gradient's norm.
 LEAF_FLOOR = 1e-3
 
 
-def max_rel_err(a: Any, b: Any, floor: float = LEAF_FLOOR) -> float:
-    """The largest error of tree ``a`` against reference ``b``, leaf by leaf, in float64:
-    max over leaves of ‖a − b‖∞ / max(‖b_leaf‖∞, ``floor`` · ‖b‖∞).
+class GradientError(NamedTuple):
+    """Tree ``a`` against reference ``b`` (float64, Euclidean norms over all entries).
 
-    Relative to each leaf's own scale, so a small leaf's error is not hidden by a large one;
-    but never to less than ``floor`` of the whole tree's, so a leaf whose exact gradient is 0
-    (an attention key bias: ~4e-9 in float) does not divide noise by noise.
+    Attributes:
+      whole: ‖a − b‖ / ‖b‖ over the whole tree.
+      leaf: max over leaves of ‖a_l − b_l‖ / max(‖b_l‖, floor · ‖b‖): each leaf against its own
+        scale, so a small leaf's error is not hidden by a large one, but never against less than
+        ``floor`` of the whole gradient's norm, so a leaf whose exact gradient is 0 (an
+        attention key bias: float noise only) does not divide noise by noise.
+      worst: the path of the leaf that gives ``leaf``.
+    """
+
+    whole: float
+    leaf: float
+    worst: str
+
+    @property
+    def max(self) -> float:
+        """The larger of the two: the one number a test or a benchmark bounds."""
+        return max(self.whole, self.leaf)
+
+
+def gradient_error(a: Any, b: Any, floor: float = LEAF_FLOOR) -> GradientError:
+    """The comparison of gradient trees used by the tests, benchmarks and docs.
+
+    Example:
+      >>> e = gradient_error(engine_grads, in_memory_grads)
+      >>> e.whole <= 1e-5 and e.leaf <= 1e-5
+    """
+    import numpy as np
+
+    pa, pb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+    if len(pa) != len(pb):
+        raise ValueError(f"trees differ: {len(pa)} vs {len(pb)} leaves")
+    va = [np.asarray(x, np.float64).ravel() for _, x in pa]
+    vb = [np.asarray(x, np.float64).ravel() for _, x in pb]
+    for (path, _), u, v in zip(pb, va, vb):
+        if u.shape != v.shape:
+            raise ValueError(f"leaf {jax.tree_util.keystr(path)}: shapes differ, {u.size} vs "
+                             f"{v.size} entries")
+    diff = [float(np.sum((u - v) ** 2)) for u, v in zip(va, vb)]
+    norm = [float(np.sum(v ** 2)) for v in vb]
+    whole_norm = np.sqrt(sum(norm))
+    whole = float(np.sqrt(sum(diff)) / max(whole_norm, 1e-300)) if any(diff) else 0.0
+    leaf, worst = 0.0, ""
+    for (path, _), d, n in zip(pb, diff, norm):
+        err = float(np.sqrt(d) / max(np.sqrt(n), floor * whole_norm, 1e-300)) if d else 0.0
+        if err > leaf or not worst:
+            leaf, worst = max(err, leaf), jax.tree_util.keystr(path)
+    return GradientError(whole, leaf, worst)
+
+
+def max_rel_err(a: Any, b: Any, floor: float = LEAF_FLOOR) -> float:
+    """:func:`gradient_error`'s larger figure (whole tree or worst leaf, floored at ``floor`` of
+    the whole gradient's norm): the one number the tests and benchmarks bound.
 
     Example:
       >>> max_rel_err(engine_grads, in_memory_grads) <= 1e-5
     """
-    import numpy as np
-
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    if len(la) != len(lb):
-        raise ValueError(f"trees differ: {len(la)} vs {len(lb)} leaves")
-    if not lb:
-        return 0.0
-    va = [np.asarray(x, np.float64) for x in la]
-    vb = [np.asarray(x, np.float64) for x in lb]
-    whole = max(float(np.max(np.abs(v))) if v.size else 0.0 for v in vb)
-    errs = [float(np.max(np.abs(u - v))) / max(float(np.max(np.abs(v))), floor * whole, 1e-30)
-            for u, v in zip(va, vb) if v.size]
-    return max(errs, default=0.0)
+    return gradient_error(a, b, floor).max

@@ -133,20 +133,46 @@ def test_generic_pytree_groups():
     )
 
 
-def test_max_rel_err_does_not_divide_noise_by_noise():
-    """A leaf whose exact gradient is 0 is measured against the whole tree's scale (floored),
-    while a small but real leaf keeps its own scale; checked against float64 by hand."""
+def test_gradient_error_does_not_divide_noise_by_noise():
+    """Whole-tree ‖a − b‖ / ‖b‖, and per leaf ‖a_l − b_l‖ / max(‖b_l‖, 1e-3 ‖b‖): a leaf whose
+    exact gradient is 0 is measured against the whole gradient's norm, while a small but real
+    leaf keeps its own scale; checked against a float64 NumPy formula written here."""
     import numpy as np
 
-    from jaxstream.quality.metrics import max_rel_err
+    from jaxstream.quality import gradient_error, max_rel_err
 
-    exact = {"w": np.array([2.0, -4.0]), "key_bias": np.array([0.0, 4e-9]),
+    exact = {"w": np.array([3.0, -4.0]), "key_bias": np.array([0.0, 4e-9]),
              "small": np.array([0.01, 0.02])}
-    est = {"w": np.array([2.0, -4.0 + 4e-6]), "key_bias": np.array([3e-9, -2e-9]),
-           "small": np.array([0.01, 0.02 + 2e-8])}
-    # per leaf: w 1e-6; key_bias 6e-9 / max(4e-9, 1e-3 * 4) = 1.5e-6; small 2e-8 / 0.02 = 1e-6
-    assert np.isclose(max_rel_err(est, exact), 1.5e-6)
-    per_leaf_only = max(np.max(np.abs(est[k] - exact[k])) / np.max(np.abs(exact[k]))
-                        for k in exact)
-    assert per_leaf_only > 1.0  # the old measure: noise over noise
-    assert max_rel_err(exact, exact) == 0.0
+    est = {"w": np.array([3.0, -4.0 + 5e-6]), "key_bias": np.array([3e-9, -2e-9]),
+           "small": np.array([0.01 + 1e-8, 0.02 + 2e-8])}
+    flat = lambda t: np.concatenate([t[k] for k in sorted(t)])
+    whole_norm = np.linalg.norm(flat(exact))
+    want_whole = np.linalg.norm(flat(est) - flat(exact)) / whole_norm
+    want_leaf = {k: np.linalg.norm(est[k] - exact[k])
+                 / max(np.linalg.norm(exact[k]), 1e-3 * whole_norm) for k in exact}
+    e = gradient_error(est, exact)
+    assert np.isclose(e.whole, want_whole, rtol=1e-12)
+    assert np.isclose(e.leaf, max(want_leaf.values()), rtol=1e-12)
+    assert e.worst == "['key_bias']" and e.leaf < 2e-6  # ~3.6e-9 / 5e-3
+    assert np.isclose(max_rel_err(est, exact), max(want_whole, e.leaf), rtol=1e-12)
+    own_scale = max(np.linalg.norm(est[k] - exact[k]) / np.linalg.norm(exact[k]) for k in exact)
+    assert own_scale > 0.5  # each leaf on its own scale: noise over noise
+    assert gradient_error(exact, exact) == (0.0, 0.0, "['key_bias']")
+
+
+def test_gradient_error_flags_a_wrong_leaf_and_a_wrong_whole():
+    """A genuinely wrong gradient is flagged: a small leaf off by 10 % (hidden in the whole
+    tree's norm) by the per-leaf figure, a 1 % global error by both."""
+    import numpy as np
+
+    from jaxstream.quality import gradient_error
+
+    exact = {"big": np.full(1000, 1.0), "small": np.array([0.05, -0.05])}
+    small_off = {"big": exact["big"], "small": exact["small"] * 1.1}
+    e = gradient_error(small_off, exact)
+    assert e.whole < 1e-3 and np.isclose(e.leaf, 0.1) and e.worst == "['small']"
+    scaled = {k: v * 1.01 for k, v in exact.items()}
+    e = gradient_error(scaled, exact)
+    assert np.isclose(e.whole, 0.01) and np.isclose(e.leaf, 0.01)
+    with pytest.raises(ValueError, match="trees differ"):
+        gradient_error({"a": exact["big"]}, exact)
