@@ -22,14 +22,17 @@ from tests.stream.blocking import count_blocking, count_dispatch
 
 N, B = 4, 3
 SGD = optax.sgd(0.1)
-# (estimator, update, most blocking reads per step)
+# (estimator, update, most blocking reads per step): each a per-step scalar or small array,
+# none per layer
 CASES = {
-    "backprop": (jg.backprop(), "eager", 1),  # the loss
-    "forward": (jg.forward(num_tangents=2), "eager", 2),  # losses, d
-    "forward-lazy": (jg.forward(num_tangents=2), "lazy", 2),
+    "backprop": (jg.backprop(), "eager", 1),  # the losses
+    "forward": (jg.forward(num_tangents=2), "eager", 3),  # losses, d, the K coefficients
+    "forward-lazy": (jg.forward(num_tangents=2), "lazy", 4),  # + the key (the lazy record)
     "forward-activations": (jg.forward(perturb="activations"), "eager", 1),  # the loss
-    "hybrid": (jg.hybrid(num_exact=2, num_tangents=2), "eager", 4),  # + selection, depths
-    "hybrid-lazy": (jg.hybrid(num_exact=2, num_tangents=2), "lazy", 4),
+    # losses, d; the selection and its depths, the key (the combine record); the rule's
+    # totals and ‖h‖² (read once, after the reverse sweep)
+    "hybrid": (jg.hybrid(num_exact=2, num_tangents=2), "eager", 7),
+    "hybrid-lazy": (jg.hybrid(num_exact=2, num_tangents=2), "lazy", 7),
     "local-guess": (jg.local_guess(), "eager", 3),  # loss, ‖U‖², d along U
 }
 

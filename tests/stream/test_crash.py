@@ -33,10 +33,12 @@ WRITER = textwrap.dedent(
 def test_killed_writer_leaves_last_commit(tmp_path):
     rng = np.random.default_rng(0)
     layers = 6
+    # ones, not zeros: the store's divergence guard refuses a commit whose norm exceeds 10x
+    # the last sane one's, and any norm exceeds 10x zero
     params = {
-        "embed": {"w": np.zeros((3, 64), np.float32)},
-        "blocks": {"w": np.zeros((layers, 64, 64), np.float32), "b": np.zeros((layers, 64), np.float32)},
-        "head": {"w": np.zeros((64, 2), np.float32)},
+        "embed": {"w": np.ones((3, 64), np.float32)},
+        "blocks": {"w": np.ones((layers, 64, 64), np.float32), "b": np.ones((layers, 64), np.float32)},
+        "head": {"w": np.ones((64, 2), np.float32)},
     }
     path = tmp_path / "s"
     LayerStore.create(path, params)
