@@ -2,8 +2,10 @@
 
     python benchmarks/engines.py --quick --json /tmp/engines.json
 
-For each pair: ``max_rel_err`` of the engine's gradient against the in-memory estimator
-configured the same way for the same keys (max over leaves of ‖a − b‖∞ / ‖b‖∞; goal ≤ 1e-5),
+For each pair: the engine's gradient against the in-memory estimator configured the same way
+for the same keys by :func:`jaxstream.quality.gradient_error` — ``whole_rel_err`` ‖a − b‖ / ‖b‖
+and ``leaf_rel_err``, the worst leaf's ‖a_l − b_l‖ / max(‖b_l‖, 1e-3 ‖b‖); ``max_rel_err`` is
+the larger (goal ≤ 1e-5) —
 and ``cosine_to_exact``, the cosine of the engine's gradient to the exact gradient of the batch.
 A pair an engine does not run is a row with ``status: "refused"`` and the engine's own error
 message — the matrix shows what is missing instead of hiding it.
@@ -48,7 +50,7 @@ from jaxstream.models import mlp, with_local_heads
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
-from jaxstream.quality.metrics import max_rel_err
+from jaxstream.quality.metrics import gradient_error
 from jaxstream.stream import LayerStore
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
@@ -188,10 +190,13 @@ def main(argv=None) -> dict:
             try:
                 grads, own_ref = fn()
             except (ValueError, TypeError) as err:
-                row.update(status="refused", max_rel_err=None, cosine_to_exact=None,
+                row.update(status="refused", max_rel_err=None, whole_rel_err=None,
+                           leaf_rel_err=None, cosine_to_exact=None,
                            reason=str(err).splitlines()[0][:160])
             else:
-                row.update(status="ran", max_rel_err=max_rel_err(grads, own_ref or ref),
+                e = gradient_error(grads, own_ref or ref)
+                row.update(status="ran", max_rel_err=e.max, whole_rel_err=e.whole,
+                           leaf_rel_err=e.leaf, worst_leaf=e.worst,
                            cosine_to_exact=cosine(grads, exact),
                            reference="same" if own_ref is None else "per-micro-batch")
             rows.append(row)
