@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import hashlib
 import logging
 import os
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +120,11 @@ class ArmCheckpointer:
             if code is None:  # not the machine's: a bug, with its traceback and orbax's logs
                 held.release()
                 raise
+            with _held_logs():  # orbax's threads and TensorStore's callbacks still finishing
+                with contextlib.suppress(Exception):  # report what the failed save raised:
+                    self.manager.close()              # nothing more of it is printed
+                gc.collect()  # its abandoned coroutines, finalised while their reports are held
+            logging.getLogger("asyncio").addFilter(_drop_write_errors)  # and any found later
             last = [s for s in self.manager.all_steps() if s < step]
             intact = (f"the checkpoint at step {max(last)} is intact" if last
                       else "no earlier checkpoint was written")
@@ -237,12 +245,14 @@ def write_errno(err: BaseException) -> int | None:
 
 
 class _HeldLogs(logging.Filter):
-    """Holds the ``absl`` records orbax's threads log during a save (each thread logs the
-    error the save then raises): :meth:`release` logs them after all; dropped otherwise."""
+    """Holds what orbax's threads report during a save — ``absl`` records, uncaught errors in
+    threads and callbacks (each reports the error the save then raises, or a callback into
+    its closed event loop): :meth:`release` reports them after all; dropped otherwise."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[logging.LogRecord] = []
+        self.reports: list[tuple[Any, Any]] = []  # (original hook, its argument(s))
 
     def filter(self, record: logging.LogRecord) -> bool:
         self.records.append(record)
@@ -253,16 +263,31 @@ class _HeldLogs(logging.Filter):
         records, self.records = self.records, []
         for r in records:
             logger.handle(r)
+        reports, self.reports = self.reports, []
+        for hook, args in reports:
+            hook(*args)
+
+
+def _drop_write_errors(record: logging.LogRecord) -> bool:
+    """Drops asyncio's "exception was never retrieved" for a failed write of a save that has
+    already been reported as one line (its futures are collected later, even at exit)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return exc is None or write_errno(exc) is None
 
 
 @contextlib.contextmanager
 def _held_logs() -> Iterator[_HeldLogs]:
     logger, held = logging.getLogger("absl"), _HeldLogs()
+    hooks = (sys.excepthook, sys.unraisablehook, threading.excepthook)
     logger.addFilter(held)
+    sys.excepthook = lambda *a: held.reports.append((hooks[0], a))
+    sys.unraisablehook = lambda a: held.reports.append((hooks[1], (a,)))
+    threading.excepthook = lambda a: held.reports.append((hooks[2], (a,)))
     try:
         yield held
     finally:
         logger.removeFilter(held)
+        sys.excepthook, sys.unraisablehook, threading.excepthook = hooks
 
 
 def _placed_like(restored: Any, like: Any) -> Any:
