@@ -341,7 +341,16 @@ def markdown(doc: dict) -> str:
             f"{env['compute_dtype']}, prefetch {env['prefetch']}; {doc['rounds']} interleaved "
             f"rounds, medians (min–max of the per-step ratios); cold: every store file fsynced "
             f"and dropped from the page cache before the step; load average at the start "
-            f"{load}.")
+            f"{load}.{overlap_note(doc['results'])}")
+
+
+def overlap_note(results: dict) -> str:
+    """Why "other" can be negative: the executor's causes are then not disjoint waits of the
+    main thread (an asynchronous step times some of them on threads beside it)."""
+    if all(r["other_s"] >= 0 for r in results.values()):
+        return ""
+    return (" A negative \"other\": the causes overlap (some are timed on threads that run "
+            "beside the main thread), so their sum exceeds the excess.")
 
 
 def write_doc(doc_path: str, doc: dict, command: str, where: str | None = None) -> None:
@@ -363,7 +372,8 @@ def merge(docs: list[dict]) -> dict:
     out = dict(docs[0])
     out["results"] = {k: v for d in docs for k, v in d["results"].items()}
     out["command"] = "; ".join(dict.fromkeys(d["command"] for d in docs))
-    out["rounds"] = min(d["rounds"] for d in docs)
+    rounds = sorted({d["rounds"] for d in docs})
+    out["rounds"] = rounds[0] if len(rounds) == 1 else f"{rounds[0]}–{rounds[-1]}"
     return out
 
 

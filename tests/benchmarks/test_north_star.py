@@ -107,6 +107,6 @@ def test_merge_keeps_every_width_in_order():
     a = {"command": "x --widths 256", "rounds": 5, "environment": env, "results": {"256/b/w": 1}}
     b = {"command": "x --widths 1024", "rounds": 4, "environment": env, "results": {"1024/b/w": 2}}
     m = ns.merge([a, b])
-    assert list(m["results"]) == ["256/b/w", "1024/b/w"] and m["rounds"] == 4
+    assert list(m["results"]) == ["256/b/w", "1024/b/w"] and m["rounds"] == "4–5"
     assert m["command"] == "x --widths 256; x --widths 1024"
     assert jax.tree.leaves(ns.merge([a])) == jax.tree.leaves(a)
