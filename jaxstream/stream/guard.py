@@ -8,7 +8,9 @@ A commit is sane when
 * the parameters' global L2 norm is at most ``GROWTH`` (10) times ``max(1, norm of the last
   sane commit)``: no healthy optimizer step multiplies the norm of a whole model by ten (the
   floor of 1 lets a model initialised near zero grow), while a diverging one does at once
-  (sgd at lr 2e38 takes an MLP's norm from ~10 to ~1e37 in one step).
+  (sgd at lr 2e38 takes an MLP's norm from ~10 to ~1e37 in one step). A store allocated with
+  zeros (``LayerStore.create`` with ``jax.ShapeDtypeStruct`` leaves) has no bound on its first
+  written commit.
 
 The norm costs no read: each unit's squared norm is summed while its write is staged, and the
 manifest keeps every unit's (``norms``). A store from before norms were kept reads the units it
@@ -72,7 +74,7 @@ def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:
             new[key] = committed(key)
     base = old_sane["norm"] if old_sane else math.sqrt(sum(committed(k) for k in _keys(m)))
     norm = math.sqrt(sum(new.values()))
-    bound = GROWTH * max(1.0, base)
+    bound = GROWTH * max(1.0, base) if base > 0 else math.inf  # allocated, not yet written
     loss_ok = bool((m.get("extra") or {}).get("loss_finite", True))
     m["norms"] = new
     if "previous" in m:

@@ -109,3 +109,16 @@ def test_rollback_resumes_a_diverged_streamed_run_from_its_last_sane_commit(tmp_
              if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6]  # the diverged step 4 was replaced
     capsys.readouterr()
+
+
+def test_a_store_allocated_with_zeros_takes_its_first_weights(tmp_path):
+    """No growth bound from an all-zero allocation: layer-by-layer initialisation commits."""
+    p = _params()
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
+    store = LayerStore.create(str(tmp_path / "s"), shapes, optimizer=optax.adam(1e-3))
+    big = jax.tree.map(lambda x: x * 100, p)
+    for l in range(2):
+        store.write(l, {"w": big["blocks"]["w"][l]})
+        store.commit(l + 1)
+        assert store.sane_step == l + 1
+    assert _equal(store.read_params()["blocks"], big["blocks"])
