@@ -101,11 +101,13 @@ class ComposedEngine(StreamEngine):
 
 def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: Any,
                           optimizer: Any, model: Any = None, arm: Any = None,
-                          micro_batches: int = 1, **_: Any) -> ComposedEngine:
-    """The registry's build: the engine's section, the model section and the arm's name."""
+                          micro_batches: int = 1, optimizer_config: Any = None,
+                          **_: Any) -> ComposedEngine:
+    """The registry's build: the engine's section, the model section and the arm's name
+    (``optimizer_config``: recorded in the stores, checked when one is handed over)."""
     return ComposedEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
-                          model=model, arm=arm,
-                          micro_batches=micro_batches)
+                          model=model, arm=arm, micro_batches=micro_batches,
+                          optimizer_config=optimizer_config)
 
 
 register_engine("composed", ComposedEngineConfig, build_composed_engine)
