@@ -50,6 +50,14 @@ def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
                               "statistics (BatchNorm); the runner's engines do not carry running "
                               "averages, so its evaluations would use the initial ones: remove "
                               "BatchNorm, or train it with js.train_step in your own loop")
+        dropped = [l for l, layer in enumerate(getattr(model, "layers", ()))
+                   if getattr(layer, "has_dropout", False)]
+        if dropped:  # without a step key its masks would be off: trained without, silently
+            raise ConfigError(
+                f"model: layer {dropped[0]} holds nnx.Dropout, which the runner's engines do not "
+                "drive (they bind no step key, so it would train with dropout silently off): "
+                "remove the dropout, or train the model with js.train_step, which binds the "
+                "step key")
         try:  # a layer the engines cannot drive (its own RNG streams), a model not stackable
             if x is not None and hasattr(model, "check_layers"):
                 model.check_layers(x)

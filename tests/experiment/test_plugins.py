@@ -220,3 +220,37 @@ def test_a_plugin_models_own_random_layer_is_refused_by_the_runner_in_one_line(
         "error: model: layer 1: GaussianNoise draws from its own RNG stream 'rngs/noise', but no "
         "step key is bound"), err
     assert not (tmp_path / "run").exists()
+
+
+DROPOUT_PLUGIN = textwrap.dedent('''
+    import dataclasses
+    from flax import nnx
+    from jaxstream.experiment.plugins import ModelConfig, register_model
+    from jaxstream.models import from_sequential
+
+    @register_model("dropout_mlp")
+    @dataclasses.dataclass(frozen=True)
+    class DropoutMLP(ModelConfig):
+        width: int = 8
+        depth: int = 1
+
+        def build(self, info):
+            r = nnx.Rngs(0)
+            return from_sequential(nnx.Sequential(
+                nnx.Linear(info["in_dim"], 8, rngs=r), nnx.relu, nnx.Dropout(0.5, rngs=r),
+                nnx.Linear(8, info["num_classes"], rngs=r)))
+''')
+
+
+def test_a_plugin_models_dropout_is_refused_by_the_runner_not_switched_off(
+        tmp_path, monkeypatch, capsys):
+    """The runner binds no step key, so a Dropout would train switched off: refused by name."""
+    (tmp_path / "my_dropout.py").write_text(DROPOUT_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--plugin", "my_dropout", str(QUICKSTART), "model={type: dropout_mlp}",
+                 *TINY, "--out", "run"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith(
+        "error: model: layer 2 holds nnx.Dropout, which the runner's engines do not drive"), err
+    assert not (tmp_path / "run").exists()
