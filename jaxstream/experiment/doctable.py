@@ -134,7 +134,9 @@ def compare_runs(run_dirs: Sequence[str | Path], plot: str | Path | None = "comp
         many = len(runs) > 1
         records = [{**r, "arm": f"{run['dir'].name}/{r['arm']}" if many else r["arm"]}
                    for run in runs for r in run["records"]]
-        write_compare_plot(records, list(_arms(runs)), Path(plot), target)
+        summary = runs[0]["summary"]  # the line the run's own plots drew (none for next-token
+        line = summary.get("plotted_target", target)  # accuracy without a target of its own)
+        write_compare_plot(records, list(_arms(runs)), Path(plot), line)
         text += f"\nplot: {plot}"
     return text
 

@@ -203,12 +203,13 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False,
                  diverged=results[arm.name]["diverged"])
         arms[arm.name], families[arm.name] = a, a["family"]
     finished = all(a["steps"] >= cfg.steps or a["diverged"] for a in arms.values())
-    summary = {"finished": finished, "target_accuracy": cfg.target_accuracy, "arms": arms,
+    target = plotted_target(cfg, data.train["y"])  # None: this metric has no target line
+    summary = {"finished": finished, "target_accuracy": cfg.target_accuracy,
+               "plotted_target": target, "arms": arms,
                "comparison": compare_families(arms, families)}
     if cfg.plots:
         with writing(run_dir, "the plots"):
-            write_plots(records, [a.name for a in cfg.arms], run_dir,
-                        plotted_target(cfg, data.train["y"]))
+            write_plots(records, [a.name for a in cfg.arms], run_dir, target)
     print(format_table(arms, cfg.target_accuracy))
     return summary
 

@@ -53,3 +53,25 @@ def test_classifier_keeps_its_target(monkeypatch, tmp_path):
     assert y.ndim == 1
     assert plots.plotted_target(cfg, y) == cfg.target_accuracy
     assert target_lines(monkeypatch, tmp_path, cfg.target_accuracy) == ["target 95%"] * 2
+
+
+def test_compare_draws_the_line_the_run_drew(monkeypatch, tmp_path):
+    """``jaxstream compare`` of character-model runs draws no 95 % line either."""
+    import json
+
+    from jaxstream.experiment import doctable
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"arm": "a", "step": s, "loss": 1.0, "test_accuracy": 0.1 * s,
+                    "train_time": 0.01 * s}) + "\n" for s in range(5)))
+    drawn = []
+    monkeypatch.setattr(plots, "write_compare_plot",
+                        lambda records, arms, path, target: drawn.append(target))
+    for summary, want in [({"target_accuracy": 0.95, "plotted_target": None}, None),
+                          ({"target_accuracy": 0.95, "plotted_target": 0.95}, 0.95),
+                          ({"target_accuracy": 0.9}, 0.9)]:  # a run from before the field
+        (run / "summary.json").write_text(json.dumps({**summary, "arms": {}}))
+        doctable.compare_runs([run], plot=tmp_path / "c.png")
+        assert drawn[-1] == want
