@@ -67,8 +67,11 @@ class Combine:
 
     @classmethod
     def of(cls, *, rule: str, key: jax.Array, n: int, d: Any, totals: dict, idx: Any,
-           depth: Any, total_size: float, scale: float | None = None) -> Combine:
-        return cls(rule, np.asarray(jax.random.key_data(key), np.uint32),
+           depth: Any, total_size: float, scale: float | None = None,
+           key_data: np.ndarray | None = None) -> Combine:
+        """``key_data``: the key's raw data if already read (else read here)."""
+        data = jax.random.key_data(key) if key_data is None else key_data
+        return cls(rule, np.asarray(data, np.uint32),
                    str(jax.random.key_impl(key)), int(n), np.asarray(d, np.float32),
                    {k: np.asarray(v) for k, v in totals.items()}, np.asarray(idx, np.int32),
                    np.asarray(depth, np.int32), np.float32(total_size),

@@ -44,6 +44,7 @@ from jaxstream.stream import kernels as K
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.prefetch import Event, Prefetcher
+from jaxstream.stream.readback import read_together
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block, of_key, parse_key
 from jaxstream.stream.values import host_value
@@ -506,7 +507,9 @@ class StreamedExecutor:
             return None, dev
         return load
 
-    def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None):
+    def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None, also=None):
+        """The forward sweep with tangents: ``(losses, d, hosts, stash, x, also)``, the per
+        micro-batch losses and derivatives read with ``also`` in one transfer."""
         x = self._cast_batch(batch)
         stash, hosts = {}, {}
         load = self._keeping_last(layers) if stash_idx is not None else self._load
@@ -522,19 +525,21 @@ class StreamedExecutor:
 
         losses, d = self._drive(layers, load, t0, "forward", end, lambda u, loaded, st: (
             self.placement.jvp(loaded[1], u, keys, st, stash, stash_idx), []))
-        return host_value(losses), host_value(d).astype(np.float32), hosts, stash, x
+        losses, d, also = read_together((losses, d, also))
+        return losses, d.astype(np.float32), hosts, stash, x, also
 
     def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
         n = jax.tree.leaves(batch)[0].shape[0]
         keys = jnp.stack([key] * n)
-        losses, d, hosts, _, _ = self._forward_sweep(batch, keys, layers, t0)
+        lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
+        losses, d, hosts, _, _, key_data = self._forward_sweep(
+            batch, keys, layers, t0, also=jax.random.key_data(key) if lazy_units else None)
         dk = d.mean(axis=0)  # (K,): derivative of the mean loss over all micro-batches
         every: list[LayerKey] = ["embed", *layers, "head"]
         with jax.default_device(self.host):
             coeffs = coefficients(self.spec, self.plan.combine, jnp.asarray(dk), lambda: sum(
                 K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts)) for u in every))
         coeffs = np.asarray(coeffs, np.float32)[None]
-        lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
         eager_units = [of_key(u) for u in every if u not in lazy_units]
 
         def load(u: Unit):
@@ -545,7 +550,7 @@ class StreamedExecutor:
 
         for u, (p, g) in self._sweep(eager_units, load, t0, "update"):
             sink(u.key, g, p)
-        new = lazy.add({}, lazy_units, key, coeffs) if lazy_units else {}
+        new = lazy.add({}, lazy_units, key, coeffs, key_data) if lazy_units else {}
         return float(np.mean(losses)), new
 
     def _load_both(self, unit: Unit) -> tuple[Any, Any]:
@@ -633,7 +638,7 @@ class StreamedExecutor:
                 self.stack, u.part, dev, z, st[0], head_dev, x))),
             kept(lambda u, dev, st: self.placement.local_exact(dev, u, st, head_dev, x)),
             done, state=(x["x"],))
-        loss, sq_sum = host_value((K.mean_loss(self.stack, out, x), K.total(sq)))
+        loss, sq_sum = read_together((K.mean_loss(self.stack, out, x), K.total(sq)))
         for task in scratch:
             for f in task.result():
                 f.result()
@@ -670,10 +675,11 @@ class StreamedExecutor:
         read (returned as pending records; h_u in the store's carry space)."""
         n = jax.tree.leaves(batch)[0].shape[0]
         mixes, rule = self.plan.mixes, self.plan.rule
-        if mixes:
-            idx = self._selection(key, n)
+        if mixes:  # the selection, its depths and the key's data: one transfer
+            idx, depth, key_data = read_together((*self.plan.select(
+                n, key, self.store.num_layers), jax.random.key_data(key)))
             keys = K.micro_keys(key, n)
-            losses, d, hosts, stash, x = self._forward_sweep(batch, keys, layers, t0, idx)
+            losses, d, hosts, stash, x, _ = self._forward_sweep(batch, keys, layers, t0, idx)
         else:
             idx, keys, d = np.arange(n), None, None
             losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
@@ -686,8 +692,8 @@ class StreamedExecutor:
         tasks: dict = {}  # unit -> (carry slot or None, the host worker's write of its h_u)
         # what every unit's combine shares (the totals, and the d of a direction, come later)
         c = deferred.Combine.of(rule=rule.name, key=key, n=n, d=d, totals={}, idx=idx,
-                                depth=self.plan.select(n, key, self.store.num_layers)[1],
-                                total_size=self._total_size(layers, hosts)) if mixes else None
+                                depth=depth, total_size=self._total_size(layers, hosts),
+                                key_data=key_data) if mixes else None
         common = c.common() if mixes else {}
 
         def finish(u, g, p):
@@ -718,7 +724,7 @@ class StreamedExecutor:
                     f.result()
                 if defer:
                     self._carried[u] = (slot, crcs)
-            totals, sq_sum = host_value((K.total(partials), K.total(sq)))  # once per sweep
+            totals, sq_sum = read_together((K.total(partials), K.total(sq)))  # one transfer
             scale = None
             if rule.along:  # a forward sweep along u = h / ‖h‖ gives d_n = ∇L_n·u
                 scale = 1.0 / max(float(np.sqrt(sq_sum)), 1e-30)

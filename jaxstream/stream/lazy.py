@@ -18,9 +18,10 @@ import numpy as np
 Record = tuple[np.ndarray, np.ndarray]  # (raw key data uint32, coefficients (N, K) float32)
 
 
-def encode(key: jax.Array, coeffs: np.ndarray) -> dict:
-    """JSON form of one update record (exact: float32 values round-trip through repr)."""
-    data = np.asarray(jax.random.key_data(key), np.uint32)
+def encode(key: jax.Array, coeffs: np.ndarray, key_data: np.ndarray | None = None) -> dict:
+    """JSON form of one update record (exact: float32 values round-trip through repr);
+    ``key_data``: the key's raw data if already read (else read here)."""
+    data = np.asarray(jax.random.key_data(key) if key_data is None else key_data, np.uint32)
     return {"key": data.tolist(), "impl": str(jax.random.key_impl(key)),
             "coeffs": np.asarray(coeffs, np.float32).tolist(), "shape": list(np.shape(coeffs))}
 
@@ -32,10 +33,11 @@ def decode(rec: dict) -> tuple[jax.Array, np.ndarray]:
     return key, coeffs
 
 
-def add(pending: dict, units: list, key: jax.Array, coeffs: np.ndarray) -> dict:
+def add(pending: dict, units: list, key: jax.Array, coeffs: np.ndarray,
+        key_data: np.ndarray | None = None) -> dict:
     """Appends the record to every unit in ``units`` (pending: {str(unit): [records]})."""
     out = {k: list(v) for k, v in pending.items()}
-    rec = encode(key, coeffs)
+    rec = encode(key, coeffs, key_data)
     for u in units:
         out.setdefault(str(u), []).append(rec)
     return out

@@ -26,14 +26,16 @@ SGD = optax.sgd(0.1)
 # none per layer
 CASES = {
     "backprop": (jg.backprop(), "eager", 1),  # the losses
-    "forward": (jg.forward(num_tangents=2), "eager", 3),  # losses, d, the K coefficients
-    "forward-lazy": (jg.forward(num_tangents=2), "lazy", 4),  # + the key (the lazy record)
+    # losses and d (one transfer), the K coefficients (formed on the host)
+    "forward": (jg.forward(num_tangents=2), "eager", 2),
+    # the key (the lazy record) read with losses and d
+    "forward-lazy": (jg.forward(num_tangents=2), "lazy", 2),
     "forward-activations": (jg.forward(perturb="activations"), "eager", 1),  # the loss
-    # losses, d; the selection and its depths, the key (the combine record); the rule's
-    # totals and ‖h‖² (read once, after the reverse sweep)
-    "hybrid": (jg.hybrid(num_exact=2, num_tangents=2), "eager", 7),
-    "hybrid-lazy": (jg.hybrid(num_exact=2, num_tangents=2), "lazy", 7),
-    "local-guess": (jg.local_guess(), "eager", 3),  # loss, ‖U‖², d along U
+    # one transfer per sweep: the selection, its depths and the key (the combine record);
+    # losses and d; the rule's totals and ‖h‖² (after the reverse sweep)
+    "hybrid": (jg.hybrid(num_exact=2, num_tangents=2), "eager", 3),
+    "hybrid-lazy": (jg.hybrid(num_exact=2, num_tangents=2), "lazy", 3),
+    "local-guess": (jg.local_guess(), "eager", 2),  # loss with ‖U‖², d along U
 }
 
 
@@ -86,3 +88,23 @@ def test_counter_sees_a_blocking_read(tmp_path):
         t.start()
         t.join()
     assert c.total == 2 and c.by == {"__float__": 1, "np.asarray": 1}
+
+
+def test_read_together_is_one_exact_transfer():
+    """A pytree of mixed dtypes and shapes comes back in one read, bit for bit as read leaf
+    by leaf (bf16 and float16 widened and narrowed back, ints, uint32 key data, bools)."""
+    from jaxstream.stream.readback import read_together
+
+    jnp = jax.numpy
+    tree = {"loss": jnp.float32(1.25) / 3, "d": jnp.linspace(-1, 1, 6).reshape(3, 2),
+            "bf": (jnp.arange(5) / 7).astype(jnp.bfloat16), "h": jnp.float16(-0.1) * 3,
+            "idx": jnp.array([3, -1], jnp.int32), "key": jax.random.key_data(jax.random.key(7)),
+            "mask": jnp.arange(4) > 1, "none": None, "host": np.float32(2.0)}
+    want = jax.tree.map(np.asarray, tree)
+    with count_blocking() as c:
+        got = read_together(tree)
+    assert c.total == 1, dict(c.by)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8))
