@@ -46,6 +46,9 @@ from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.prefetch import Event, Prefetcher
 from jaxstream.stream.readback import read_together
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.sweeps.common import copying as _copying
+from jaxstream.stream.sweeps.common import kept as _kept
+from jaxstream.stream.sweeps.local_guess import run_local_guess
 from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block, of_key, parse_key
 from jaxstream.stream.values import host_value
 
@@ -481,7 +484,7 @@ class StreamedExecutor:
         elif plan.local:
             loss, new = self._run_activity(batch, key, list(layers), sink, t0), {}
         elif plan.forward == "local_guess":
-            loss, new = self._run_local_guess(batch, list(layers), sink, t0), {}
+            loss, new = run_local_guess(self, batch, list(layers), sink, t0), {}
         else:
             loss, new = self._run_reverse(batch, key, list(layers), sink, t0, commit_lazy)
         if commit_lazy:
@@ -602,60 +605,6 @@ class StreamedExecutor:
             kept(lambda u, dev, st: self.placement.act_grad(dev, u, keys, st, d)),
             done, state=(x["x"],))
         return float(jnp.mean(ex_loss))
-
-    def _run_local_guess(self, batch, layers, sink, t0) -> float:
-        """The local guess (Fournier et al.): a sweep of each unit's exact local-loss gradient
-        U_u (kept in the store's scratch), a sweep along U giving d = ∇L·U, and an update
-        sweep ĝ_u = d / ‖U‖² · U_u; own local heads get their exact gradients as they are."""
-        x = self._cast_batch(batch)
-        z = np.int32(0)
-        hosts: dict = {}
-        ends: dict = {}  # the embed's and the head's host params, for the sweep along U
-        heads: dict = {}  # own local heads' exact gradients per address
-        sq: list = []
-        scratch: list = []
-        own = self.stack.local_head is not None
-        head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
-
-        def keep(addr, g, host):
-            if own and "local_head" in g:  # the direction reaches the module only
-                heads[addr] = g["local_head"]
-                g = {**g, "local_head": K.zeros32(g["local_head"])}
-            if addr in ("embed", "head"):
-                ends[addr] = host
-            sq.append(K.sq_norm(g))
-            scratch.append(self._submit(self._write_scratch, addr, _copying(g)))
-
-        kept = functools.partial(_kept, hosts)
-
-        def done(finished):
-            for u, g in finished:
-                self._each(u, g, hosts.pop(u), keep)
-
-        (out,) = self._drive(
-            layers, self._load_both, t0, "forward",
-            kept(lambda u, dev, st: self._unit_grad(u, K.unit_local_exact(
-                self.stack, u.part, dev, z, st[0], head_dev, x))),
-            kept(lambda u, dev, st: self.placement.local_exact(dev, u, st, head_dev, x)),
-            done, state=(x["x"],))
-        loss, sq_sum = read_together((K.mean_loss(self.stack, out, x), K.total(sq)))
-        for task in scratch:
-            for f in task.result():
-                f.result()
-        d = float(np.mean(self._along_sweep(batch, layers, ends, t0, 1.0)))
-        c = np.float32(d / max(float(sq_sum), float(np.finfo(np.float32).tiny)))
-
-        def load(u: Unit):
-            p = self._like(u.key, ends, staged=True)
-            g = jax.tree.map(lambda a: np.asarray(a) * c, self.store.read_scratch(u.key).result())
-            if u.key in heads:
-                g = {**g, "local_head": heads[u.key]}
-            return p, g
-
-        units = [of_key(a) for a in ["embed", *layers, "head"]]
-        for u, (p, g) in self._sweep(units, load, t0, "update"):
-            sink(u.key, g, p)
-        return float(loss)
 
     @staticmethod
     def _unit_grad(u: Unit, out: tuple) -> tuple:
@@ -877,26 +826,9 @@ class StreamedExecutor:
         return None, hosts, stash, x
 
 
-def _kept(hosts: dict, kernel: Callable) -> Callable:
-    """A unit kernel ``kernel(u, dev, state)`` as a driver kernel that keeps the unit's host
-    params in ``hosts`` until its gradient is done."""
-    def run(u, loaded, state):
-        hosts[u], dev = loaded
-        return kernel(u, dev, state)
-    return run
-
-
 def _clock() -> dict:
     return {"host_update_s": 0.0, "wait_update_s": 0.0, "wait_write_s": 0.0,
             "wait_commit_s": 0.0}
-
-
-def _copying(tree: Any) -> Any:
-    """``tree`` with the copy to the host of its device arrays started (not waited for)."""
-    for a in jax.tree.leaves(tree):
-        if isinstance(a, jax.Array) and a.is_fully_addressable:
-            a.copy_to_host_async()
-    return tree
 
 
 def _host32(tree: Any) -> Any:
