@@ -23,7 +23,6 @@ Every step ends with :meth:`LayerStore.commit`, so its writes become visible tog
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,8 +45,8 @@ from jaxstream.stream.placement import OneDevice, Placement
 from jaxstream.stream.prefetch import Event, Prefetcher
 from jaxstream.stream.readback import read_together
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.sweeps.activity import run_activity
 from jaxstream.stream.sweeps.common import copying as _copying
-from jaxstream.stream.sweeps.common import kept as _kept
 from jaxstream.stream.sweeps.local_guess import run_local_guess
 from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block, of_key, parse_key
 from jaxstream.stream.values import host_value
@@ -482,7 +481,7 @@ class StreamedExecutor:
         if plan.forward == "weights" and plan.exact == "none":
             loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
         elif plan.local:
-            loss, new = self._run_activity(batch, key, list(layers), sink, t0), {}
+            loss, new = run_activity(self, batch, key, list(layers), sink, t0), {}
         elif plan.forward == "local_guess":
             loss, new = run_local_guess(self, batch, list(layers), sink, t0), {}
         else:
@@ -562,49 +561,6 @@ class StreamedExecutor:
             return self._load(unit)
         hosts = self._block_hosts(unit)
         return hosts, self.placement.put(unit, hosts)
-
-    def _run_activity(self, batch, key, layers, sink, t0) -> float:
-        """Activity perturbation: a forward sweep with tangents on every unit's output gives the
-        per-example scalars d; an update sweep recomputes each unit's output and forms its
-        weight estimate by a vjp through that unit alone. With local losses each unit's
-        estimate needs only its own output and the head: one sweep."""
-        x = self._cast_batch(batch)
-        keys = key[None]
-        z = np.int32(0)
-        hosts: dict = {}
-
-        kept = functools.partial(_kept, hosts)
-
-        def done(finished):
-            self._done(finished, hosts, sink)
-
-        if self.plan.forward in ("local", "local_weights"):
-            weights = self.plan.forward == "local_weights"
-            head_dev = self._to_device(self._apply_pending("head", self.store.read("head").result()))
-            (out,) = self._drive(
-                layers, self._load_both, t0, "forward",
-                kept(lambda u, dev, st: self._unit_grad(u, K.unit_local_grad(
-                    self.stack, self.spec, u.part, dev, z, keys, st[0], head_dev, x, weights))),
-                kept(lambda u, dev, st: self.placement.local_grad(dev, u, keys, st, head_dev, x,
-                                                                  weights)),
-                done, state=(x["x"],))
-            return float(K.mean_loss(self.stack, out, x))
-
-        def end(u, loaded, state):
-            dev = loaded[1]
-            if u == EMBED:
-                return K.embed_act(self.stack, self.spec, dev, x["x"], keys), []
-            return K.head_act(self.stack, self.spec, dev, *state, x, keys), []
-
-        ex_loss, d = self._drive(layers, self._load, t0, "forward", end, lambda u, loaded, st: (
-            self.placement.act(loaded[1], u, keys, st), []))
-        self._drive(
-            layers, self._load_both, t0, "update",
-            kept(lambda u, dev, st: self._unit_grad(u, K.unit_act_grad(
-                self.stack, self.spec, u.part, dev, z, keys, st[0], d))),
-            kept(lambda u, dev, st: self.placement.act_grad(dev, u, keys, st, d)),
-            done, state=(x["x"],))
-        return float(jnp.mean(ex_loss))
 
     @staticmethod
     def _unit_grad(u: Unit, out: tuple) -> tuple:
