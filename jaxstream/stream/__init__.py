@@ -4,6 +4,7 @@ from jaxstream.stream.data_store import DataStore
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import (
     StoreCorruptError,
+    StoreDivergedError,
     StoreError,
     StoreLockedError,
     StoreMismatchError,
@@ -28,6 +29,7 @@ __all__ = [
     "Placement",
     "Plan",
     "StoreCorruptError",
+    "StoreDivergedError",
     "StoreError",
     "StoreLockedError",
     "StoreMismatchError",

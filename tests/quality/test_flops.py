@@ -81,7 +81,8 @@ def test_a_loop_without_a_known_trip_count_is_refused():
 def test_hybrid_costs_backprop_plus_its_exact_share():
     """The hybrid's jvp of every example along its own tangent is backprop's count (three
     products per layer, the first layer's input tangent zero); its exact part adds the selected
-    share's rematerialised backprop, nothing more."""
+    share's rematerialised backprop, and its control variate one dot h·v per micro-batch and
+    leaf, nothing more."""
     stack = mlp(in_dim=D, width=D, depth=L, num_classes=D)
     params = stack.init(jax.random.key(1))
     n, k = 8, 2
@@ -100,7 +101,10 @@ def test_hybrid_costs_backprop_plus_its_exact_share():
     # exact part on the selected share: forward (L + 2), the blocks again (L), weight
     # cotangents (L + 2), input cotangents (L + 1: none for the embed's input)
     exact = (4 * L + 5) * mm * k / n
-    assert hyb == pytest.approx(bp + exact, rel=1e-3)  # + the loss's small products
+    # the control variate's scalars c = h·v: one dot per micro-batch (one tangent) and leaf,
+    # 2 FLOPs per parameter (weights D x D and biases D, every layer)
+    dots = 2 * n * layers * (D * D + D)
+    assert hyb == pytest.approx(bp + exact + dots, rel=1e-4)  # + the loss's small products
     subset = flops(lambda p, b, k_: jg.exact_subset(num_exact=k)(stack, p, b, k_),
                    params, batch, key)
     assert subset == exact
