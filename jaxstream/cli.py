@@ -12,14 +12,15 @@ value, unusable ``--out``) prints one line ``error: ...`` and exits with status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 RUN_USAGE = ("jaxstream run CONFIG [key=value ...] [--out DIR] [--resume | --rollback] "
              "[--plugin MODULE] "
-             "[--tensorboard] [--print-config]")
+             "[--tensorboard] [--profile DIR] [--print-config]")
 
 
 class UserError(Exception):
@@ -51,6 +52,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                         "'jaxstream.plugins' instead")
     p.add_argument("--tensorboard", action="store_true",
                    help="also write TensorBoard event files to RUN_DIR/tensorboard")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a jax.profiler trace of the whole run to DIR (open it with "
+                        "TensorBoard's profile plugin or Perfetto): every streamed step, read, "
+                        "unit, host update, write and commit is annotated")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every default filled in, overrides applied) "
                         "as YAML and exit: nothing is run or written")
@@ -102,6 +107,19 @@ def check_run_args(args: argparse.Namespace) -> None:
                         "(or pip install 'jaxstream[tensorboard]'); nothing was run")
 
 
+@contextlib.contextmanager
+def profiled(trace_dir: str | None) -> Iterator[None]:
+    """A ``jax.profiler`` trace of the block into ``trace_dir`` (nothing when None)."""
+    if trace_dir is None:
+        yield
+        return
+    import jax
+
+    with jax.profiler.trace(trace_dir):
+        yield
+    print(f"profile: {trace_dir} (tensorboard --logdir {trace_dir}, or Perfetto)", flush=True)
+
+
 def main_run(args: argparse.Namespace) -> int:
     """Run ``args.config``; print the run directory (and a headline table if the run has one)."""
     check_run_args(args)
@@ -124,10 +142,13 @@ def main_run(args: argparse.Namespace) -> int:
         live.append(LiveEvents(run_dir).start())
         print(f"tensorboard: tensorboard --logdir {live[0].out}", flush=True)
 
+    if args.profile is not None and Path(args.profile).exists() and not Path(args.profile).is_dir():
+        raise UserError(f"--profile {args.profile} is a file; give a directory for the trace")
     try:
-        run_dir, _ = run_experiment(args.config, args.overrides, out=args.out,
-                                    resume=args.resume, rollback=args.rollback,
-                                    on_start=follow if args.tensorboard else None)
+        with profiled(args.profile):
+            run_dir, _ = run_experiment(args.config, args.overrides, out=args.out,
+                                        resume=args.resume, rollback=args.rollback,
+                                        on_start=follow if args.tensorboard else None)
     finally:
         for events in live:  # also when the run fails: its curves so far are kept
             events.close()

@@ -220,3 +220,16 @@ def test_run_with_tensorboard_prints_where_and_writes_events(tmp_path, capsys, m
     assert "tensorboard: tensorboard --logdir" in capsys.readouterr().out
     got = _scalars(tmp_path / "r" / "tensorboard")
     assert {("bp", "test_accuracy", s) for s in range(3)} <= set(got)
+
+
+def test_profile_writes_a_trace_of_the_run(tmp_path, capsys):
+    """``--profile DIR``: a jax.profiler trace of the run (the streamed step's annotations in it)."""
+    trace = tmp_path / "trace"
+    assert main(["run", str(QUICKSTART), "steps=2", "eval_every=1", "diag_every=0",
+                 "checkpoint_every=0", "model.width=8", "arms=[{name: bp, estimator: {type: backprop}}]",
+                 "--out", str(tmp_path / "run"), "--profile", str(trace)]) == 0
+    assert list(trace.rglob("*.xplane.pb")), "no trace written"
+    assert f"profile: {trace}" in capsys.readouterr().out
+    (tmp_path / "file").write_text("x")
+    assert main(["run", str(QUICKSTART), "--profile", str(tmp_path / "file")]) == 2
+    assert "--profile" in capsys.readouterr().err
