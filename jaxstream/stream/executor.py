@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.grad.checks import check_local_losses
-from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
@@ -47,8 +46,9 @@ from jaxstream.stream.readback import read_together
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.sweeps.activity import run_activity
 from jaxstream.stream.sweeps.common import copying as _copying
+from jaxstream.stream.sweeps.forward import forward_sweep, run_forward
 from jaxstream.stream.sweeps.local_guess import run_local_guess
-from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block, of_key, parse_key
+from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block, parse_key
 from jaxstream.stream.values import host_value
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -452,8 +452,8 @@ class StreamedExecutor:
         stages is kept."""
         n = jax.tree.leaves(batch)[0].shape[0]
         try:
-            losses, d, *_ = self._forward_sweep(batch, jnp.stack([key] * n),
-                                                list(self.layers(step)), time.perf_counter())
+            losses, d, *_ = forward_sweep(self, batch, jnp.stack([key] * n),
+                                          list(self.layers(step)), time.perf_counter())
         finally:
             self.store.abort()
         return losses, d
@@ -479,7 +479,7 @@ class StreamedExecutor:
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self._applied, self._reused, self._resident = set(), 0, None
         if plan.forward == "weights" and plan.exact == "none":
-            loss, new = self._run_forward(batch, key, list(layers), sink, t0, commit_lazy)
+            loss, new = run_forward(self, batch, key, list(layers), sink, t0, commit_lazy)
         elif plan.local:
             loss, new = run_activity(self, batch, key, list(layers), sink, t0), {}
         elif plan.forward == "local_guess":
@@ -508,52 +508,6 @@ class StreamedExecutor:
             self._resident = (u, hosts, dev)
             return None, dev
         return load
-
-    def _forward_sweep(self, batch, keys, layers, t0, stash_idx=None, also=None):
-        """The forward sweep with tangents: ``(losses, d, hosts, stash, x, also)``, the per
-        micro-batch losses and derivatives read with ``also`` in one transfer."""
-        x = self._cast_batch(batch)
-        stash, hosts = {}, {}
-        load = self._keeping_last(layers) if stash_idx is not None else self._load
-
-        def end(u, loaded, state):
-            hosts[u.key], dev = loaded
-            if u == EMBED:
-                return K.embed_jvp(self.stack, self.spec, dev, x["x"], keys), []
-            h, dh = state
-            if stash_idx is not None:
-                stash["head"] = self.placement.keep(K.take(h, stash_idx))
-            return K.head_jvp(self.stack, self.spec, dev, h, dh, x, keys), []
-
-        losses, d = self._drive(layers, load, t0, "forward", end, lambda u, loaded, st: (
-            self.placement.jvp(loaded[1], u, keys, st, stash, stash_idx), []))
-        losses, d, also = read_together((losses, d, also))
-        return losses, d.astype(np.float32), hosts, stash, x, also
-
-    def _run_forward(self, batch, key, layers, sink, t0, commit_lazy):
-        n = jax.tree.leaves(batch)[0].shape[0]
-        keys = jnp.stack([key] * n)
-        lazy_units = layers if (self.cfg.update == "lazy" and commit_lazy) else []
-        losses, d, hosts, _, _, key_data = self._forward_sweep(
-            batch, keys, layers, t0, also=jax.random.key_data(key) if lazy_units else None)
-        dk = d.mean(axis=0)  # (K,): derivative of the mean loss over all micro-batches
-        every: list[LayerKey] = ["embed", *layers, "head"]
-        with jax.default_device(self.host):
-            coeffs = coefficients(self.spec, self.plan.combine, jnp.asarray(dk), lambda: sum(
-                K.unit_gram(self.spec, K.unit_key(key, u), self._like(u, hosts)) for u in every))
-        coeffs = np.asarray(coeffs, np.float32)[None]
-        eager_units = [of_key(u) for u in every if u not in lazy_units]
-
-        def load(u: Unit):
-            p = self._like(u.key, hosts, staged=True)
-            with jax.default_device(self.host):
-                g = K.unit_estimate(self.spec, K.step_seg_keys(key, u.key), coeffs, p)
-            return p, g
-
-        for u, (p, g) in self._sweep(eager_units, load, t0, "update"):
-            sink(u.key, g, p)
-        new = lazy.add({}, lazy_units, key, coeffs, key_data) if lazy_units else {}
-        return float(np.mean(losses)), new
 
     def _load_both(self, unit: Unit) -> tuple[Any, Any]:
         """(host fp32 params — a list per layer for a block unit —, device params) of a unit."""
@@ -584,7 +538,7 @@ class StreamedExecutor:
             idx, depth, key_data = read_together((*self.plan.select(
                 n, key, self.store.num_layers), jax.random.key_data(key)))
             keys = K.micro_keys(key, n)
-            losses, d, hosts, stash, x, _ = self._forward_sweep(batch, keys, layers, t0, idx)
+            losses, d, hosts, stash, x, _ = forward_sweep(self, batch, keys, layers, t0, idx)
         else:
             idx, keys, d = np.arange(n), None, None
             losses, hosts, stash, x = self._plain_sweep(batch, layers, t0)
