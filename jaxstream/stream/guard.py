@@ -41,12 +41,16 @@ def _unit(key: str) -> str | int:
     return int(key.split("/")[1]) if key.startswith("blocks/") else key
 
 
+def leaf_sq(x: np.ndarray) -> float:
+    """A host array's squared L2 norm, summed in float64 (what the guard adds up per unit)."""
+    return float(np.sum(np.square(x, dtype=np.float64)))
+
+
 def _sq(tree: Any) -> float:
     import jax
 
-    return float(sum(np.sum(np.square(np.asarray(x), dtype=np.float64))
-                     for x in jax.tree_util.tree_leaves(tree)
-                     if np.issubdtype(np.asarray(x).dtype, np.inexact)))
+    leaves = (np.asarray(x) for x in jax.tree_util.tree_leaves(tree))
+    return sum(leaf_sq(x) for x in leaves if np.issubdtype(x.dtype, np.inexact))
 
 
 def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:

@@ -54,7 +54,7 @@ from jaxstream.stream.errors import (
     StoreStaleError,
     StoreWriteError,
 )
-from jaxstream.stream.guard import guard_commit, guard_message, sane_after_rollback
+from jaxstream.stream.guard import guard_commit, guard_message, leaf_sq, sane_after_rollback
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore, write_group
 from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
 from jaxstream.stream.store_init import tree_structures, write_new_store
@@ -562,7 +562,7 @@ class LayerStore:
                         f"this step is committed, the store stays at step {self.step}")
                 crcs.append(digest(x))
                 if kind == "params" and np.issubdtype(x.dtype, np.inexact):
-                    sq += float(np.sum(np.square(x, dtype=np.float64)))
+                    sq += leaf_sq(x)
                 try:
                     fut = self._arrays[(kind, part, i)][idx].write(x)
                 except Exception as err:
