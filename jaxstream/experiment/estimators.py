@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from jaxstream.experiment.config import register_choice
 from jaxstream.grad.estimators import Aggregation, Perturb
 from jaxstream.grad.tangents import Distribution
-from jaxstream.ranges import Checked, Count, Range
+from jaxstream.ranges import Checked, Count, Positive, Range
 
 Estimator = Callable  # estimator(loss_fn, params, batch, key) -> (loss, grads)
 
@@ -64,12 +64,15 @@ class ForwardConfig(EstimatorConfig):
     antithetic: bool = False
     aggregation: Aggregation = "mean"
     local_losses: bool = False
+    rank: Count | None = None  # low-rank weight tangents A Bᵀ / √r (None: full ones)
 
     def check(self) -> None:
         if self.antithetic:
             from jaxstream.grad.tangents import ANTITHETIC
 
             raise ValueError(ANTITHETIC)
+        if self.rank is not None:
+            self.build()  # the estimator's own one-line refusal (perturb, orthogonal)
 
     def build(self) -> Estimator:
         import jaxstream.grad as jg
@@ -78,7 +81,25 @@ class ForwardConfig(EstimatorConfig):
         return jg.forward(**kwargs)
 
     def describe(self) -> str:
-        return f"forward({self.perturb}, K={self.num_tangents})"
+        rank = "" if self.rank is None else f", rank {self.rank}"
+        return f"forward({self.perturb}, K={self.num_tangents}{rank})"
+
+
+@register_choice(EstimatorConfig, "spsa")
+@dataclasses.dataclass(frozen=True)
+class SPSAConfig(EstimatorConfig):
+    """Zeroth-order two-point estimate (SPSA / MeZO): 2K loss evaluations at θ ± εv_k, no jvp;
+    bias O(ε²)."""
+
+    num_directions: Count = 1
+    eps: Positive = 1e-3
+    distribution: Distribution = "rademacher"
+    rank: Count | None = None  # low-rank directions A Bᵀ / √r on matrices (None: full ones)
+
+    def build(self) -> Estimator:
+        import jaxstream.grad as jg
+
+        return jg.spsa(self.num_directions, self.eps, self.distribution, self.rank)
 
 
 @register_choice(EstimatorConfig, "hybrid")

@@ -2,8 +2,9 @@
 
 ``backprop()`` is the reference; ``forward(...)`` the forward-gradient estimators (weight or
 activity perturbation); ``hybrid(...)`` mixes forward estimates of every micro-batch with exact
-gradients of a subset. ``tangents`` holds the key schedule every engine shares, ``corrections``
-the per-segment correction code a pipeline stage reuses.
+gradients of a subset; ``spsa(...)`` the zeroth-order two-point estimate (no jvp).
+``tangents`` holds the key schedule every engine shares, ``corrections`` the per-segment
+correction code a pipeline stage reuses.
 """
 
 from jaxstream.grad import corrections, tangents
@@ -21,8 +22,10 @@ from jaxstream.grad.hybrid import Hybrid, hybrid, num_micro_batches
 from jaxstream.grad.hybrid_activity import HybridActivity, hybrid_activity
 from jaxstream.grad.local_guess import LocalGuess, local_guess, local_targets
 from jaxstream.grad.tangents import TangentSpec
+from jaxstream.grad.zeroth_order import SPSA, spsa
 
 __all__ = [
+    "SPSA",
     "Backprop",
     "BackpropRemat",
     "ExactSubset",
@@ -46,6 +49,7 @@ __all__ = [
     "local_guess",
     "local_targets",
     "num_micro_batches",
+    "spsa",
     "stack_directional",
     "tangents",
 ]

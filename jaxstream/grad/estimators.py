@@ -85,6 +85,9 @@ class Forward:
             raise ValueError("aggregation='projection' needs perturb='weights'")
         if self.local_losses and self.perturb != "activations":
             raise ValueError("local_losses=True needs perturb='activations'")
+        if self.spec.rank is not None and self.perturb != "weights":
+            raise ValueError(f"rank={self.spec.rank}: low-rank tangents are for weight matrices; "
+                             "allowed: perturb='weights' with rank, or rank=None")
 
     @property
     def plan(self) -> Plan:
@@ -138,6 +141,7 @@ def forward(
     antithetic: bool = False,
     aggregation: Aggregation = "mean",
     local_losses: bool = False,
+    rank: int | None = None,
 ) -> Forward:
     """Forward-gradient estimator: ĝ = (1/K) Σ_k (∇L·v_k) v_k with E[v vᵀ] = I.
 
@@ -152,6 +156,10 @@ def forward(
         V (VᵀV)⁻¹ Vᵀ g, biased — E ĝ ≈ (K/n) g for n parameters (its norm shrinks by about
         K/n), with a higher cosine to g than the mean for the same K.
       local_losses: with ``perturb="activations"``, give each block its own loss.
+      rank: low-rank weight tangents (None: full ones): each 2-D leaf (m, n) gets
+        v = A Bᵀ / √r, A (m, r) and B (n, r) drawn by ``distribution``; other leaves full
+        tangents. E[v vᵀ] = I still, so the mean stays unbiased (:class:`TangentSpec`).
+        Needs ``perturb="weights"`` and ``orthogonal=False``.
 
     Returns:
       An estimator ``(loss_fn, params, batch, key) -> (loss, grads)``.
@@ -166,6 +174,7 @@ def forward(
     Example:
       >>> est = forward(num_tangents=4, distribution="gaussian")
       >>> loss, grads = jax.jit(est, static_argnums=0)(stack, params, batch, key)
+      >>> low_rank = forward(num_tangents=4, distribution="gaussian", rank=2)
     """
-    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
+    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic, rank)
     return Forward(spec, perturb, aggregation, local_losses)

@@ -21,9 +21,11 @@ import jax
 from jaxstream.grad.combine import Rule, get
 from jaxstream.grad.tangents import TangentSpec
 
-ForwardPass = Literal["none", "weights", "activity", "local", "local_weights", "local_guess"]
+ForwardPass = Literal["none", "weights", "activity", "local", "local_weights", "local_guess",
+                      "zeroth_order"]
 ExactPass = Literal["none", "all", "selected"]
-FORWARD_PASSES = ("none", "weights", "activity", "local", "local_weights", "local_guess")
+FORWARD_PASSES = ("none", "weights", "activity", "local", "local_weights", "local_guess",
+                  "zeroth_order")
 EXACT_PASSES = ("none", "all", "selected")
 
 
@@ -36,7 +38,9 @@ class Plan:
         derivatives per micro-batch); ``"activity"`` (tangents on each block's outputs, weight
         estimates formed locally after); ``"local"`` (activity tangents, each block's own
         loss); ``"local_weights"`` (weight tangents, each block's own loss); ``"local_guess"``
-        (one jvp along the local losses' exact gradients, :mod:`.local_guess`).
+        (one jvp along the local losses' exact gradients, :mod:`.local_guess`);
+        ``"zeroth_order"`` (no jvp: two loss evaluations at θ ± εv per direction, the estimate
+        formed by the pass itself, :mod:`.zeroth_order`).
       exact: reverse-mode gradients for ``"none"``, ``"all"`` micro-batches or the
         ``"selected"`` ones (:attr:`select`).
       combine: the rule of :mod:`jaxstream.grad.combine` that forms the estimate from the two
@@ -104,7 +108,9 @@ class Plan:
 
     def describe(self) -> str:
         """A short label for tables, e.g. ``hybrid(weighted, 2 exact, K=1)``."""
-        k = f"K={self.spec.num}"
+        k = f"K={self.spec.num}" + ("" if self.spec.rank is None else f", rank {self.spec.rank}")
+        if self.forward == "zeroth_order":
+            return f"spsa({k})"
         if self.family == "backprop":
             return "backprop"
         if self.family == "exact_subset":

@@ -49,12 +49,19 @@ class TangentSpec:
         see :func:`_orthogonalise`).
       antithetic: refused (kept so that a caller asking for it is told why): every estimate
         here is a jvp, and (∇L·(−v))(−v) = (∇L·v)v, so a ±v pair adds only compute.
+      rank: low-rank tangents (None: full ones). A 2-D leaf of shape (m, n) (a weight matrix
+        of one layer) gets v = A Bᵀ / √r with A (m, r) and B (n, r) of iid entries drawn by
+        ``distribution`` (zero mean, unit variance); every other leaf (biases, vectors, a
+        stacked or a conv kernel) gets a full tangent. Still E[v vᵀ] = I:
+        E[v_ij v_kl] = (1/r) Σ_a E[A_ia A_ka] E[B_ja B_la] = δ_ik δ_jl, so (∇L·v) v stays
+        unbiased. Draws (m + n) r numbers instead of m n.
     """
 
     num: int = 1
     distribution: Distribution = "rademacher"
     orthogonal: bool = False
     antithetic: bool = False
+    rank: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.num, int) or self.num < 1:
@@ -65,18 +72,39 @@ class TangentSpec:
             )
         if self.antithetic:
             raise ValueError(ANTITHETIC)
+        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int)
+                                      or self.rank < 1):
+            raise ValueError(f"rank must be None (full tangents) or an int >= 1, got {self.rank!r}")
+        if self.rank is not None and self.orthogonal:
+            raise ValueError("orthogonal=True with rank: orthogonalising a low-rank tangent's "
+                             "entries breaks its low rank; allowed: orthogonal=False with rank, "
+                             "or rank=None")
 
     def sample(self, key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
         """``num`` tangents of one leaf, shape ``(num, *shape)``."""
         draws = self.num
         size = math.prod(shape)
-        if self.distribution == "rademacher":
-            v = vmap_exact(lambda k: rademacher_bits(k, draws, size), key)
-        else:
-            v = vmap_exact(lambda k: jax.random.normal(k, (draws, size), jnp.float32), key)
+        if self.rank is not None and len(shape) == 2:
+            return self._low_rank(key, shape).astype(dtype)
+        v = self._draw(key, size)
         if self.orthogonal and draws > 1 and size >= draws:
             v = _orthogonalise(v, jax.random.fold_in(key, 1))
         return v.reshape((self.num, *shape)).astype(dtype)
+
+    def _draw(self, key: jax.Array, size: int) -> jax.Array:
+        """``(num, size)`` iid float32 entries of the distribution (zero mean, unit variance)."""
+        if self.distribution == "rademacher":
+            return vmap_exact(lambda k: rademacher_bits(k, self.num, size), key)
+        return vmap_exact(lambda k: jax.random.normal(k, (self.num, size), jnp.float32), key)
+
+    def _low_rank(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """``num`` tangents A Bᵀ / √r of an (m, n) leaf, the factors A (m, r) and B (n, r) drawn
+        as one (m + n, r) block of the distribution; the product at full float32 precision (a
+        TF32 / bf16 default matmul would change E[v vᵀ] and the engines' agreement)."""
+        (m, n), r = shape, self.rank
+        z = self._draw(key, (m + n) * r).reshape(self.num, m + n, r)
+        v = jnp.einsum("kir,kjr->kij", z[:, :m], z[:, m:], precision=jax.lax.Precision.HIGHEST)
+        return v * jnp.float32(1.0 / math.sqrt(r))
 
 
 def _orthogonalise(v: jax.Array, spare: jax.Array) -> jax.Array:

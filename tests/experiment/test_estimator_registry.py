@@ -28,6 +28,9 @@ SECTIONS = {
                               jg.local_forward_weights(2)),
     "hybrid_activity": ("type: hybrid_activity\nnum_exact: 3", jg.hybrid_activity(3)),
     "local_guess": ("type: local_guess", jg.local_guess()),
+    "forward_low_rank": ("type: forward\nnum_tangents: 2\nrank: 3", jg.forward(2, rank=3)),
+    "spsa": ("type: spsa\nnum_directions: 2\neps: 0.01\ndistribution: gaussian\nrank: 2",
+             jg.spsa(2, 1e-2, "gaussian", rank=2)),
 }
 
 
@@ -63,7 +66,7 @@ def test_every_factory_has_a_config_type():
     assert exported == classes | {jg.Hybrid}
     assert set(choices(EstimatorConfig)) == {
         "backprop", "forward", "hybrid", "exact_subset", "local_forward_weights",
-        "hybrid_activity", "local_guess"}
+        "hybrid_activity", "local_guess", "spsa"}
 
 
 @pytest.mark.parametrize("section, match", [
