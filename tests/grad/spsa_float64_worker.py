@@ -9,7 +9,9 @@ figures tests/grad/test_spsa.py checks. Run in a process of its own (the x64 fla
 * ``quadratic``: a quadratic loss (the central difference is then exact) through the generic
   path, low-rank directions on its matrix: the estimate against (1/K) Σ (∇L·v_k) v_k;
 * ``mean``: R keys' estimates at ε = 1e-3, each coordinate's mean against ``jax.grad`` in units
-  of its standard error.
+  of its standard error;
+* argument ``dataparallel``: data parallelism with shared directions against the in-memory
+  estimate at ε = 1e-3 (tests/grad/test_new_estimators_engines.py).
 """
 
 import json
@@ -17,6 +19,7 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 import jax
 
@@ -137,6 +140,26 @@ def mean() -> dict:
             "coordinates": int(z.size), "keys": R}
 
 
+def dataparallel() -> dict:
+    from jax.sharding import Mesh
+
+    from jaxstream.comm import data_parallel
+
+    stack, params, batch = problem()
+    est = jg.spsa(3, 1e-3, "gaussian", rank=2)
+    key = jax.random.key(2)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    _, ref = jax.jit(lambda p: est(stack, p, batch, key))(params)
+    _, got = jax.jit(lambda p: data_parallel(est, mesh, tangents="shared")(stack, p, batch, key))(
+        params)
+    err = np.max(np.abs(flat(got) - flat(ref))) / np.max(np.abs(flat(ref)))
+    return {"rel_err": float(err), "devices": len(jax.devices()),
+            "float64": all(a.dtype == jnp.float64 for a in jax.tree.leaves(got))}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"bias": bias("gaussian"), "quadratic": quadratic(), "mean": mean()}))
+    if sys.argv[1:] == ["dataparallel"]:
+        print(json.dumps(dataparallel()))
+    else:
+        print(json.dumps({"bias": bias("gaussian"), "quadratic": quadratic(), "mean": mean()}))
     sys.exit(0)
