@@ -107,11 +107,11 @@ def _committed_params(path: str, mode: str = "lazy") -> list[np.ndarray]:
     if any(store.extra.get("pending", {}).values()):
         ex = StreamedExecutor(stack, est, opt, store, StreamConfig(compute_dtype="float32", update="lazy"))
         for l in range(store.num_layers):
-            layer = ex._apply_pending(l, store.read(l).result())
+            layer = ex.pending.apply(l, store.read(l).result())
             for leaf, new in zip(jax.tree.leaves(params["blocks"]), jax.tree.leaves(layer)):
                 leaf[l] = new
         for end in ("embed", "head"):  # a hybrid's records reach them too
-            params[end] = ex._apply_pending(end, store.read(end).result())
+            params[end] = ex.pending.apply(end, store.read(end).result())
         store.abort()  # the applied records stay staged only: nothing is written
     return [np.asarray(a) for a in jax.tree.leaves(params)]
 

@@ -12,9 +12,9 @@ import yaml
 
 import jaxstream.grad as jg
 from jaxstream.experiment.config import ConfigError
+from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.experiment.runner import load_experiment, run_experiment
 from jaxstream.models import mlp
-from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.stream.store import LayerStore
 
 CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("experiments/stream_*.yaml"))
@@ -55,7 +55,7 @@ def test_stream_engine_matches_local_engine(tmp_path):
                for _ in range(3)]
     # the warm-up compiles without writing: the steps after it are the local engine's
     eng.warm_up(state, batches[0], jax.random.key(0))
-    assert eng.executor.store.step == 0 and not any(eng.executor._pending.values())
+    assert eng.executor.store.step == 0 and not any(eng.executor.pending.records.values())
     for t, batch in enumerate(batches):
         key = jax.random.key(t)
         state, metrics = eng.step(state, batch, key)

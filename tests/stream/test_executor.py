@@ -155,7 +155,7 @@ def test_overlapped_host_updates_equal_in_line(tmp_path, data):
 
     def broken(*_a, **_k):
         raise OSError("disk gone")
-    ex._apply_update = broken  # the worker's failure surfaces in the step, nothing is committed
+    ex.queue.apply_update = broken  # the worker's failure surfaces in the step, nothing is committed
     before = LayerStore.open(tmp_path / "True").read_params()
     with pytest.raises(OSError, match="disk gone"):
         ex.step(micro, jax.random.key(302))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.stream import kernels as K
-from jaxstream.stream.sweeps.common import kept
+from jaxstream.stream.sweeps.common import kept, unit_grad
 from jaxstream.stream.units import EMBED
 
 
@@ -25,7 +25,8 @@ def run_activity(ex: Any, batch: dict, key: Any, layers: list, sink: Callable,
     keep = functools.partial(kept, hosts)
 
     def done(finished):
-        ex._done(finished, hosts, sink)
+        for u, g in finished:
+            ex._each(u, g, hosts.pop(u), sink)
 
     if ex.plan.forward in ("local", "local_weights"):
         return _local(ex, x, key[None], layers, t0, keep, done)
@@ -37,10 +38,10 @@ def _local(ex: Any, x: dict, keys: Any, layers: list, t0: float, keep: Callable,
     """Local losses: each unit's estimate from its own output and the head, in one sweep."""
     z = np.int32(0)
     weights = ex.plan.forward == "local_weights"
-    head_dev = ex._to_device(ex._apply_pending("head", ex.store.read("head").result()))
+    head_dev = ex._to_device(ex.pending.apply("head", ex.store.read("head").result()))
     (out,) = ex._drive(
         layers, ex._load_both, t0, "forward",
-        keep(lambda u, dev, st: ex._unit_grad(u, K.unit_local_grad(
+        keep(lambda u, dev, st: unit_grad(u, K.unit_local_grad(
             ex.stack, ex.spec, u.part, dev, z, keys, st[0], head_dev, x, weights))),
         keep(lambda u, dev, st: ex.placement.local_grad(dev, u, keys, st, head_dev, x,
                                                         weights)),
@@ -63,7 +64,7 @@ def _global(ex: Any, x: dict, keys: Any, layers: list, t0: float, keep: Callable
         ex.placement.act(loaded[1], u, keys, st), []))
     ex._drive(
         layers, ex._load_both, t0, "update",
-        keep(lambda u, dev, st: ex._unit_grad(u, K.unit_act_grad(
+        keep(lambda u, dev, st: unit_grad(u, K.unit_act_grad(
             ex.stack, ex.spec, u.part, dev, z, keys, st[0], d))),
         keep(lambda u, dev, st: ex.placement.act_grad(dev, u, keys, st, d)),
         done, state=(x["x"],))

@@ -23,3 +23,9 @@ def copying(tree: Any) -> Any:
         if isinstance(a, jax.Array) and a.is_fully_addressable:
             a.copy_to_host_async()
     return tree
+
+
+def unit_grad(u: Any, out: tuple) -> tuple:
+    """``((h,), [(u, gradient)])`` from an embed / head kernel's ``(h, gradient)``."""
+    h, g = out
+    return (h,), [(u, g)]

@@ -11,7 +11,8 @@ import numpy as np
 
 from jaxstream.stream import kernels as K
 from jaxstream.stream.readback import read_together
-from jaxstream.stream.sweeps.common import copying, kept
+from jaxstream.stream.sweeps.combine import along_sweep
+from jaxstream.stream.sweeps.common import kept, unit_grad
 from jaxstream.stream.units import Unit, of_key
 
 
@@ -26,7 +27,7 @@ def run_local_guess(ex: Any, batch: dict, layers: list, sink: Callable, t0: floa
     sq: list = []
     scratch: list = []
     own = ex.stack.local_head is not None
-    head_dev = ex._to_device(ex._apply_pending("head", ex.store.read("head").result()))
+    head_dev = ex._to_device(ex.pending.apply("head", ex.store.read("head").result()))
 
     def keep(addr, g, host):
         if own and "local_head" in g:  # the direction reaches the module only
@@ -35,7 +36,7 @@ def run_local_guess(ex: Any, batch: dict, layers: list, sink: Callable, t0: floa
         if addr in ("embed", "head"):
             ends[addr] = host
         sq.append(K.sq_norm(g))
-        scratch.append(ex._submit(ex._write_scratch, addr, copying(g)))
+        scratch.append(ex.queue.write_scratch(addr, g))
 
     def done(finished):
         for u, g in finished:
@@ -46,7 +47,7 @@ def run_local_guess(ex: Any, batch: dict, layers: list, sink: Callable, t0: floa
     for task in scratch:
         for f in task.result():
             f.result()
-    d = float(np.mean(ex._along_sweep(batch, layers, ends, t0, 1.0)))
+    d = float(np.mean(along_sweep(ex, batch, layers, ends, t0, 1.0)))
     c = np.float32(d / max(float(sq_sum), float(np.finfo(np.float32).tiny)))
 
     def load(u: Unit):
@@ -69,7 +70,7 @@ def _exact_sweep(ex: Any, x: dict, layers: list, t0: float, head_dev: Any, keep:
     z = np.int32(0)
     return ex._drive(
         layers, ex._load_both, t0, "forward",
-        keep(lambda u, dev, st: ex._unit_grad(u, K.unit_local_exact(
+        keep(lambda u, dev, st: unit_grad(u, K.unit_local_exact(
             ex.stack, u.part, dev, z, st[0], head_dev, x))),
         keep(lambda u, dev, st: ex.placement.local_exact(dev, u, st, head_dev, x)),
         done, state=(x["x"],))

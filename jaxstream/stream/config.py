@@ -1,0 +1,84 @@
+"""The streamed executor's options, and the plans its sweeps run (checked by name)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxstream.grad.plan import Plan
+from jaxstream.stream.depth import DepthPolicy
+
+DTYPES = ("float32", "bfloat16", "float16")
+UPDATES = ("eager", "lazy")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamConfig:
+    """Options of the streamed executor.
+
+    Attributes:
+      prefetch: p, layers read ahead of the one computing (0: no overlap).
+      compute_dtype: dtype of parameters and activations on the device ("float32",
+        "bfloat16", "float16"); the master copy and the optimizer stay fp32.
+      update: "eager" (update sweep after the step) or "lazy" (apply each layer's update when
+        it is next read: the forward estimator's (key, scalars), a hybrid's deferred combine;
+        a hybrid with ``replace`` updates in its reverse sweep either way).
+      depth: which layers each step runs (:class:`DepthPolicy`).
+      overlap_update: run each unit's host update and write beside the next unit's compute
+        (one update in flight); False runs it in line (the same values, for comparison).
+      stash_bytes: device bytes for the block inputs a reverse sweep stashes (None: no
+        limit); beyond it they spill to host memory, asynchronously (one device).
+      async_commit: write and fsync each step's manifest on a thread while the next step
+        computes (:meth:`LayerStore.commit` with ``wait=False``); the next step's first write
+        waits for it, a failed one is raised by the next step before anything is written, and
+        a kill before it lands resumes at the step before. ``store.settle()`` (or
+        ``store.close()``) waits for the last one. False: every step returns committed.
+    """
+
+    prefetch: int = 2
+    compute_dtype: str = "bfloat16"
+    update: str = "eager"
+    depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
+    overlap_update: bool = True
+    stash_bytes: int | None = None
+    async_commit: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
+        if self.update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+        if self.stash_bytes is not None and (not isinstance(self.stash_bytes, int)
+                                             or self.stash_bytes < 0):
+            raise ValueError(f"stash_bytes must be None or an int >= 0, got {self.stash_bytes!r}")
+
+
+RUNS = ("none", "weights", "activity", "local", "local_weights",  # the forward passes it runs
+        "local_guess")  # (the local guess: on a placement that runs it, one device)
+
+def plan_of(estimator: Any, update: str = "eager") -> Plan:
+    """The estimator's plan, checked against what the streamed sweeps run; errors name it."""
+    plan = getattr(estimator, "plan", None)
+    if not isinstance(plan, Plan):
+        raise TypeError("stream: estimator must be a jaxstream.grad estimator (one with a "
+                        f".plan), got {type(estimator).__name__}")
+    if plan.forward not in RUNS:
+        raise ValueError(f"stream: {plan.describe()} needs a {plan.forward!r} forward pass, which "
+                         f"the streamed sweeps do not run (they run {RUNS}); run it in memory or "
+                         f"data parallel")
+    if plan.mixes and plan.forward != "weights":
+        raise TypeError(f"stream: estimator must be one that mixes exact gradients with weight "
+                        f"tangents; got "
+                        f"{type(estimator).__name__}, {plan.describe()}, which mixes them with "
+                        f"a {plan.forward!r} forward pass (run it in memory or data parallel)")
+    # lazy: the forward estimate's and a hybrid's update wait for the layer's next read;
+    # backprop and exact subsets update in their reverse sweep either way (nothing to defer)
+    if update == "lazy" and not (plan.forward == "none" or (
+            plan.forward == "weights" and (plan.exact == "none" or plan.mixes))):
+        raise ValueError("stream: update='lazy' needs the forward estimator with "
+                         f"perturb='weights', a hybrid (an update described by keys, scalars "
+                         f"and the hybrid's exact means) or backprop (updated in its reverse "
+                         f"sweep either way), got {plan.describe()}")
+    return plan

@@ -1,0 +1,76 @@
+"""The streamed executor's deferred updates: store address -> records not yet applied (a
+forward estimator's (key, coefficients), a hybrid's :class:`~jaxstream.stream.deferred.Combine`),
+committed with each step as the manifest's ``extra["pending"]`` and applied when the layer is
+next read (DESIGN §9, ``update="lazy"``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxstream.stream import deferred, lazy
+from jaxstream.stream import kernels as K
+from jaxstream.stream.host_queue import f32
+from jaxstream.stream.sweeps.combine import combined, record
+from jaxstream.stream.units import LayerKey, parse_key
+
+
+class Pending:
+    """The records of ``ex`` (the driver: its store, optimizer, host device, plan), applied
+    on read and staged; a step's commit makes the result visible.
+
+    Example::
+
+        params = ex.pending.apply(3, store.read(3).result())   # layer 3 as it is now
+    """
+
+    def __init__(self, ex: Any, records: dict):
+        self.ex, self.records, self.applied = ex, dict(records), set()
+
+    def snapshot(self) -> dict:
+        """A copy to restore after a failed step (which leaves no trace)."""
+        return {k: list(v) for k, v in self.records.items()}
+
+    def apply(self, unit: LayerKey, params: Any) -> Any:
+        """Applies the records of store address ``unit`` to its host params (fp32) and stages
+        the result (:meth:`StreamedExecutor.estimate` and ``forward`` drop it)."""
+        ex = self.ex
+        recs = lazy.take(self.records, unit)
+        if not recs:
+            return params
+        opt = ex.store.read_opt(unit).result()
+        with jax.default_device(ex.host):
+            for rec in recs:
+                if deferred.is_combine(rec):
+                    h = ex.store.read_carry(unit, rec["slot"], rec["crc"]).result()
+                    g = f32(combined(ex, unit, params, h, record(ex, rec)), ex.host)
+                else:
+                    key, coeffs = lazy.decode(rec)
+                    g = K.unit_estimate(ex.spec, K.step_seg_keys(key, unit), coeffs, params)
+                params, opt = K.optax_step(ex.optimizer, g, opt, params)
+            params, opt = jax.tree.map(np.asarray, (params, opt))
+        ex.store.write(unit, params, opt)
+        self.applied.add(str(unit))
+        return params
+
+    def merge(self, new: dict) -> dict:
+        """After a step: records applied in it are gone, skipped layers keep theirs, ``new``
+        ones are appended. Returns the records to commit."""
+        # new lists: the dict committed with the step before may still be written (async)
+        self.records = {k: list(v) for k, v in self.records.items()
+                        if k not in self.applied and v}
+        for k, v in new.items():
+            self.records[k] = [*self.records.get(k, []), *v]
+        return self.records
+
+    def apply_all(self) -> bool:
+        """Applies (stages) every record; False when there was none."""
+        if not any(self.records.values()):
+            return False
+        self.applied = set()
+        for unit in [parse_key(u) for u, r in self.records.items() if r]:
+            self.apply(unit, self.ex.store.read(unit).result())
+        self.records = {}
+        return True
