@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.optim.promotion import standard_promotion
-from jaxstream.pipeline.executor import AXIS, pipeline
+from jaxstream.pipeline.executor import AXIS, RUNS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
 from jaxstream.ranges import Count
 
@@ -58,6 +58,15 @@ class PipelineEngineConfig(EngineConfig):
         if isinstance(depth, int) and depth % self.stages:
             raise ValueError(f"engine.stages: {self.stages} must divide model.depth = {depth} "
                              f"(allowed: divisors of {depth})")
+
+    def check_arm(self, arm: Any, field: str) -> None:
+        """The pipeline runs the arm's forward pass (checked when the config loads, before the
+        run directory is made; the table's own checks follow when the engine is built)."""
+        plan = arm.estimator.build().plan
+        if plan.forward not in RUNS:
+            raise ValueError(f"{field}.estimator: pipeline: {plan.describe()} needs a "
+                             f"{plan.forward!r} forward pass, which the pipeline does not run "
+                             f"(it runs {RUNS}); run it in memory or data parallel")
 
 
 class PipelineState(NamedTuple):

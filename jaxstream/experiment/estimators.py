@@ -101,6 +101,10 @@ class SPSAConfig(EstimatorConfig):
 
         return jg.spsa(self.num_directions, self.eps, self.distribution, self.rank)
 
+    def describe(self) -> str:
+        rank = "" if self.rank is None else f", rank {self.rank}"
+        return f"spsa(K={self.num_directions}, eps={self.eps:g}{rank})"
+
 
 @register_choice(EstimatorConfig, "hybrid")
 @dataclasses.dataclass(frozen=True)
