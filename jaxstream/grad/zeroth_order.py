@@ -90,7 +90,7 @@ def two_point(loss_fn: Callable, spec: TangentSpec, eps: float, params: Any, bat
     one layer's direction and one batch's activations."""
     one = _stack_loss if isinstance(loss_fn, Stack) else _generic_loss
     num = keys.shape[0]
-    pairs = (jnp.repeat(keys, 2), jnp.tile(jnp.array([1, -1], jnp.int8), num))
+    pairs = (jnp.repeat(keys, 2, axis=0), jnp.tile(jnp.array([1, -1], jnp.int8), num))
     both = jax.lax.map(lambda ks: one(loss_fn, spec, params, batch, ks[0], ks[1], eps), pairs)
     both = both.reshape(num, 2)
     return both[:, 0], both[:, 1]
@@ -149,13 +149,18 @@ def spsa(num_directions: int = 1, eps: float = 1e-3, distribution: Distribution 
          rank: int | None = None) -> SPSA:
     """Zeroth-order (SPSA / MeZO) estimator: ĝ = (1/K) Σ_k (L(θ+εv_k) − L(θ−εv_k)) / (2ε) · v_k.
 
-    Two loss evaluations per direction and no jvp, at the memory of inference: each direction
-    is regenerated from its key (θ ± εv_k formed segment by segment for a model stack), never
-    K of them at once; the 2K passes run one after the other. With E[v vᵀ] = I, (L(θ+εv) − L(θ−εv)) / (2ε) = ∇L·v + (ε²/6) ∇³L[v, v, v]
-    + O(ε⁴), so E ĝ = ∇L + (ε²/6) E[∇³L[v, v, v] v] + O(ε⁴): biased by O(ε²) (the third
-    derivative's term; zero for a quadratic loss), with the forward gradient's (∇L·v) v variance
-    otherwise. In float32 the difference of two losses loses about log10(1/ε) digits: keep ε
-    well above float32's resolution of the loss (1e-3 is MeZO's choice).
+    Two loss evaluations per direction and no jvp, at the memory of inference: direction k is
+    the tangent of ``fold_in(key, k)`` (:mod:`jaxstream.grad.tangents`), regenerated where it
+    is used (θ ± εv_k formed segment by segment for a model stack), never K of them at once;
+    the 2K passes run one after the other.
+
+    With E[v vᵀ] = I, (L(θ+εv) − L(θ−εv)) / (2ε) = ∇L·v + (ε²/6) ∇³L[v, v, v] + O(ε⁴), so
+    E ĝ = ∇L + (ε²/6) E[∇³L[v, v, v] v] + O(ε⁴): biased by O(ε²) (the third derivative's
+    term; zero for a quadratic loss), with the variance of the forward gradient (∇L·v) v
+    otherwise. Rounding: a loss difference in float32 carries an error of about
+    ε₃₂ L / ε in each (∇L·v) (ε₃₂ ≈ 1.2e-7), so keep ε well above the loss's resolution
+    (1e-3 is MeZO's choice) and the parameters in float32 or wider (θ ± εv is formed in at
+    least float32 but stored back in the parameters' dtype: bf16 would round εv away).
 
     Args:
       num_directions: K, directions per step (2K loss evaluations).

@@ -33,7 +33,8 @@ def test_sections_build_the_library_estimators():
     assert cfg.describe() == "spsa(K=3, eps=0.01, rank 2)"
     assert from_dict(EstimatorConfig, {"type": "spsa"}).build() == jg.spsa()
     cfg = from_dict(EstimatorConfig, {"type": "forward", "num_tangents": 2, "rank": 3})
-    assert cfg.build() == jg.forward(2, rank=3) and cfg.describe() == "forward(weights, K=2, rank 3)"
+    assert cfg.build() == jg.forward(2, rank=3)
+    assert cfg.describe() == "forward(weights, K=2, rank 3)"
 
 
 @pytest.mark.parametrize("section, match", [

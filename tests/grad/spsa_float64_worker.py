@@ -107,7 +107,8 @@ def bias(distribution: str) -> dict:
 def quadratic() -> float:
     """A quadratic loss (exact central differences) with low-rank directions on the matrix."""
     rng = np.random.default_rng(1)
-    params = {"w": jnp.asarray(rng.standard_normal((3, 4))), "b": jnp.asarray(rng.standard_normal(4))}
+    params = {"w": jnp.asarray(rng.standard_normal((3, 4))),
+              "b": jnp.asarray(rng.standard_normal(4))}
     n = 16
     a = rng.standard_normal((n, n))
     a = jnp.asarray(a @ a.T / n)
