@@ -18,9 +18,12 @@ medians and min–max spread per column. Per streamed step it also records:
   the executor (``np.asarray``, ``float``, ``.item()``, ``device_get``, ``block_until_ready``
   of a device array: :class:`BlockingCounter`), plus the executor's own count when its metrics
   carry one;
-* idle per cause: every ``stall*_s`` / ``wait_*_s`` the executor's metrics carry (fields
-  missing in an executor are simply absent) and ``other_s`` = excess − their sum, where the
-  excess is the streamed step's median minus the in-memory step's.
+* idle per cause: the device's idle time by what the main thread waited for — a read
+  (``stall_idle``), the host worker (``wait_update_idle``), the commit — each the part of
+  the wait after the work already dispatched was computed (:mod:`jaxstream.stream.idle`), so
+  the causes are disjoint; ``other_s`` = excess − their sum, where the excess is the streamed
+  step's median minus the in-memory step's: what the device spent beyond the in-memory
+  step's compute (per-unit dispatch, smaller kernels, host work beside it on a CPU backend).
 
 Usage:
   python benchmarks/north_star.py --quick                      # width 256, 3 rounds (< 2 min)
@@ -233,9 +236,16 @@ class Case:
 
 
 # ------------------------------------------------------------------------------ statistics
+DEVICE_IDLE = ("stall_idle_s", "wait_update_idle_s", "wait_commit_s")
+
+
 def causes(metrics: list[dict]) -> list[str]:
-    """The executor's idle fields present in every step (``stall*_s``, ``wait_*_s``)."""
+    """The idle fields present in every step: the device's idle per cause where the executor
+    reports it (:data:`DEVICE_IDLE`, disjoint waits of the main thread after the dispatched
+    work was computed), else every ``stall*_s`` / ``wait_*_s`` (an executor without it)."""
     keys = set.intersection(*(set(m) for m in metrics)) if metrics else set()
+    if set(DEVICE_IDLE) <= keys:
+        return list(DEVICE_IDLE)
     return sorted(k for k in keys if k.endswith("_s") and k not in IGNORED
                   and (k.startswith(("stall", "wait_"))))
 
@@ -345,12 +355,14 @@ def markdown(doc: dict) -> str:
 
 
 def overlap_note(results: dict) -> str:
-    """Why "other" can be negative: the executor's causes are then not disjoint waits of the
-    main thread (an asynchronous step times some of them on threads beside it)."""
+    """What "other" is, and why it can be negative."""
+    note = (" Idle per cause: the device's idle time while the main thread waited for a read "
+            "(stall_idle), the host worker (wait_update_idle) or the commit; \"other\" is the "
+            "excess they leave: the device's time beyond the in-memory step's compute.")
     if all(r["other_s"] >= 0 for r in results.values()):
-        return ""
-    return (" A negative \"other\": the causes overlap (some are timed on threads that run "
-            "beside the main thread), so their sum exceeds the excess.")
+        return note
+    return note + (" A negative \"other\": the streamed step's compute took less than the "
+                   "in-memory step's median (a step's medians differ by the load's noise).")
 
 
 def write_doc(doc_path: str, doc: dict, command: str, where: str | None = None) -> None:

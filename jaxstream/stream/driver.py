@@ -26,6 +26,7 @@ class Driver:
     placement: Any
     cfg: Any
     events: list[Event]
+    _latest: Any = None  # the last unit's outputs: the device work dispatched last
 
     def _to_device(self, tree: Any) -> Any:
         return self.placement.to_device(tree)
@@ -53,12 +54,12 @@ class Driver:
         they complete. Returns the last unit's state."""
         units = self._units(layers)
         last = units[0] if reverse else units[-1]
-        latest = [state]  # what the loads wait for: the device runs ahead by the prefetch depth
+        self._latest = state  # what loads wait for: the device runs ahead by the prefetch depth
         for u, loaded in self._sweep(units[::-1] if reverse else units, load, t0, name,
-                                     lambda: latest[0]):
+                                     lambda: self._latest):
             with jax.profiler.TraceAnnotation(f"{name} {u}"):
                 state, finished = self._unit(u, loaded, state, blocks, end, done, last)
-            latest[0] = state
+            self._latest = state
             if done is not None:
                 done(finished)
         return state

@@ -81,7 +81,8 @@ class StreamedExecutor(Driver):
                              "(the stream engine), not on this placement; run it there or in "
                              "memory")
         self.events: list[Event] = []
-        self.queue = HostQueue(store, self.optimizer, self.host, config.overlap_update)
+        self.queue = HostQueue(store, self.optimizer, self.host, config.overlap_update,
+                               latest=lambda: self._latest)
         self.pending = Pending(self, store.extra.get("pending", {}))
         self._resident: tuple | None = None  # (unit, hosts, device params) kept for the reverse
         self._reused = 0  # layers the reverse sweep took from the forward sweep (no read)
@@ -131,9 +132,12 @@ class StreamedExecutor(Driver):
           spent waiting for staged writes past ``max_write_bytes``), ``wait_commit_s`` (the
           commit: the step's writes, then the manifest written and fsynced), ``idle_s``
           (stall, update and commit waits summed: the rest of the step is the main thread's
-          dispatch and host work); ``layers_read``; a
-          placement's own (ticks). The main thread never waits for the device: it reads the
-          step's few scalars (loss, directional derivatives, a selection) once.
+          dispatch and host work); the device's idle per cause, the parts of those waits
+          after the work already dispatched was computed (:mod:`~jaxstream.stream.idle`):
+          ``stall_idle_s``, ``wait_update_idle_s``, ``wait_commit_s``, summed as
+          ``device_idle_s``; ``layers_read``; a placement's own (ticks). The main thread
+          never waits for the device: it reads the step's few scalars (loss, directional
+          derivatives, a selection) once.
         """
         at = self.store.step
         step = at if step is None else int(step)
@@ -170,8 +174,12 @@ class StreamedExecutor(Driver):
     def _metrics(self, loss: Any, dt: float) -> dict:
         """The step's metrics (see :meth:`step`)."""
         stall = float(sum(e.stall for e in self.events))
-        return {"loss": float(loss), "step_time_s": dt, "stall_s": stall, **self.clock,
-                "idle_s": stall + self.clock["wait_update_s"] + self.clock["wait_commit_s"],
+        stall_idle = float(sum(e.stall_idle for e in self.events))
+        c = self.clock
+        return {"loss": float(loss), "step_time_s": dt, "stall_s": stall,
+                "stall_idle_s": stall_idle, **c,
+                "idle_s": stall + c["wait_update_s"] + c["wait_commit_s"],
+                "device_idle_s": stall_idle + c["wait_update_idle_s"] + c["wait_commit_s"],
                 "layers_read": sum(len(e.unit.layers) for e in self.events) - self._reused,
                 **self.placement.metrics()}
 

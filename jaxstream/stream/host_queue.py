@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jaxstream.stream import kernels as K
+from jaxstream.stream.idle import done_within, split_wait
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.sweeps.common import copying
 from jaxstream.stream.units import LayerKey
@@ -24,8 +25,8 @@ from jaxstream.stream.values import host_value
 
 def new_clock() -> dict:
     """The step's host-side time per cause (seconds)."""
-    return {"host_update_s": 0.0, "wait_update_s": 0.0, "wait_write_s": 0.0,
-            "wait_commit_s": 0.0}
+    return {"host_update_s": 0.0, "wait_update_s": 0.0, "wait_update_idle_s": 0.0,
+            "wait_write_s": 0.0, "wait_commit_s": 0.0}
 
 
 class HostQueue:
@@ -36,6 +37,8 @@ class HostQueue:
       optimizer: the element-wise optax transformation (fp32, on the host).
       host: the CPU device the optimizer runs on.
       overlap: False runs each update in line (the same values, for comparison).
+      latest: returns the latest device values the main thread dispatched: a wait for the
+        worker counts as idle (``wait_update_idle_s``) only once they are computed.
 
     Example::
 
@@ -43,8 +46,10 @@ class HostQueue:
         q.update("embed", grads)   # returns at once; q.wait() raises the worker's error
     """
 
-    def __init__(self, store: LayerStore, optimizer: Any, host: Any, overlap: bool = True):
+    def __init__(self, store: LayerStore, optimizer: Any, host: Any, overlap: bool = True,
+                 latest: Callable[[], Any] | None = None):
         self.store, self.optimizer, self.host, self.overlap = store, optimizer, host, overlap
+        self.latest = latest
         self.clock = new_clock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxstream-host-update")
         self._inflight: list[Future] = []
@@ -70,7 +75,10 @@ class HostQueue:
         t0 = time.perf_counter()
         try:
             while self._inflight:
-                self._inflight[0].result()
+                fut = self._inflight[0]
+                _, idle = split_wait(lambda t, f=fut: done_within(f, t), self.latest)
+                self.clock["wait_update_idle_s"] += idle
+                fut.result()
                 self._inflight.pop(0)
         finally:
             self.clock["wait_update_s"] += time.perf_counter() - t0

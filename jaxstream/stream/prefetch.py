@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.stream.direct_read import BUFFERS
+from jaxstream.stream.idle import done_within, split_wait
 
 
 class Event(NamedTuple):
@@ -30,6 +31,7 @@ class Event(NamedTuple):
     compute_start: float
     stall: float
     sweep: str
+    stall_idle: float = 0.0  # the part of ``stall`` the device had nothing to compute
 
 
 class Prefetcher:
@@ -89,12 +91,14 @@ class Prefetcher:
             while pending:
                 unit, fut = pending.popleft()
                 wait0 = time.perf_counter()
+                _, idle = split_wait(lambda t, f=fut: done_within(f, t), self._fence)
                 value, start, end = fut.result()
                 stall = time.perf_counter() - wait0
                 if self._depth > 0:
                     submit()
                 compute_start = time.perf_counter() - self._t0
-                self.events.append(Event(unit, start, end, compute_start, stall, self._sweep))
+                self.events.append(Event(unit, start, end, compute_start, stall, self._sweep,
+                                         idle))
                 yield unit, value
                 if self._depth == 0:
                     submit()

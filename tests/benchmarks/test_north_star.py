@@ -72,12 +72,24 @@ def test_idle_causes_and_other_sum_to_the_excess():
     assert (r["ratio_min"], r["ratio_max"]) == (pytest.approx(2.0), pytest.approx(3.0))
 
 
+def test_device_idle_causes_are_preferred_when_reported():
+    mem = [1.0]
+    steps = [{"wall_s": 2.0, "stall_s": 0.5, "stall_idle_s": 0.2, "wait_update_s": 0.6,
+              "wait_update_idle_s": 0.1, "wait_commit_s": 0.05, "wait_write_s": 0.3,
+              "blocking": 1}]
+    r = ns.summarise(mem, steps)
+    assert list(r["idle_s"]) == list(ns.DEVICE_IDLE)
+    assert r["other_s"] == pytest.approx(1.0 - 0.35)
+
+
 def test_one_round_of_the_smallest_case(tmp_path):
     """Both caches of one estimator at width 16: every field the table reads is there."""
     res = ns.run([16], ["backprop"], ["warm", "cold"], rounds=1, log=lambda s: None)
     assert set(res) == {"16/backprop/warm", "16/backprop/cold"}
     for r in res.values():
         assert r["ratio"] > 0 and r["blocking"] >= 0 and r["memory_s"]["n"] == 1
+        assert list(r["idle_s"]) == list(ns.DEVICE_IDLE)  # the executor's disjoint causes
+        assert all(v >= 0 for v in r["idle_s"].values())
         assert r["other_s"] + sum(r["idle_s"].values()) == pytest.approx(r["excess_s"])
     doc = {"command": "python benchmarks/north_star.py --widths 16", "rounds": 1,
            "environment": ns.environment(), "results": res}
