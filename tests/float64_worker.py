@@ -2,7 +2,7 @@
 prints, as JSON, each engine's largest relative error against a float64 reference: for backprop
 the gradient of a loss written here (the stack's forward, a float64 log-softmax of our own), for
 the estimators the in-memory estimator for the same key, for every hybrid correction with
-every micro-batch exact (N = 3, 5, 6, 8; argument ``all_exact``) backprop. Run by tests/test_float64.py in a
+every micro-batch exact (N = 3, 5, 6, 8; argument ``all_exact`` and the Ns) backprop. Run by tests/test_float64.py in a
 process of its own (the x64 flag is global)."""
 
 import json
@@ -38,7 +38,10 @@ def f64(tree) -> bool:
     return all(a.dtype == jnp.float64 for a in jax.tree.leaves(tree))
 
 
-def main() -> dict:
+def main(part: str) -> dict:
+    """``part``: "backprop" (in memory, pipeline, data-parallel against the float64 reference),
+    "forward" (data-parallel and pipeline forward) or "hybrid" (the pipeline's); the test runs
+    each in a process of its own (side by side under xdist)."""
     stack = mlp(5, 6, M, 3)
     params = jax.tree.map(lambda a: a.astype(jnp.float64), stack.init(jax.random.key(0)))
     rng = np.random.default_rng(0)
@@ -58,24 +61,40 @@ def main() -> dict:
     ref = jax.grad(own_loss)(params)
     key = jax.random.key(3)
     out = {"reference_is_float64": f64(ref)}
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    if part == "forward":
+        return forward(stack, params, micro, flat, key, mesh, out)
+    if part == "hybrid":
+        return hybrid(stack, params, micro, key, out)
     _, g = jax.jit(lambda p: jg.backprop()(stack, p, flat))(params)
     out["in_memory_backprop"] = (rel(g, ref), f64(g))
-    _, g, _ = pipeline(stack, gpipe_backprop(M, N), jg.backprop())(params, micro, key)
+    _, g, _ = jax.jit(pipeline(stack, gpipe_backprop(M, N), jg.backprop()))(params, micro, key)
     out["pipeline_backprop"] = (rel(g, ref), f64(g))
-    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
-    _, g = data_parallel(jg.backprop(), mesh)(stack, params, flat, key)
+    _, g = jax.jit(data_parallel(jg.backprop(), mesh), static_argnums=0)(stack, params, flat, key)
     out["dataparallel_backprop"] = (rel(g, ref), f64(g))
+    return out
+
+
+def forward(stack, params, micro, flat, key, mesh, out: dict) -> dict:
+    """Data-parallel forward against the in-memory estimator for the same key; the pipeline's
+    forward gradient is float64."""
     fwd = jg.forward(2, "gaussian")
     _, g_mem = jax.jit(lambda p: fwd(stack, p, flat, key))(params)
-    _, g = data_parallel(fwd, mesh, tangents="shared")(stack, params, flat, key)
+    _, g = jax.jit(data_parallel(fwd, mesh, tangents="shared"), static_argnums=0)(
+        stack, params, flat, key)
     out["dataparallel_forward"] = (rel(g, g_mem), f64(g))
+    _, g, _ = jax.jit(pipeline(stack, gpipe_forward(M, N), num_tangents=2,
+                               distribution="gaussian", correction="none"))(params, micro, key)
+    out["pipeline_forward_is_float64"] = f64(g)
+    return out
+
+
+def hybrid(stack, params, micro, key, out: dict) -> dict:
+    """The pipeline's hybrid against the in-memory hybrid for the same key."""
     hyb = jg.hybrid(exact_indices=(0, 1), num_tangents=2)
     _, g_mem = jax.jit(lambda p: hyb(stack, p, micro, key))(params)
-    _, g, _ = pipeline(stack, complete(M, N, (0, 1)), hyb)(params, micro, key)
+    _, g, _ = jax.jit(pipeline(stack, complete(M, N, (0, 1)), hyb))(params, micro, key)
     out["pipeline_hybrid_cv"] = (rel(g, g_mem), f64(g))
-    _, g, _ = pipeline(stack, gpipe_forward(M, N), num_tangents=2, distribution="gaussian",
-                       correction="none")(params, micro, key)
-    out["pipeline_forward_is_float64"] = f64(g)
     return out
 
 
@@ -88,16 +107,16 @@ def problem(stack, n: int) -> tuple[dict, dict]:
             {"x": jnp.asarray(x.reshape(-1, 5)), "y": jnp.asarray(y.reshape(-1))})
 
 
-def all_exact(stack=None, params=None) -> dict:
+def all_exact(ns: tuple[int, ...] = (3, 5, 6, 8), stack=None, params=None) -> dict:
     """Every hybrid correction with every micro-batch exact equals backprop (the exact mean)
-    at N = 3, 5, 6, 8: weights such as 1/3 are formed in the parameters' dtype (in float32 they
+    at each N of ``ns`` (the test: 3, 5, 6, 8, a process each): weights such as 1/3 are formed in the parameters' dtype (in float32 they
     were 3e-8 off unless N is a power of two); the pipeline's too (N = 3)."""
     if stack is None:
         stack = mlp(5, 6, M, 3)
         params = jax.tree.map(lambda a: a.astype(jnp.float64), stack.init(jax.random.key(0)))
     out = {"reference_is_float64": True}
     corrections = ("replace", "control_variate", "weighted", "stein")
-    for n in (3, 5, 6, 8):
+    for n in ns:
         micro, flat = problem(stack, n)
         _, ref = jax.jit(lambda p, b=flat: jg.backprop()(stack, p, b))(params)
         out["reference_is_float64"] &= f64(ref)
@@ -109,12 +128,16 @@ def all_exact(stack=None, params=None) -> dict:
         for corr, g in zip(corrections, grads):
             out[f"all_exact_N{n}_{corr}"] = (rel(g, ref), f64(g))
         if n == 3:
-            _, g, _ = pipeline(stack, complete(M, n, tuple(range(n))), ests[2])(
+            _, g, _ = jax.jit(pipeline(stack, complete(M, n, tuple(range(n))), ests[2]))(
                 params, micro, jax.random.key(1))
             out[f"all_exact_N{n}_pipeline_weighted"] = (rel(g, ref), f64(g))
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(all_exact() if sys.argv[1:] == ["all_exact"] else main()))
+    # python float64_worker.py backprop|forward|hybrid  |  python float64_worker.py all_exact [N ...]
+    if sys.argv[1] == "all_exact":
+        print(json.dumps(all_exact(tuple(int(n) for n in sys.argv[2:]) or (3, 5, 6, 8))))
+    else:
+        print(json.dumps(main(sys.argv[1])))
     sys.exit(0)

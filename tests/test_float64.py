@@ -13,24 +13,39 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _check(*args: str) -> None:
+def _check(*args: str) -> set[str]:
+    """Runs the worker; checks every result it printed; returns their names."""
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "float64_worker.py"), *args],
                          capture_output=True, text=True, cwd=ROOT, timeout=900, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
+    names = set(res) - {"reference_is_float64"}
     assert res.pop("reference_is_float64") and res.pop("pipeline_forward_is_float64", True)
     for name, (err, is_f64) in res.items():
         assert is_f64, f"{name}: gradient not float64"
         assert err <= 1e-12, f"{name}: relative error {err:.3g} against the float64 reference"
+    return names
 
 
-def test_every_engine_at_float64_precision():
-    _check()
+ENGINES = {  # the worker's part (a process each, side by side under xdist) -> what it checks
+    "backprop": {"in_memory_backprop", "pipeline_backprop", "dataparallel_backprop"},
+    "forward": {"dataparallel_forward", "pipeline_forward_is_float64"},
+    "hybrid": {"pipeline_hybrid_cv"},
+}
+
+
+@pytest.mark.parametrize("part", list(ENGINES))
+def test_every_engine_at_float64_precision(part):
+    assert _check(part) == ENGINES[part]
 
 
 @pytest.mark.slow
-def test_all_exact_hybrids_equal_backprop_at_float64_precision():
+@pytest.mark.parametrize("n", [3, 5, 6, 8])
+def test_all_exact_hybrids_equal_backprop_at_float64_precision(n):
     """Every correction (and the pipeline's) with every micro-batch exact equals backprop to
     1e-12 at N = 3, 5, 6, 8: masks, counts, sizes, β and norms are in the parameters' dtype
     (built in float32 they were 3e-8 off unless N is a power of two)."""
-    _check("all_exact")
+    names = _check("all_exact", str(n))
+    corrections = ("replace", "control_variate", "weighted", "stein")
+    want = {f"all_exact_N{n}_{c}" for c in corrections}
+    assert names == want | ({"all_exact_N3_pipeline_weighted"} if n == 3 else set())
