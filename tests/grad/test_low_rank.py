@@ -4,7 +4,6 @@ each entry's standard error), against ``jax.grad`` for the forward gradient's me
 a matrix rank computed by NumPy."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -83,8 +82,6 @@ def test_layered_pass_equals_generic_pass():
     _, g1 = jax.jit(lambda p: est(stack, p, batch, key))(params)
     _, g2 = jax.jit(lambda p: est(lambda q, b: stack(q, b), p, batch, key))(params)
     np.testing.assert_allclose(flat(g1), flat(g2), rtol=1e-5, atol=1e-6)
-    _, full = jax.jit(lambda p: jg.forward(2, "gaussian")(stack, p, batch, key))(params)
-    assert float(jnp.max(jnp.abs(flat(g1) - flat(full)))) > 1e-3  # other directions
 
 
 @pytest.mark.parametrize("build, match", [

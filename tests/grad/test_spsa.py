@@ -61,22 +61,23 @@ def test_mean_over_keys_is_the_gradient(float64_figures):
     assert abs(m["mean_z2"] - 1.0) < 5 * np.sqrt(2.0 / m["coordinates"]), m
 
 
-@pytest.mark.parametrize("rank", [None, 2])
-def test_layered_pass_equals_generic_pass(rank):
+def test_layered_pass_equals_generic_pass():
     """A stack's perturbation drawn segment by segment inside the pass gives the estimate of
     the materialised directions (any loss function's path), for the same key, up to float32's
     resolution of a difference of two losses: |Δd_k| ≤ 8 ε₃₂ L / (2ε) per direction, and ĝ
-    within that times the largest direction entry."""
+    within that times the largest direction entry. (Low-rank directions: the generic path in
+    the float64 quadratic check, the layered one against data parallelism in
+    tests/grad/test_new_estimators_engines.py.)"""
     stack, params, batch, _ = tiny_problem()
     eps = 1e-2
-    est = jg.spsa(3, eps=eps, distribution="gaussian", rank=rank)
+    est = jg.spsa(3, eps=eps, distribution="gaussian")
     key = jax.random.key(4)
     l1, g1, diag1 = jax.jit(lambda p: est(stack, p, batch, key, diagnostics=True))(params)
     l2, g2, diag2 = jax.jit(lambda p: est(lambda q, b: stack(q, b), p, batch, key,
                                           diagnostics=True))(params)
     tol_d = 8 * np.finfo(np.float32).eps * float(l1) / (2 * eps)
     np.testing.assert_allclose(diag1["directional"], diag2["directional"], rtol=0, atol=tol_d)
-    spec = jg.TangentSpec(1, "gaussian", rank=rank)
+    spec = jg.TangentSpec(1, "gaussian")
     keys = jax.vmap(lambda k: jax.random.fold_in(key, k))(jnp.arange(3))
     vs = jax.jit(jax.vmap(lambda k: flat(jg.tangents.tangents(spec, k, params))))(keys)
     v_max = float(np.max(np.abs(vs)))
