@@ -100,7 +100,8 @@ class TangentSpec:
     def _low_rank(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         """``num`` tangents A Bᵀ / √r of an (m, n) leaf, the factors A (m, r) and B (n, r) drawn
         as one (m + n, r) block of the distribution; the product at full float32 precision (a
-        TF32 / bf16 default matmul would change E[v vᵀ] and the engines' agreement)."""
+        TF32 / bf16 default matmul on an accelerator would round it: other tangents there than
+        on a CPU for the same key)."""
         (m, n), r = shape, self.rank
         z = self._draw(key, (m + n) * r).reshape(self.num, m + n, r)
         v = jnp.einsum("kir,kjr->kij", z[:, :m], z[:, m:], precision=jax.lax.Precision.HIGHEST)
