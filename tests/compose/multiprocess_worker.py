@@ -27,6 +27,13 @@ mode = sys.argv[4] if len(sys.argv) > 4 else ""
 disagree = mode == "disagree"
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=pid, local_device_ids=[0, 1, 2, 3])
+if mode in ("lost", "resume"):
+    # The restart after a lost peer runs the programs the lost run compiled: each process keeps
+    # them in a compilation cache of its own (one writer, and the phases one after another;
+    # the lost run's process 1 dies after its first step, when every program is compiled).
+    jax.config.update("jax_compilation_cache_dir", os.path.join(root, f"jit-cache{pid}"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 import numpy as np
 import optax
