@@ -49,10 +49,12 @@ from jaxstream.compose.pipe import DATA, STAGE, build_pipe
 from jaxstream.grad import segments as sg
 from jaxstream.grad.plan import Plan
 from jaxstream.models.stack import Stack
+from jaxstream.stream import kernels as K
 from jaxstream.stream.errors import StoreError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor, plan_of
 from jaxstream.stream.placement import Placement, agree_across_processes
 from jaxstream.stream.store import LayerStore
+from jaxstream.stream.sweeps.common import copying
 from jaxstream.stream.units import Unit, block
 from jaxstream.stream.values import host_value
 
@@ -110,6 +112,8 @@ class ComposedExecutor(StreamedExecutor):
     share of stage-ticks that computed).
     """
 
+    engine = "composed"
+
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
                  config: StreamConfig | None = None, *, mesh: Mesh, schedule: str = "circular",
                  peer_timeout_s: float = 40.0, startup_timeout_s: float = 300.0):
@@ -125,7 +129,7 @@ class ComposedExecutor(StreamedExecutor):
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while one "
                              f"computes, so prefetch must be >= 1, got {config.prefetch} (or "
                              f"use schedule='chunked')")
-        placement = StageChunks(stack, plan_of(estimator, config.update).spec,
+        placement = StageChunks(stack, plan_of(estimator, config.update, "composed").spec,
                                 config.compute_dtype, mesh, schedule, peer_timeout_s,
                                 startup_timeout_s)
         super().__init__(stack, estimator, optimizer, store, config, placement=placement)
@@ -210,9 +214,10 @@ class StageChunks(Placement):
 
     def _settle(self) -> None:
         """Adds the counts the circular windows reported (device values) to the totals."""
-        for busy, ran in self._counts:
-            self._busy = self._busy + np.asarray(host_value(busy), np.int64)
-            self._ticks += int(np.asarray(host_value(ran))[0])
+        if self._counts:  # every window's counts summed on the device, then read together
+            busy, ran = host_value(K.total(self._counts))
+            self._busy = self._busy + np.asarray(busy, np.int64)
+            self._ticks += int(np.asarray(ran)[0])
         self._counts = []
 
     @property
@@ -325,9 +330,7 @@ class StageChunks(Placement):
         self._counts.append(counts)
         out = emitted(fl.prev[0], em) if (emitted and fl.prev) else None
         fl.prev, fl.rest = (u, dev, stage_aux), (mb_aux, consts, slots, emitted)
-        # as the one-device placement: wait for the previous window, so this one is queued
-        # behind it while Python takes the next layers
-        jax.block_until_ready(before)
+        fl.before = before  # what the driver's prefetch fence waits for (not the main thread)
         return fl, [out] if out is not None else []
 
     def land(self, state) -> tuple[tuple, list]:
@@ -352,11 +355,24 @@ class StageChunks(Placement):
         return self._put([np.int32(l) for l in u.layers], self._stage)
 
     def _unstash(self, stash: dict) -> Callable:
+        """The emits of a stashing pass: one process keeps each unit's block inputs as device
+        values with their copy to the host started (:meth:`prepare_reverse` reads them on the
+        reverse sweep's loading thread); across processes they are gathered here, on the main
+        thread, where every process runs its collectives in the same order."""
         def emitted(u: Unit, em: Any) -> None:
+            if not self.shared:
+                stash[u] = copying(em)
+                return
             em = host_value(em)
             for i, l in enumerate(u.layers):
                 stash[l] = em[i]
         return emitted
+
+    def prepare_reverse(self, unit: Unit, stash: dict) -> None:
+        if unit in stash:  # the inputs laid out for the vjp pass, off the main thread
+            em = host_value(stash.pop(unit))
+            stash[(unit, "put")] = self._put([em[i] for i in range(len(unit.layers))],
+                                             self._stash)
 
     def jvp(self, dev, u, keys, state, stash: dict, stash_idx):
         slots, s = self._slots(self._n(state), stash_idx)
@@ -390,7 +406,9 @@ class StageChunks(Placement):
 
     def vjp(self, dev, u, stash: dict, state, each: bool):
         s = self._n(state)
-        st = self._put([stash[l] for l in u.layers], self._stash)
+        st = stash.pop((u, "put"), None)
+        if st is None:
+            st = self._put([stash[l] for l in u.layers], self._stash)
         if each:
             kw, slots = {"num_slots": s, "reverse": True}, np.arange(s, dtype=np.int32)
         else:
@@ -421,6 +439,14 @@ class _Flight:
 
     def __init__(self, circ: Circular, carry: Any):
         self.circ, self.carry, self.prev, self.rest = circ, carry, None, None
+        self.before: Any = None  # the carry before the last window
+
+
+# a pass in flight is, to jax.block_until_ready and Array.is_ready, the carry its last window
+# started from: the prefetch fence waits for it before loading the next unit, so one window
+# is queued behind another while the main thread never waits for the device
+jax.tree_util.register_pytree_node(
+    _Flight, lambda fl: ((fl.before,), fl), lambda fl, _children: fl)
 
 
 def _handed(u: Unit, em: Any) -> tuple:
@@ -447,20 +473,26 @@ def _pass(mesh: Mesh, stack: Stack, spec: Any, name: str, kw: tuple) -> Callable
     return build_pipe(mesh, fn, **specs, **opts)
 
 
-def _stage_part(a: jax.Array, i: int) -> np.ndarray:
-    """Entry ``i`` of the leading (stage) axis of ``a`` as a host value, read from the one
-    device shard that holds it."""
+def _stage_part(a: jax.Array, i: int) -> jax.Array:
+    """Entry ``i`` of the leading (stage) axis of ``a``, on the one device whose shard holds
+    it (no gathered chunk; the host worker reads it)."""
     for sh in a.addressable_shards:
         rows = sh.index[0] if sh.index else slice(None)
         lo, hi = rows.start or 0, a.shape[0] if rows.stop is None else rows.stop
         if sh.replica_id == 0 and lo <= i < hi:
-            return np.asarray(sh.data)[i - lo]
+            return sh.data[i - lo]  # a device value: materialised on the host worker
     raise ValueError(f"no shard of an array of shape {a.shape} holds entry {i}")
 
 
+_KD: list = [None, None]  # the last keys and their data: a sweep passes the same keys per unit
+
+
 def _kd(keys: jax.Array) -> np.ndarray:
-    """Key data of typed keys, as host values (the same on every process)."""
-    return np.asarray(host_value(jax.random.key_data(keys)))
+    """Key data of typed keys, as host values (the same on every process), read once per
+    sweep."""
+    if _KD[0] is not keys:
+        _KD[:] = [keys, np.asarray(host_value(jax.random.key_data(keys)))]
+    return _KD[1]
 
 
 def _impl(keys: jax.Array) -> str:

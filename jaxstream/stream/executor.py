@@ -58,13 +58,15 @@ class StreamedExecutor(Driver):
         metrics = ex.step(micro_batched_batch, key)   # leaves (N, B, ...)
     """
 
+    engine = "stream"  # the name its errors give
+
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
                  config: StreamConfig | None = None, device: Any = None,
                  placement: Placement | None = None):
         config = config or StreamConfig()
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
-        self.plan = plan_of(estimator, config.update)
+        self.plan = plan_of(estimator, config.update, self.engine)
         check_local_losses(stack, self.plan.forward in ("local", "local_weights"), "stream")
         self.stack, self.estimator, self.store, self.cfg = stack, estimator, store, config
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules

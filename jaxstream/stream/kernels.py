@@ -163,9 +163,19 @@ def take(a: jax.Array, idx: jax.Array) -> jax.Array:
     return a[idx]
 
 
-@jax.jit
 def total(trees: list) -> Any:
-    """The leaf-wise sum of a list of pytrees (one call per sweep, on the device)."""
+    """The leaf-wise sum of a list of pytrees (one call per sweep, on the device). Values on
+    different devices (a mesh's per-stage slices beside replicated ones) are first put on one
+    device, asynchronously."""
+    arrays = [a for a in jax.tree.leaves(trees) if isinstance(a, jax.Array)]
+    if len({frozenset(a.devices()) for a in arrays}) > 1 and all(
+            a.is_fully_addressable for a in arrays):
+        trees = jax.device_put(trees, min(arrays[0].devices(), key=lambda d: d.id))
+    return _total(trees)
+
+
+@jax.jit
+def _total(trees: list) -> Any:
     return jax.tree.map(lambda *a: functools.reduce(jnp.add, a), *trees)
 
 

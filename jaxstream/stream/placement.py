@@ -134,6 +134,10 @@ class Placement(abc.ABC):
     def vjp(self, dev, unit, stash: dict, state, each: bool):
         """``((input cotangent,), done)``: weight gradient(s) from the stashed inputs."""
 
+    def prepare_reverse(self, unit, stash: dict) -> None:
+        """Readies ``unit``'s stashed inputs for :meth:`vjp` (on the reverse sweep's loading
+        thread, beside the unit computing before it); here nothing to do."""
+
     @abc.abstractmethod
     def along(self, dev, unit, v, state):
         """``(h, dh)`` along the direction ``v`` (device values of the unit)."""

@@ -56,7 +56,7 @@ ESTIMATORS = {
 }
 ENGINES = ("dataparallel", "pipeline", "stream", "composed")
 # (engine, estimator) -> what the refusal says: the estimator's name and the pass it needs
-REFUSED = {(e, n): (f"{'stream' if e == 'composed' else e}: "  # composed: the stream's check
+REFUSED = {(e, n): (f"{e}: "
                     f"{re.escape(ESTIMATORS[n].plan.describe())} needs a 'zeroth_order' "
                     "forward pass")
            for e in ("pipeline", "stream", "composed") for n in ("spsa", "spsa-rank")}

@@ -141,14 +141,17 @@ def reverse_sweep(ex: Any, layers: list, hosts: dict, stash: dict, sel: dict, mi
         for v, g in finished:
             ex._each(v, g, rhosts.pop(v), finish)
 
-    ex._drive(layers, lambda u: _rload(ex, hosts, u), t0, "reverse", end, blocks, done,
+    ex._drive(layers, lambda u: _rload(ex, hosts, stash, u), t0, "reverse", end, blocks, done,
               reverse=True)
     return None if out[0] is None else host_value(out[0])
 
 
-def _rload(ex: Any, hosts: dict, u: Unit) -> tuple[Any, Any]:
+def _rload(ex: Any, hosts: dict, stash: dict, u: Unit) -> tuple[Any, Any]:
     """(host, device) params of a unit for the reverse sweep: the forward sweep's last block
-    unit as it is resident (no read), other blocks as staged, the ends the forward's copies."""
+    unit as it is resident (no read), other blocks as staged, the ends the forward's copies;
+    a block's stashed inputs readied by the placement."""
+    if u.is_block:
+        ex.placement.prepare_reverse(u, stash)
     if u.is_block and ex._resident is not None and ex._resident[0] == u:
         _, hosts_u, dev = ex._resident
         ex._resident = None
