@@ -140,11 +140,20 @@ class StreamedExecutor(Driver):
           ``device_idle_s``; ``layers_read``; a placement's own (ticks). The main thread
           never waits for the device: it reads the step's few scalars (loss, directional
           derivatives, a selection) once.
+
+          Bytes the step's executed reads and writes moved (:mod:`~jaxstream.stream.io_bytes`):
+          ``bytes_read`` / ``bytes_written`` in all, per kind ``bytes_read_<kind>`` /
+          ``bytes_written_<kind>`` for ``params``, ``opt`` (optimizer state), ``scratch``,
+          ``carry`` (a deferred update's carried group means) and ``manifest`` (the writer's
+          check at the first write; the commit), ``bytes_written_pending`` (the deferred
+          updates' records, part of the manifest written), and ``bytes_read_per_layer`` /
+          ``bytes_written_per_layer``: the totals over the layers the step ran.
         """
         at = self.store.step
         step = at if step is None else int(step)
         t0 = time.perf_counter()
         self.events, self.queue.clock = [], new_clock()
+        self.store.io.reset()
         self.placement.begin_step()
         pending = self.pending.snapshot()
         try:
@@ -183,6 +192,7 @@ class StreamedExecutor(Driver):
                 "idle_s": stall + c["wait_update_s"] + c["wait_commit_s"],
                 "device_idle_s": stall_idle + c["wait_update_idle_s"] + c["wait_commit_s"],
                 "layers_read": sum(len(e.unit.layers) for e in self.events) - self._reused,
+                **self.store.io.metrics(len({l for e in self.events for l in e.unit.layers})),
                 **self.placement.metrics()}
 
     def estimate(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[float, dict]:

@@ -55,8 +55,9 @@ from jaxstream.stream.errors import (
     StoreWriteError,
 )
 from jaxstream.stream.guard import guard_commit, guard_message, leaf_sq, sane_after_rollback
+from jaxstream.stream.io_bytes import PART_OF_MANIFEST, IOBytes
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore, write_group
-from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
+from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode, encode
 from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
     ReadInto,
@@ -104,6 +105,7 @@ class LayerStore:
         self._writer = writer
         self._wrote = False  # a handle that never wrote checks its reads are not stale
         self._begin_lock = threading.Lock()
+        self.io = IOBytes()  # bytes read and written by kind (the executor resets it per step)
         file = self.manifest_file
         for kind in ("params", "opt"):
             for part in PARTS:
@@ -303,7 +305,7 @@ class LayerStore:
             post = lambda t: t if t is not None else self._check_other_writer()
         else:
             post = lambda t: self._check_fresh(used) or t
-        return TreeFuture(treedef, futs, post, names)
+        return TreeFuture(treedef, futs, post, names, count=lambda n: self.io.read(kind, n))
 
     def _leaf_read(self, kind: str, part: str, i: int, idx: tuple, name: str,
                    expect: int | None) -> Any:
@@ -330,6 +332,7 @@ class LayerStore:
         swapped or rolled back (called when a read finds a chunk other than committed)."""
         try:
             res = self._root.read(MANIFEST).result()
+            self.io.read("manifest", len(res.value))
             m = decode(res.value, self.manifest_file) if res.state == "value" else None
         except Exception:  # noqa: BLE001 - the read error itself is reported instead
             return
@@ -353,6 +356,7 @@ class LayerStore:
             res = self._root.read(MANIFEST).result()
         except Exception as err:
             raise read_error(err, self.manifest_file) from err
+        self.io.read("manifest", len(res.value))
         if res.state != "value":
             raise StoreStaleError(f"{self.manifest_file} disappeared while reading step {self.step}")
         if res.value == self._fresh:  # the manifest this handle already found current
@@ -437,6 +441,7 @@ class LayerStore:
                 raise self._write_error(what, err) from err
             with self._lock:  # counted with the staged writes: bounded by max_write_bytes
                 self._writes.append((f"scratch/{part}/{l}", fut, x.nbytes))
+            self.io.wrote("scratch", x.nbytes)
             futs.append(fut)
         self._throttle()
         return futs
@@ -452,7 +457,8 @@ class LayerStore:
             futs = [self._scratch_array(part, i)[idx].read() for i in range(n)]
         except Exception as err:
             raise read_error(err, names[0]) from err
-        return TreeFuture(self._treedefs[part], futs, None, names)
+        return TreeFuture(self._treedefs[part], futs, None, names,
+                          count=lambda n: self.io.read("scratch", n))
 
     # ------------------------------------------------------------------ carry
     def _carry_array(self, part: str, i: int, create: bool = False) -> ts.TensorStore:
@@ -501,6 +507,7 @@ class LayerStore:
                 raise self._write_error(what, err) from err
             with self._lock:
                 self._writes.append((f"carry/{part}/{l}", fut, x.nbytes))
+            self.io.wrote("carry", x.nbytes)
             futs.append(fut)
         self._throttle()
         return futs, crcs
@@ -522,7 +529,8 @@ class LayerStore:
                     for i, c in enumerate(crcs)]
         except Exception as err:
             raise read_error(err, names[0]) from err
-        return TreeFuture(self._treedefs[part], futs, None, names)
+        return TreeFuture(self._treedefs[part], futs, None, names,
+                          count=lambda n: self.io.read("carry", n))
 
     # ------------------------------------------------------------------ writes
     def write(self, unit: Unit, params: Any, opt_state: Any = None) -> None:
@@ -569,6 +577,7 @@ class LayerStore:
                     raise self._write_error(key, err) from err
                 with self._lock:
                     self._writes.append((key, fut, x.nbytes))
+                self.io.wrote(kind, x.nbytes)
             with self._lock:
                 self._staged_digests[(kind, key)] = crcs
                 if kind == "params":
@@ -621,6 +630,7 @@ class LayerStore:
         self._writer.acquire()
         try:
             res = self._root.read(MANIFEST).result()
+            self.io.read("manifest", len(res.value))
             m = decode(res.value, self.manifest_file) if res.state == "value" else None
         except Exception as err:
             self._writer.release()
@@ -700,6 +710,11 @@ class LayerStore:
             m["extra"] = extra
         guard_commit(self, m, {k: n for k, (c, n) in norms.items()
                                if digests.get(("params", k)) == c})
+        try:
+            self._count_manifest(m)
+        except StoreError:
+            self.abort()
+            raise
         if not wait:
             return self._land(m)
         try:
@@ -713,6 +728,14 @@ class LayerStore:
             self._staged_digests.clear()
         if self._writer is not None:
             self._writer.release()
+
+    def _count_manifest(self, m: dict) -> None:
+        """Counts the bytes of the manifest ``m`` a commit writes, and of the deferred
+        updates' records inside it (refuses non-finite values, as its write would)."""
+        self.io.wrote("manifest", len(encode(m)))
+        pending = m.get("extra", {}).get(PART_OF_MANIFEST)
+        if pending is not None:
+            self.io.wrote(PART_OF_MANIFEST, len(json.dumps(pending, sort_keys=True).encode()))
 
     _landing: tuple | None = None  # (manifest before, thread, [error]) of a commit landing
     _lost: BaseException | None = None  # a landing's error that an abort swallowed

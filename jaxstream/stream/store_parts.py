@@ -42,13 +42,15 @@ class TreeFuture:
 
     ``names`` (one per leaf) name the leaf in errors: a damaged or missing chunk raises
     :class:`StoreCorruptError` naming it; ``post`` runs on the finished tree (e.g. a check
-    that the slots read were not overwritten meanwhile).
+    that the slots read were not overwritten meanwhile); ``count`` is told the bytes of the
+    leaves read, once, when they first arrived (the store's byte counters).
     """
 
     def __init__(self, treedef: Any, futures: Sequence[Any], post: Callable | None = None,
-                 names: Sequence[str] | None = None):
+                 names: Sequence[str] | None = None, count: Callable[[int], None] | None = None):
         self._treedef, self._futures, self._post = treedef, list(futures), post
         self._names = list(names) if names is not None else [f"leaf {i}" for i in range(len(futures))]
+        self._count = count
 
     def done(self) -> bool:
         return all(f.done() for f in self._futures)
@@ -62,6 +64,9 @@ class TreeFuture:
                 if isinstance(err, StoreNotCommittedError) and self._post:
                     self._post(None)  # a reader of an older step is told that first
                 raise read_error(err, name) from err
+        count, self._count = self._count, None
+        if count is not None:
+            count(sum(x.nbytes for x in leaves))
         tree = jax.tree_util.tree_unflatten(self._treedef, leaves)
         return self._post(tree) if self._post else tree
 
