@@ -11,6 +11,12 @@ computes is the executor's (``jaxstream.pipeline.executor.pipeline(stack, schedu
     initial params);
   - ``backprop``: every micro-batch selected, complete chains, ``replace``: the exact gradient.
 
+Stages of unequal size (``placement: {kind: by_speed | by_type, ...}``, see
+:mod:`jaxstream.experiment.placement_config`) run padded to the largest stage
+(:func:`jaxstream.pipeline.unequal_stages`): the state and the estimates keep the model's
+shapes; a forward estimate draws its tangents per padded block, so it equals the in-memory
+estimator of the padded model for the same key, not of the model itself.
+
 Example (YAML):
   engine: {type: pipeline, stages: 4, policy: truncated}
   arms: [{name: hybrid, estimator: {type: hybrid, micro_batches: 8, num_exact: 2}, lr: 0.01}]
@@ -27,9 +33,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
+from jaxstream.experiment.placement_config import PlacementConfig
 from jaxstream.optim.promotion import standard_promotion
 from jaxstream.pipeline.executor import AXIS, RUNS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
+from jaxstream.pipeline.unequal import unequal_stages
 from jaxstream.ranges import Count
 
 
@@ -38,26 +46,28 @@ class PipelineEngineConfig(EngineConfig):
     """Options of the pipeline engine.
 
     Attributes:
-      stages: M, pipeline stages (one device each; the model depth must divide by M).
+      stages: M, pipeline stages (one device each; with ``placement.kind: equal`` the model
+        depth must divide by M).
       policy: how exact gradients fill the bubbles: "truncated" (no added tick, nested
         groups), "delayed" (no added tick, the previous step's micro-batches: stale by one step),
         "complete" (full chains, fewest added ticks), "crossstep" (full chains of the previous
         step's micro-batches across the step boundary; stale by one step).
       micro_batches: N for a forward estimator (a hybrid arm's own micro_batches wins).
+      placement: blocks per stage: equal, by device speed or by layer type.
     """
 
     stages: Count = 4
     policy: Literal["truncated", "delayed", "complete", "crossstep"] = "complete"
     micro_batches: Count = 8
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     places_blocks: ClassVar[bool] = True  # a sequential model runs as a stack (to_stack)
 
     def check_model(self, model: Any) -> None:
-        """The model's depth divides into the stages (when the model section says its depth),
-        checked when the config loads, as the composed engine does."""
+        """The placement serves the model's depth on the stages (when the model section says
+        its depth), checked when the config loads, as the composed engine does."""
         depth = getattr(model, "depth", None)
-        if isinstance(depth, int) and depth % self.stages:
-            raise ValueError(f"engine.stages: {self.stages} must divide model.depth = {depth} "
-                             f"(allowed: divisors of {depth})")
+        if isinstance(depth, int):
+            self.placement.sizes(depth, self.stages)
 
     def check_arm(self, arm: Any, field: str) -> None:
         """The pipeline runs the arm's forward pass (checked when the config loads, before the
@@ -107,6 +117,10 @@ class PipelineEngine:
         schedule = _schedule(cfg, estimator, micro_batches)
         self.cfg, self.stack, self.schedule = cfg, stack, schedule
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
+        self.sizes = cfg.placement.sizes(stack.num_layers, cfg.stages)
+        self._pad = self._unpad = None
+        if len(set(self.sizes)) > 1:  # unequal stages: padded to the largest, skipped blocks
+            stack, self._pad, self._unpad = unequal_stages(stack, self.sizes)
         self.pipe = pipeline(stack, schedule, estimator)
         self.guess = self.pipe.along
         plan = estimator.plan
@@ -124,18 +138,20 @@ class PipelineEngine:
     def init(self, params: Any, key: jax.Array) -> PipelineState:
         """Initial state; for the delayed policy the carry says "no previous step" (h = 0)."""
         mesh = self.pipe.mesh
-        params = jax.device_put(params, {
-            "embed": NamedSharding(mesh, P()), "blocks": NamedSharding(mesh, P(AXIS)),
+        params = jax.device_put(params, {  # unequal stages: the padding happens in the step
+            "embed": NamedSharding(mesh, P()),
+            "blocks": NamedSharding(mesh, P() if self._pad else P(AXIS)),
             "head": NamedSharding(mesh, P())})
         carry = None
         if self.pipe.stale:
             micro = split_micro_batches(self._example, self.num_microbatches)
-            carry = self.pipe.init_carry(params, micro)
+            carry = self.pipe.init_carry(self._padded(params), micro)
             carry = carry._replace(stash=jax.device_put(carry.stash, NamedSharding(mesh, P(AXIS))))
         state = PipelineState(params, jax.jit(self.optimizer.init)(params), carry)
         if self.guess:  # the first step's direction: its own exact mean (see the executor)
             micro = split_micro_batches(self._example, self.num_microbatches)
-            state = state._replace(direction=self.pipe(params, micro, key)[2]["direction"])
+            direction = self.pipe(self._padded(params), micro, key)[2]["direction"]
+            state = state._replace(direction=direction)
         # every step returns the state with these shardings: one compilation for all steps
         self._shardings = jax.tree.map(
             lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
@@ -145,9 +161,17 @@ class PipelineEngine:
     def params(self, state: PipelineState) -> Any:
         return state.params
 
+    def _padded(self, params: Any) -> Any:
+        """The params the pipeline runs: padded to the largest stage where stages differ."""
+        return params if self._pad is None else self._pad(params)
+
     def _grads(self, state: PipelineState, batch: dict, key: jax.Array):
+        """(loss, grads shaped like the params, aux); the carry and the guess direction stay
+        in the pipeline's (padded) shapes."""
         micro = split_micro_batches(batch, self.num_microbatches)
-        return self.pipe(state.params, micro, key, state.carry, guess=state.direction)
+        loss, grads, aux = self.pipe(self._padded(state.params), micro, key, state.carry,
+                                     guess=state.direction)
+        return loss, (grads if self._unpad is None else self._unpad(grads)), aux
 
     def _estimate(self, state: PipelineState, batch: dict, key: jax.Array):
         loss, grads, _ = self._grads(state, batch, key)

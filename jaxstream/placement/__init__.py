@@ -1,5 +1,6 @@
 """Placement of pipeline stages on devices of different speeds."""
 
+from jaxstream.placement.by_type import TypeAssignment, assign_by_type
 from jaxstream.placement.stages import (
     Placement,
     evaluate_placement,
@@ -12,6 +13,6 @@ from jaxstream.placement.stages import (
 )
 
 __all__ = [
-    "Placement", "evaluate_placement", "evaluate_split", "measure_layer_costs", "place_by_type",
-    "place_stages", "type_times", "uniform_placement",
+    "Placement", "TypeAssignment", "assign_by_type", "evaluate_placement", "evaluate_split",
+    "measure_layer_costs", "place_by_type", "place_stages", "type_times", "uniform_placement",
 ]  # fmt: skip
