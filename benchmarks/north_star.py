@@ -18,6 +18,9 @@ medians and min–max spread per column. Per streamed step it also records:
   the executor (``np.asarray``, ``float``, ``.item()``, ``device_get``, ``block_until_ready``
   of a device array: :class:`BlockingCounter`), plus the executor's own count when its metrics
   carry one;
+* bytes read / written per step: what the step's reads and writes moved (parameters,
+  optimizer state, scratch, carried means, manifest; the executor's ``bytes_read`` /
+  ``bytes_written``, :mod:`jaxstream.stream.io_bytes`);
 * idle per cause: the device's idle time by what the main thread waited for — a read
   (``stall_idle``), the host worker (``wait_update_idle``), the commit — each the part of
   the wait after the work already dispatched was computed (:mod:`jaxstream.stream.idle`), so
@@ -269,6 +272,9 @@ def summarise(mem: list[float], steps: list[dict]) -> dict:
            if "block" in k and k != "blocking"]
     for k in sorted(own):
         out[f"executor_{k}"] = statistics.median(s[k] for s in steps)
+    for k in ("bytes_read", "bytes_written"):
+        if steps and all(k in s for s in steps):
+            out[k] = statistics.median(s[k] for s in steps)
     return out
 
 
@@ -324,11 +330,20 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.0f}" if abs(s) >= 0.0995 else f"{s * 1e3:.1f}"
 
 
+def _bytes(r: dict) -> str:
+    """``read / written`` per step in KiB or MiB (``–`` for results from before bytes)."""
+    if "bytes_read" not in r:
+        return "–"
+    unit = lambda n: f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+    return f"{unit(r['bytes_read'])} / {unit(r['bytes_written'])}"
+
+
 def table(results: dict) -> str:
     """Markdown: one row per (width, estimator, cache)."""
     lines = [("| width | estimator | cache | in memory ms | streamed ms | streamed / in memory "
-             "(min–max) | blocking / step | idle per cause ms | other ms |"),
-             "|---:|---|---|---:|---:|---|---:|---|---:|"]
+             "(min–max) | blocking / step | read / written per step | idle per cause ms | "
+             "other ms |"),
+             "|---:|---|---|---:|---:|---|---:|---:|---|---:|"]
     for r in results.values():
         idle = ", ".join(f"{k.removesuffix('_s')} {_ms(v)}" for k, v in r["idle_s"].items())
         own = [f"{k.removeprefix('executor_')} {v:.0f}" for k, v in r.items()
@@ -338,7 +353,7 @@ def table(results: dict) -> str:
             f"| {r['width']} | {r['estimator'].replace('_', ' ')} | {r['cache']} | "
             f"{_ms(r['memory_s']['median'])} | {_ms(r['streamed_s']['median'])} | "
             f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {blocking} | "
-            f"{idle or '–'} | {_ms(r['other_s'])} |")
+            f"{_bytes(r)} | {idle or '–'} | {_ms(r['other_s'])} |")
     return "\n".join(lines)
 
 

@@ -332,6 +332,8 @@ class StreamEngine:
             "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"]),
             "host_update_time": m["host_update_s"], "update_wait_time": m["wait_update_s"],
             "write_wait_time": m["wait_write_s"],
+            **{k: float(m[k]) for k in ("bytes_read", "bytes_written", "bytes_read_params",
+                                        "bytes_written_params")},
             **{k: float(v) for k, v in m.items() if k in ("ticks", "fill_ratio")}}
 
     def warm_up(self, state: StreamState, batch: dict, key: jax.Array) -> None:
