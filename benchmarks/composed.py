@@ -161,6 +161,7 @@ def streamed_rows(meshes, layers: int, names) -> list[dict]:
                 "coverage_per_stage": coverage(est, N, layers, s, key),
                 "staleness_per_stage": [0] * s, "layers_read": m["layers_read"],
                 "layer_reads_per_layer": m["layers_read"] / layers,
+                "bytes_read": m["bytes_read"], "bytes_written": m["bytes_written"],
                 "layers_read_model": model.layer_reads, "first_call_s": first_s,
                 "step_s": step_s, **{f"idle_{k}": m[k] for k in
                                      ("stall_s", "host_update_s", "wait_update_s",
@@ -466,7 +467,7 @@ def scale(width: int, depths=(192, 384), steps: int = 1, mesh=(2, 4), repeats: i
 # ---------------------------------------------------------------------------- output
 COLS = ("data", "stage", "policy", "estimator", "update", "streamed", "max_rel_err", "ticks",
         "ticks_model", "ticks_chunked", "added_ticks", "fill_ratio", "layers_read",
-        "layers_read_model", "layer_reads_per_layer",
+        "layers_read_model", "layer_reads_per_layer", "bytes_read", "bytes_written",
         "coverage_per_stage", "staleness_per_stage", "step_s", "idle_stall_s",
         "idle_wait_update_s", "idle_wait_write_s")
 OVERLAP = ("engine", "overlap_update", "step_s", "step_ratio_to_in_line", "wait_update_s",
