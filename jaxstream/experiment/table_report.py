@@ -12,6 +12,8 @@ import os
 import re
 from typing import Any
 
+from jaxstream.experiment import verdicts
+
 # Ren, Kornblith, Liao, Hinton: "Scaling forward gradient with local losses", ICLR 2023 —
 # supervised MNIST test error (%) of their MLPs as published, in their notation
 # size/patches/groups, patches counted per side of the image (their released configuration,
@@ -107,135 +109,212 @@ def _show(r: dict) -> str:
     return f"{mean:.3f} ± {sd:.3f}" if _is_loss(r) else f"{_pm(mean, sd)} %"
 
 
-ALPHA = 0.05  # two-sided level of every verdict
-#: A paired comparison's word, by :func:`_sign` of ``a − b`` (None: too few seeds or no spread).
-VERDICT = {None: "no verdict against", -1: "better than", 0: "tie with", 1: "worse than"}
-MIN_SEEDS = 3  # paired seeds a verdict needs
+ALPHA = verdicts.ALPHA  # level of every test
+MIN_SEEDS = verdicts.MIN_SEEDS_TEST  # paired seeds any test needs
+MIN_SEEDS_EQUIVALENT = verdicts.MIN_SEEDS_EQUIVALENT  # paired seeds an "≈" needs
+MARGIN_ERROR = 0.005  # equivalence margin of test error: 0.5 percentage points
+MARGIN_LOSS = 0.01  # equivalence margin of test loss: 0.01 nats per character
+#: A paired comparison's words, by :func:`jaxstream.experiment.verdicts.verdict` of ``a − b``.
+VERDICT = {"better": "better than", "worse": "worse than", "≈": "≈",
+           "inconclusive": "inconclusive against"}
+BASE_DESIGN = "LG-FG-A" + REN  # the local-loss design the others are judged against
+VERDICT_RULES = (
+    "Verdicts: each comparison is the paired by-seed difference a − b of the judged figure "
+    "(seed i of one arm against seed i of the other: same initial key and batches), printed "
+    "with its 95 % interval (Student's t, df = n − 1). **better** / **worse**: the two-sided "
+    "paired t-test (scipy.stats.ttest_rel) rejects a − b = 0 at level {alpha} after Holm's "
+    "adjustment over every paired comparison of the data set's table (the family; its size is "
+    "stated per table). **≈**: the difference is inside the equivalence margin, ±{pp:.1f} pp of "
+    "test error (±{nats:.2f} nats of test loss), by two one-sided tests (TOST: the larger "
+    "one-sided p, Holm-adjusted over the same family, below {alpha}), and only with at least "
+    "{five} paired seeds; a difference inside the margin is ≈ even where it is also "
+    "significant. **inconclusive**: neither. Rule for fewer than {five} paired seeds: no ≈ "
+    "(the verdict is inconclusive unless the Holm-adjusted test already excludes zero, then "
+    "better / worse); fewer than {three}, or every seed differing by the same amount (no "
+    "spread: t undefined): no test, inconclusive.")
+
+
+def margin(loss: bool) -> float:
+    """The equivalence margin of the judged figure (a loss, or an error rate)."""
+    return MARGIN_LOSS if loss else MARGIN_ERROR
 
 
 def paired(a: dict, b: dict) -> dict:
-    """Paired by-seed difference of the judged figure, ``a − b`` (seed i of one arm against seed
-    i of the other: same initial key and batches), with Student's t: ``{"n", "mean", "t",
-    "df", "p"}``; only ``{"n"}`` where fewer than :data:`MIN_SEEDS` seeds pair up, and
-    ``{"n", "mean", "constant"}`` where every seed differs by the same nonzero amount (no
-    spread: t is undefined, and a p of 0 from three seeds would be an artefact)."""
-    key = "test_loss_by_seed" if _is_loss(a) else "test_error_by_seed"
-    xa, xb = a.get(key) or [], b.get(key) or []
-    n = min(len(xa), len(xb))
-    if n < MIN_SEEDS:
-        return {"n": n}
-    from scipy import stats
-
-    d = [x - y for x, y in zip(xa[:n], xb[:n])]
-    mean = sum(d) / n
-    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
-    if sd == 0.0 and mean != 0.0:  # every seed differs by the same amount: t is undefined
-        return {"n": n, "mean": mean, "constant": True}
-    t = mean / (sd / math.sqrt(n)) if sd else 0.0  # identical arms: t = 0, p = 1
-    p = 2.0 * float(stats.t.sf(abs(t), n - 1))
-    return {"n": n, "mean": mean, "t": t, "df": n - 1, "p": p}
+    """Paired by-seed difference of the judged figure, ``a − b``:
+    :func:`jaxstream.experiment.verdicts.paired_difference` of the rows' by-seed test errors
+    (test losses for ``metric: loss``) against :func:`margin` (``{"n", "mean", "lo", "hi",
+    "t", "df", "p", "p_tost", ...}``; only ``{"n"}`` below :data:`MIN_SEEDS` paired seeds,
+    ``{"n", "mean", "constant"}`` where every seed differs by the same nonzero amount)."""
+    loss = _is_loss(a)
+    key = "test_loss_by_seed" if loss else "test_error_by_seed"
+    return verdicts.paired_difference(a.get(key) or [], b.get(key) or [], margin(loss))
 
 
-def _sign(test: dict) -> int:
-    """-1 / +1 where a − b is below / above zero at level ALPHA, 0 where it is not, None
-    without enough paired seeds."""
-    if "p" not in test:
-        return None
-    return 0 if test["p"] >= ALPHA else (-1 if test["mean"] < 0 else 1)
+def _lg(r: dict) -> str:
+    return "LG-FG-A" + REN if "LG-FG-A" + REN in r else "LG-FG-A"  # Ren's design where it ran
+
+
+def _best_forward(r: dict) -> dict | None:
+    fwd = [r[a] for a in FORWARD_ARMS if a in r]
+    return min(fwd, key=lambda x: _m(x)[0]) if fwd else None
+
+
+def _pairs(rows: list[dict], dataset: str) -> list[tuple[str, str]]:
+    """Every paired comparison the report makes on one data set, as ``(a, b)`` arm names."""
+    r = _by(rows, dataset)
+    lg, pairs = _lg(r), []
+    if all(a in r for a in ("FG-W", "FG-A", lg, "BP")):
+        pairs += [("FG-W", "FG-A"), ("FG-A", lg), (lg, "BP")]
+    if "LG-FG-A" in r and BASE_DESIGN in r:
+        pairs.append(("LG-FG-A", BASE_DESIGN))  # shared head against heads of their own
+    best = _best_forward(r)
+    if "exact-subset" in r and best:
+        for name in (n for n in r if n.startswith("hybrid")):
+            pairs += [(name, "exact-subset"), (name, best["arm"])]
+    if BASE_DESIGN in r:
+        pairs += [(n, BASE_DESIGN) for n in r if n.startswith(BASE_DESIGN + "-")]
+    return list(dict.fromkeys(pairs))
+
+
+def comparisons(rows: list[dict], dataset: str) -> dict[tuple[str, str], dict]:
+    """Every paired comparison of the data set's table (:func:`paired`), Holm-adjusted as one
+    family (:func:`jaxstream.experiment.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
+    ``verdict``), by ``(a, b)``."""
+    r = _by(rows, dataset)
+    pairs = _pairs(rows, dataset)
+    return dict(zip(pairs, verdicts.family([paired(r[a], r[b]) for a, b in pairs])))
+
+
+def family_size(rows: list[dict], dataset: str) -> int:
+    """How many paired tests the data set's table makes (Holm's m)."""
+    return sum("p" in t for t in comparisons(rows, dataset).values())
+
+
+def _ci(test: dict, loss: bool) -> str:
+    if loss:
+        return f"95 % CI [{test['lo']:+.3f}, {test['hi']:+.3f}]"
+    return f"95 % CI [{100 * test['lo']:+.2f}, {100 * test['hi']:+.2f}] pp"
 
 
 def _stat(test: dict, loss: bool) -> str:
     if test.get("constant"):
-        return (f"no verdict: all {test['n']} paired differences are {_d(test['mean'], loss)}, "
+        return (f"no test: all {test['n']} paired differences are {_d(test['mean'], loss)}, "
                 "no spread, so Student's t is undefined (a discrete test set can do this)")
     if "p" not in test:
-        return f"no verdict: {test['n']} paired seeds, {MIN_SEEDS} needed"
-    return (f"{_d(test['mean'], loss)}, t = {test['t']:.2f}, df = {test['df']}, "
-            f"p = {test['p']:.3f}, {test['n']} paired seeds")
+        return f"no test: {test['n']} paired seeds, {MIN_SEEDS} needed"
+    few = (f" (fewer than {MIN_SEEDS_EQUIVALENT}: no ≈)"
+           if test["n"] < MIN_SEEDS_EQUIVALENT else "")
+    band = f"±{test['margin']:.2f}" if loss else f"±{100 * test['margin']:.1f} pp"
+    return (f"{_d(test['mean'], loss)}, {_ci(test, loss)}; t = {test['t']:.2f}, "
+            f"df = {test['df']}, p = {test['p']:.3f}, Holm p = {test['p_holm']:.3f} "
+            f"(of {test['m']}); TOST at {band}: Holm p = {test['p_tost_holm']:.3f}; "
+            f"{test['n']} paired seeds{few}")
 
 
 def ordering(rows: list[dict], dataset: str) -> list[str]:
     """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in test error, or test loss for ``metric: loss``) on
-    one data set, plus BP best and FG-W worst of these four; one line per relation, each from
-    the paired by-seed differences (:func:`paired`, level :data:`ALPHA`)."""
+    one data set, plus BP best and FG-W worst of these four (by means, untested); one line
+    per relation, each answered yes / no / inconclusive from the verdict of its paired
+    comparison (:func:`comparisons`)."""
     r = _by(rows, dataset)
-    lg = "LG-FG-A" + REN if "LG-FG-A" + REN in r else "LG-FG-A"  # Ren's design where it ran
+    lg = _lg(r)
     need = ("FG-W", "FG-A", lg, "BP")
     if any(a not in r for a in need):
         return [f"(ordering not checked: arms {[a for a in need if a not in r]} missing)"]
     loss = _is_loss(r["BP"])
-    near = 0.01  # nats, or 1 pp of error
-
-    def answer(ok: bool | None) -> str:
-        return "no verdict" if ok is None else ("yes" if ok else "no")
-
+    tests = comparisons(rows, dataset)
+    # the relation's answer by the comparison's verdict (inconclusive: inconclusive)
+    relations = (("FG-W", "FG-A", "FG-W worse than FG-A", {"worse"}, {"better", "≈"}),
+                 ("FG-A", lg, f"FG-A no better than {lg}", {"worse", "≈"}, {"better"}),
+                 (lg, "BP", f"{lg} ≈ BP (equivalent within the margin)", {"≈"},
+                  {"better", "worse"}))
     out = []
-    t = paired(r["FG-W"], r["FG-A"])
-    s = _sign(t)
-    out.append(f"FG-W worse than FG-A: {answer(None if s is None else s > 0)} ({_stat(t, loss)})")
-    t = paired(r["FG-A"], r[lg])
-    s = _sign(t)
-    out.append(f"FG-A no better than {lg}: {answer(None if s is None else s >= 0)} "
-               f"({_stat(t, loss)})")
-    t = paired(r[lg], r["BP"])
-    s = _sign(t)
-    band = f"{near:.2f} nats" if loss else "1 pp"
-    ok = None if s is None else (s == 0 or abs(t["mean"]) <= near)
-    out.append(f"{lg} ≈ BP (no difference at p < {ALPHA} or within {band}): {answer(ok)} "
-               f"({_stat(t, loss)})")
+    for a, b, said, yes, no in relations:
+        t = tests[(a, b)]
+        answer = "yes" if t["verdict"] in yes else "no" if t["verdict"] in no else "inconclusive"
+        out.append(f"{said}: {answer} ({_stat(t, loss)})")
     means = {a: _m(r[a])[0] for a in need}
+    best, worst = min(means, key=means.get), max(means, key=means.get)
     out.append(f"BP best and FG-W worst of these four: "
-               f"{'yes' if min(means, key=means.get) == 'BP' and max(means, key=means.get) == 'FG-W' else 'no'}"
-               f" (best {min(means, key=means.get)}, worst {max(means, key=means.get)}; means)")
+               f"{'yes' if best == 'BP' and worst == 'FG-W' else 'no'}"
+               f" (best {best}, worst {worst}; means, not a test)")
     return out
 
 
-def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
-    """Each hybrid against both its ingredients, the exact subset and the best forward arm,
-    from the paired by-seed differences (:func:`paired`, level :data:`ALPHA`)."""
+def head_verdict(rows: list[dict], dataset: str) -> list[str]:
+    """LG-FG-A (the model's final head shared by every block) against LG-FG-A-Ren (a head of
+    its own per block, as Ren et al.), paired by seed; [] without both arms."""
     r = _by(rows, dataset)
-    fwd = [r[a] for a in FORWARD_ARMS if a in r]
-    if "exact-subset" not in r or not fwd:
+    if "LG-FG-A" not in r or BASE_DESIGN not in r:
+        return []
+    loss = _is_loss(r[BASE_DESIGN])
+    t = comparisons(rows, dataset)[("LG-FG-A", BASE_DESIGN)]
+    return [(f"LG-FG-A (shared head) {_show(r['LG-FG-A'])} — {VERDICT[t['verdict']]} "
+            f"{BASE_DESIGN} (heads of their own) {_show(r[BASE_DESIGN])} ({_stat(t, loss)})")]
+
+
+def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
+    """Each hybrid against both its ingredients, the exact subset and the best forward arm
+    (by mean), from the verdicts of the paired comparisons (:func:`comparisons`): BEATS BOTH
+    where better than both, does not beat both where worse than or ≈ either, else
+    inconclusive."""
+    r = _by(rows, dataset)
+    best_fwd = _best_forward(r)
+    if "exact-subset" not in r or not best_fwd:
         return ["(verdict not computed: exact-subset or forward arms missing)"]
-    best_fwd = min(fwd, key=lambda x: _m(x)[0])
     sub = r["exact-subset"]
     loss = _is_loss(sub)
+    tests = comparisons(rows, dataset)
     out = [(f"ingredients: exact-subset {_show(sub)}, best forward arm {best_fwd['arm']} "
            f"{_show(best_fwd)}")]
     for name, h in r.items():
         if not name.startswith("hybrid"):
             continue
-        verdicts, signs = [], []
+        said, words = [], []
         for other in (sub, best_fwd):
-            t = paired(h, other)
-            s = _sign(t)
-            signs.append(s)
-            word = VERDICT[s]
-            verdicts.append(f"{word} {other['arm']} ({_stat(t, loss)})")
-        end = ("no verdict" if None in signs else
-               "BEATS BOTH" if signs == [-1, -1] else "does not beat both")
-        out.append(f"{name}: {_show(h)} — {'; '.join(verdicts)} → {end}")
+            t = tests[(name, other["arm"])]
+            words.append(t["verdict"])
+            said.append(f"{VERDICT[t['verdict']]} {other['arm']} ({_stat(t, loss)})")
+        end = ("BEATS BOTH" if words == ["better", "better"] else
+               "does not beat both" if {"worse", "≈"} & set(words) else "inconclusive")
+        out.append(f"{name}: {_show(h)} — {'; '.join(said)} → {end}")
     return out
 
 
-def design_verdicts(rows: list[dict], dataset: str,
-                    base: str = "LG-FG-A" + REN) -> list[str]:
+def design_verdicts(rows: list[dict], dataset: str) -> list[str]:
     """Each other local-loss design with activity tangents and heads of its own (an
     ``LG-FG-A-Ren-*`` arm: groups, patch groups, cells, the feature aggregator) against
-    ``base`` (one loss per block), from the paired by-seed differences; [] where the data set
-    has no such arm."""
+    LG-FG-A-Ren (one loss per block), from the verdicts of the paired comparisons
+    (:func:`comparisons`); [] where the data set has no such arm."""
     r = _by(rows, dataset)
+    base = BASE_DESIGN
     others = [x for name, x in r.items() if name.startswith(base + "-")]
     if base not in r or not others:
         return []
     loss = _is_loss(r[base])
+    tests = comparisons(rows, dataset)
     out = []
     for x in others:
-        t = paired(x, r[base])
-        word = VERDICT[_sign(t)]
-        out.append(f"{x['arm']}: {_show(x)} — {word} {base} {_show(r[base])} "
+        t = tests[(x["arm"], base)]
+        out.append(f"{x['arm']}: {_show(x)} — {VERDICT[t['verdict']]} {base} {_show(r[base])} "
                    f"({_stat(t, loss)})")
     return out
+
+
+def seeds_note(rows: list[dict], dataset: str) -> str:
+    """A sentence naming the data set's rows with fewer than :data:`MIN_SEEDS_EQUIVALENT`
+    seeds ("" where none)."""
+    mine = [r for r in rows if r["dataset"] == dataset and not is_baseline(r)]
+    few = [r for r in mine if r.get("seeds", 0) < MIN_SEEDS_EQUIVALENT]
+    if not few:
+        return ""
+    counts = " or ".join(str(n) for n in sorted({r.get("seeds", 0) for r in few}))
+    which = (f"every row ({len(few)} arms) has {counts}"
+             if len(few) == len(mine) else
+             ", ".join(f"{r['arm']} ({r.get('seeds', 0)})" for r in few) + " have")
+    return (f"**Fewer than {MIN_SEEDS_EQUIVALENT} seeds**: {which} seeds, so no comparison "
+            "here can be ≈; each is better / worse where its Holm-adjusted test excludes zero, "
+            "else inconclusive.")
 
 
 def lr_edge(row: dict) -> str | None:
@@ -396,8 +475,8 @@ def memory_table(memory: dict) -> str:
     if all("flops" in r for r in rows):
         lines += ["", flops_table(rows)]
     if all("parts" in r for r in rows):
-        lines += ["", "Where the hybrid's memory and time go: each part compiled alone, with "
-                  "its alternatives (`benchmarks/hybrid_parts.py` says what each is):", "",
+        lines += ["", ("Where the hybrid's memory and time go: each part compiled alone, with "
+                  "its alternatives (`benchmarks/hybrid_parts.py` says what each is):"), "",
                   memory_parts_table(rows)]
     return "\n".join(lines)
 
@@ -422,12 +501,12 @@ def flops_table(rows: list[dict]) -> str:
                  f"{r['step_ms']['hybrid'] / r['step_ms']['backprop']:.2f}"]
         lines.append("| " + " | ".join(vals) + " |")
     floors = ", ".join(f"{time_floor(r)['floor']:.2f} at depth {r['depth']}" for r in rows)
-    lines += ["", f"The weight-perturbed jvp of every example is three matrix products per dense "
+    lines += ["", (f"The weight-perturbed jvp of every example is three matrix products per dense "
               f"layer, as many as backprop's (forward FLOPs / bp = 1), and the exact part adds "
               f"its share's rematerialised backprop, so the hybrid runs more FLOPs than "
               f"backprop. Run at the best FLOP rate of any mode here, they would still take "
               f"{floors} of backprop's time: a step below that would need matrix products "
-              f"faster than any step in this run ran them."]
+              f"faster than any step in this run ran them.")]
     return "\n".join(lines)
 
 
@@ -529,8 +608,8 @@ def equal_compute_table(rows: list[dict], dataset: str) -> str:
     every = bp["eval_every"]
     unit, fmt = ("test loss", lambda v: f"{v:.3f}") if loss else (
         "test error %", lambda v: f"{100 * v:.2f}")
-    lines = [f"| arm | forward passes / step | BP steps at its compute | BP {unit} there | "
-             f"arm's {unit} |", "|---|---|---|---|---|"]
+    lines = [(f"| arm | forward passes / step | BP steps at its compute | BP {unit} there | "
+             f"arm's {unit} |"), "|---|---|---|---|---|"]
     for r in mine:
         fe = r.get("forward_equivalents_per_step")
         if r is bp or not fe:
@@ -601,6 +680,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         "cross-entropy (nats per character, mean ± sd over seeds) at the learning rate with "
         "the lowest mean final train loss, steps to a target test loss, and the token error; "
         "their ordering and hybrid checks compare test losses."),
+        "",
+        VERDICT_RULES.format(alpha=ALPHA, pp=100 * MARGIN_ERROR, nats=MARGIN_LOSS,
+                             five=MIN_SEEDS_EQUIVALENT, three=MIN_SEEDS),
     ]
     for ds in datasets:
         r0 = next(r for r in rows if r["dataset"] == ds)
@@ -608,8 +690,10 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         target = (f"target test loss {r0['target_loss']:.2f}" if loss
                   else f"target test accuracy {100 * r0['target_accuracy']:.0f} %")
         parts += ["", f"## {ds}", "",
-                  f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", "", table(rows, ds), "",
-                  _edges(rows, ds), ""]
+                  f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", ""]
+        if seeds_note(rows, ds):
+            parts += [seeds_note(rows, ds), ""]
+        parts += [table(rows, ds), "", _edges(rows, ds), ""]
         said = designs(rows, ds)
         if said:
             parts += [said, ""]
@@ -623,23 +707,20 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
             parts += [EQUAL_COMPUTE, "", equal_compute_table(rows, ds), ""]
         if layer_table(rows, ds):
             parts += [LAYERS, "", layer_table(rows, ds), ""]
-        parts += [
-
-                  f"Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP ({'test loss' if loss else 'accuracy'}; "
-                  f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
-                  f"{MIN_SEEDS} paired seeds for a verdict):", ""]
+        judged = "test loss" if loss else "test error"
+        m = family_size(rows, ds)
+        parts += [(f"Paired comparisons of this table ({judged}): {m} tests, Holm-adjusted as "
+                   "one family (the verdict rules above)."), "",
+                  "Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP:", ""]
         parts += [f"- {line}" for line in ordering(rows, ds)]
-        parts += ["", (f"Hybrids against their ingredients (test {'loss' if loss else 'error'}, "
-                  f"paired by-seed differences, Student's t, two-sided level {ALPHA}, at least "
-                  f"{MIN_SEEDS} paired seeds for a verdict):"), ""]
+        if head_verdict(rows, ds):
+            parts += ["", "Shared head against heads of their own:", ""]
+            parts += [f"- {line}" for line in head_verdict(rows, ds)]
+        parts += ["", "Hybrids against their ingredients:", ""]
         parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
         judgements = design_verdicts(rows, ds)
         if judgements:
-            judged = "test loss" if loss else "test error"
-            parts += ["", (f"Local-loss designs against one loss per block ({judged}, "
-                           f"paired by-seed differences, Student's t, "
-                           f"two-sided level {ALPHA}, at least {MIN_SEEDS} paired seeds for a "
-                           "verdict):"), ""]
+            parts += ["", "Local-loss designs against one loss per block:", ""]
             parts += [f"- {line}" for line in judgements]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]

@@ -123,8 +123,9 @@ def _row(arm, err, sd=0.001, seeds=4):
 
 
 def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
-    """t, df and p against scipy's own paired test; fewer than three paired seeds give no
-    verdict, and the report says so instead of calling a tie."""
+    """t, df and p against scipy's own paired test, the interval against scipy's t interval;
+    fewer than three paired seeds give no test, and the report says so (inconclusive) instead
+    of calling a tie."""
     from scipy import stats
 
     from jaxstream.experiment.table_report import hybrid_verdict, paired
@@ -134,31 +135,43 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
     ref = stats.ttest_rel(a["test_error_by_seed"], b["test_error_by_seed"])
     assert got["df"] == 4 and got["n"] == 5
     np.testing.assert_allclose([got["t"], got["p"]], [ref.statistic, ref.pvalue], rtol=1e-10)
+    d = np.subtract(a["test_error_by_seed"], b["test_error_by_seed"])
+    np.testing.assert_allclose([got["lo"], got["hi"]],
+                               stats.t.interval(0.95, 4, loc=d.mean(), scale=stats.sem(d)),
+                               rtol=1e-10)
     few = [_row("exact-subset", 0.04, seeds=2), _row("FG-A", 0.05, seeds=2),
            _row("hybrid-x", 0.01, seeds=2)]
     line = hybrid_verdict(few, "d")[1]
-    assert "no verdict against exact-subset (no verdict: 2 paired seeds, 3 needed)" in line
-    assert line.endswith("→ no verdict")
-    # every seed 1 pp apart (a discrete test set): no spread, no t, no verdict; equal: a tie
+    assert "inconclusive against exact-subset (no test: 2 paired seeds, 3 needed)" in line
+    assert line.endswith("→ inconclusive")
+    # every seed 1 pp apart (a discrete test set): no spread, no t, no verdict; equal: p = 1
     shifted = {**b, "test_error_by_seed": [x + 0.01 for x in b["test_error_by_seed"]]}
     assert paired(shifted, b) == {"n": 5, "mean": pytest.approx(0.01), "constant": True}
     line = hybrid_verdict([{**b, "arm": "exact-subset"}, _row("FG-A", 0.05, seeds=5),
                            {**shifted, "arm": "hybrid-x"}], "d")[1]
-    assert ("no verdict against exact-subset (no verdict: all 5 paired differences are "
-            "+1.00 pp") in line and line.endswith("→ no verdict")
+    assert ("inconclusive against exact-subset (no test: all 5 paired differences are "
+            "+1.00 pp") in line and line.endswith("→ inconclusive")
     assert paired(b, b)["p"] == 1.0
 
 
 def test_report_checks_follow_the_rows():
     from jaxstream.experiment.table_report import hybrid_verdict, markdown, ordering
 
-    rows = [_row("BP", 0.03), _row("FG-W", 0.20), _row("FG-A", 0.05), _row("LG-FG-A", 0.031),
-            _row("exact-subset", 0.04), _row("hybrid-a", 0.025), _row("hybrid-b", 0.041)]
+    def answers(rows):
+        return [line.split(":")[1].split()[0] for line in ordering(rows, "d")]
+
+    spec = [("BP", 0.03), ("FG-W", 0.20), ("FG-A", 0.05), ("LG-FG-A", 0.031),
+            ("exact-subset", 0.04), ("hybrid-a", 0.025), ("hybrid-b", 0.041)]
+    # 4 seeds: LG-FG-A within 0.1 pp of BP, but no "≈" from fewer than 5 seeds
+    assert answers([_row(a, e, seeds=4) for a, e in spec]) == ["yes", "yes", "inconclusive",
+                                                                "yes"]
+    rows = [_row(a, e, seeds=5) for a, e in spec]
     lines = ordering(rows, "d")
-    assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes", "yes"]
+    assert answers(rows) == ["yes", "yes", "yes", "yes"]
+    assert "95 % CI [" in lines[2] and "Holm p = " in lines[2] and "TOST at ±0.5 pp" in lines[2]
     rows[2]["test_error_mean"] = 0.25  # FG-A now worse than FG-W
     rows[2]["test_error_by_seed"] = [x + 0.20 for x in rows[2]["test_error_by_seed"]]
-    assert ordering(rows, "d")[0].split(":")[1].split()[0] == "no"
+    assert answers(rows)[0] == "no"
     verdict = hybrid_verdict(rows, "d")
     assert "hybrid-a" in verdict[1] and verdict[1].endswith("BEATS BOTH")
     assert verdict[2].endswith("does not beat both")
@@ -168,14 +181,20 @@ def test_report_checks_follow_the_rows():
                                     "hybrid": 4.0, "inference": 1.0}}]}
     text = markdown({"rows": rows, "command": "c", "machine": "m"}, None, memory)
     assert "| 8 |" in text and "0.250 | 1.50" in text and "Ren" in text
+    assert "±0.5 pp of test error" in text  # the margin, stated once
+    assert text.count("±0.5 pp of test error") == 1
+    assert "Paired comparisons of this table (test error): 7 tests, Holm-adjusted" in text
+    assert "Fewer than 5 seeds" not in text
+    few = markdown({"rows": [_row(a, e, seeds=4) for a, e in spec], "command": "c"})
+    assert "**Fewer than 5 seeds**: every row (7 arms) has 4 seeds" in few
 
 
 def test_report_judges_loss_data_sets_by_test_loss():
     from jaxstream.experiment.table_report import hybrid_verdict, ordering
 
     def row(arm, loss, err):  # token errors ordered the other way, so a wrong key shows
-        by_seed = [x - err + loss for x in _row(arm, err)["test_error_by_seed"]]
-        return {**_row(arm, err), "metric": "loss", "test_loss_mean": loss, "test_loss_sd": 0.01,
+        by_seed = [x - err + loss for x in _row(arm, err, seeds=5)["test_error_by_seed"]]
+        return {**_row(arm, err, seeds=5), "metric": "loss", "test_loss_mean": loss, "test_loss_sd": 0.01,
                 "test_loss_by_seed": by_seed}
 
     rows = [row("BP", 2.0, 0.9), row("FG-W", 3.5, 0.1), row("FG-A", 3.0, 0.2),
@@ -190,7 +209,7 @@ def test_report_judges_loss_data_sets_by_test_loss():
     assert lines[2].split(":")[1].split()[0] == "no" and "(best LG-FG-A, worst FG-W;" in lines[3]
     verdict = hybrid_verdict(rows, "d")
     assert "best forward arm LG-FG-A 2.005 ± 0.010" in verdict[0]
-    assert "better than exact-subset (-0.100, t = " in verdict[1] and "df = 3" in verdict[1]
+    assert "better than exact-subset (-0.100, 95 % CI [" in verdict[1] and "df = 4" in verdict[1]
     assert verdict[1].endswith("does not beat both")  # LG-FG-A (2.005) is better
 
 
@@ -534,7 +553,13 @@ def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
     lines = design_verdicts(rows, "d")
     assert len(lines) == 2 and not any(x.startswith("FG-A") for x in lines)
     t, p = stats.ttest_rel(cells, base)
+    p2 = stats.ttest_rel([0.21, 0.22, 0.20], base).pvalue  # Holm over the two: 2 p, then max
     assert lines[0].startswith("LG-FG-A-Ren-P16G4-agg: 10.00 ± 2.00 % — better than LG-FG-A-Ren")
-    assert f"t = {t:.2f}, df = 2, p = {p:.3f}, 3 paired seeds" in lines[0]
-    assert "tie with" in lines[1]
+    d = np.subtract(cells, base)
+    lo, hi = stats.t.interval(0.95, 2, loc=d.mean(), scale=stats.sem(d))
+    assert (f"95 % CI [{100 * lo:+.2f}, {100 * hi:+.2f}] pp; t = {t:.2f}, df = 2, "
+            f"p = {p:.3f}, Holm p = {min(1, 2 * p):.3f} (of 2)") in lines[0]
+    assert "3 paired seeds (fewer than 5: no ≈)" in lines[0]
+    assert lines[1].split(" — ")[1].startswith("inconclusive against LG-FG-A-Ren")
+    assert f"p = {p2:.3f}, Holm p = {max(min(1, 2 * p), p2):.3f} (of 2)" in lines[1]
     assert design_verdicts(rows[1:], "d") == []  # no base arm: nothing to judge against
