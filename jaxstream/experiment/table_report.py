@@ -204,7 +204,7 @@ def _stat(test: dict, loss: bool) -> str:
         return f"no test: {test['n']} paired seeds, {MIN_SEEDS} needed"
     few = (f" (fewer than {MIN_SEEDS_EQUIVALENT}: no ≈)"
            if test["n"] < MIN_SEEDS_EQUIVALENT else "")
-    band = f"±{test['margin']:.2f}" if loss else f"±{100 * test['margin']:.1f} pp"
+    band = f"±{test['margin']:.2f} nats" if loss else f"±{100 * test['margin']:.1f} pp"
     return (f"{_d(test['mean'], loss)}, {_ci(test, loss)}; t = {test['t']:.2f}, "
             f"df = {test['df']}, p = {test['p']:.3f}, Holm p = {test['p_holm']:.3f} "
             f"(of {test['m']}); TOST at {band}: Holm p = {test['p_tost_holm']:.3f}; "
