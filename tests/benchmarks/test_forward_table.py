@@ -563,3 +563,40 @@ def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
     assert lines[1].split(" — ")[1].startswith("inconclusive against LG-FG-A-Ren")
     assert f"p = {p2:.3f}, Holm p = {max(min(1, 2 * p), p2):.3f} (of 2)" in lines[1]
     assert design_verdicts(rows[1:], "d") == []  # no base arm: nothing to judge against
+
+
+def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_family():
+    """LG-FG-A against LG-FG-A-Ren: the paired difference with SciPy's t interval and test,
+    Holm over every comparison the data set's table makes (here 3 ordering + 1 head + 1
+    design = 5); a row set without both arms has no such line; seeds below 5 are named."""
+    from scipy import stats
+
+    from jaxstream.experiment.table_report import (comparisons, family_size, head_verdict,
+                                                   seeds_note)
+    from jaxstream.experiment.verdicts import holm
+
+    def row(arm, errs):
+        return {"dataset": "d", "arm": arm, "test_error_by_seed": errs, "seeds": len(errs),
+                "test_error_mean": float(np.mean(errs)), "test_error_sd": float(np.std(errs, ddof=1))}
+
+    rows = [row("BP", [0.10, 0.11, 0.12, 0.10, 0.11]), row("FG-W", [0.50, 0.52, 0.49, 0.51, 0.50]),
+            row("FG-A", [0.20, 0.22, 0.21, 0.19, 0.20]),
+            row("LG-FG-A", [0.30, 0.33, 0.29, 0.31, 0.30]),
+            row("LG-FG-A-Ren", [0.25, 0.26, 0.25, 0.27, 0.24]),
+            row("LG-FG-A-Ren-G4", [0.20, 0.21, 0.26, 0.22, 0.25])]
+    tests = comparisons(rows, "d")
+    assert family_size(rows, "d") == 5 and len(tests) == 5
+    ps = [stats.ttest_rel(rows[[r["arm"] for r in rows].index(a)]["test_error_by_seed"],
+                          rows[[r["arm"] for r in rows].index(b)]["test_error_by_seed"]).pvalue
+          for a, b in tests]
+    assert [t["p_holm"] for t in tests.values()] == pytest.approx(holm(ps), rel=1e-10)
+    (line,) = head_verdict(rows, "d")
+    d = np.subtract(rows[3]["test_error_by_seed"], rows[4]["test_error_by_seed"])
+    lo, hi = stats.t.interval(0.95, 4, loc=d.mean(), scale=stats.sem(d))
+    assert line.startswith("LG-FG-A (shared head) 30.60 ± 1.52 % — worse than LG-FG-A-Ren")
+    assert f"95 % CI [{100 * lo:+.2f}, {100 * hi:+.2f}] pp" in line and "(of 5)" in line
+    assert "fewer than 5" not in line
+    assert head_verdict(rows[:4], "d") == []
+    assert seeds_note(rows, "d") == ""
+    rows[5] = row("LG-FG-A-Ren-G4", [0.20, 0.21, 0.26])
+    assert seeds_note(rows, "d").startswith("**Fewer than 5 seeds**: LG-FG-A-Ren-G4 (3) have")
