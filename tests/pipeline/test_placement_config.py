@@ -21,7 +21,7 @@ from jaxstream.experiment.registry import load_experiment
 from jaxstream.experiment.runner import run_experiment
 from jaxstream.models import mlp
 from jaxstream.pipeline import unequal_stages
-from jaxstream.placement import assign_by_type, place_by_type
+from jaxstream.placement import assign_by_type, place_by_type, place_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments" / "pipeline_by_type.yaml"
@@ -144,19 +144,18 @@ def test_placement_kinds_give_stage_sizes():
     _, cfg = load_experiment(CONFIG)
     sizes = cfg.engine.placement.sizes(cfg.model.depth, cfg.engine.stages)
     assert sum(sizes) == cfg.model.depth and len(set(sizes)) > 1  # the shipped one is unequal
+    _, cfg = load_experiment(CONFIG, ["engine.placement={kind: by_speed, speeds: [1, 1, 2]}"])
+    assert cfg.engine.placement.sizes(7, 3) == place_stages(np.ones(7), (1, 1, 2)).sizes
     with pytest.raises(ValueError, match="devices: not used by placement kind 'by_speed'"):
         PlacementConfig("by_speed", speeds=(1.0,), devices=("gpu",))
 
 
-STACK = mlp(in_dim=5, width=6, depth=7, num_classes=3)
-BY_TYPE = PlacementConfig("by_type", speeds={"gpu": 2.0, "cpu": 1.0},
-                          devices=("gpu", "gpu", "cpu"),
-                          layer_types=("dense",) * 5 + ("act",) * 2,
-                          types={"dense": "gpu", "act": "cpu"})
+BY_TYPE = load_experiment(CONFIG)[1].engine.placement  # the shipped config's placement
+STACK = mlp(in_dim=5, width=6, depth=len(BY_TYPE.layer_types), num_classes=3)
 
 
 def _engine(estimator, n=4):
-    cfg = PipelineEngineConfig(stages=3, micro_batches=n, placement=BY_TYPE)
+    cfg = PipelineEngineConfig(stages=len(BY_TYPE.devices), micro_batches=n, placement=BY_TYPE)
     return PipelineEngine(cfg, stack=STACK, estimator=estimator, optimizer=optax.sgd(0.1),
                           micro_batches=n)
 
