@@ -6,6 +6,8 @@ depth. ``kind: by_speed``: ``speeds`` (one per stage, relative) and the blocks s
 the same). ``kind: by_type``: seed 001's assignment (:func:`jaxstream.placement.assign_by_type`):
 ``layer_types`` labels each block, ``types`` maps each type to a device kind, ``devices`` is
 stage s's kind, ``speeds`` each kind's rate and ``work`` each type's work per block (default 1).
+Speeds are declared: measure them with :func:`jaxstream.placement.measure_kind_speeds` and write
+them here, so that a run's stages do not move with timing noise.
 Unequal stages run padded to the largest (:func:`jaxstream.pipeline.unequal_stages`). An
 assignment whose stages are not consecutive runs of blocks in stage order is refused by name:
 a micro-batch crosses the linear pipeline once.

@@ -1,6 +1,6 @@
 """Placement of pipeline stages on devices of different speeds."""
 
-from jaxstream.placement.by_type import TypeAssignment, assign_by_type
+from jaxstream.placement.by_type import TypeAssignment, assign_by_type, measure_kind_speeds
 from jaxstream.placement.stages import (
     Placement,
     evaluate_placement,
@@ -14,5 +14,6 @@ from jaxstream.placement.stages import (
 
 __all__ = [
     "Placement", "TypeAssignment", "assign_by_type", "evaluate_placement", "evaluate_split",
-    "measure_layer_costs", "place_by_type", "place_stages", "type_times", "uniform_placement",
+    "measure_kind_speeds", "measure_layer_costs", "place_by_type", "place_stages", "type_times",
+    "uniform_placement",
 ]  # fmt: skip

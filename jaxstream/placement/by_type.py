@@ -22,14 +22,16 @@ layers alternate between devices and it needs a schedule that visits a stage mor
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxstream.placement.stages import _split
 
-__all__ = ["TypeAssignment", "assign_by_type"]
+__all__ = ["TypeAssignment", "assign_by_type", "measure_kind_speeds"]
 
 
 class TypeAssignment(NamedTuple):
@@ -112,3 +114,30 @@ def assign_by_type(layer_types: Sequence[str], layer_work: Sequence[float],
         else None
     return TypeAssignment(tuple(int(s) for s in stage_of), tuple(float(x) for x in times),
                           float(times.max()), sizes)
+
+
+def measure_kind_speeds(fn: Callable[..., Any], args: tuple, device_kinds: Sequence[str],
+                        devices: Sequence[Any] | None = None, *,
+                        repeats: int = 5) -> dict[str, float]:
+    """Each device kind's speed: 1 / the fastest wall time (s) of jitted ``fn(*args)`` on the
+    first device of that kind (stage s's device is ``devices[s]``, default ``jax.devices()``).
+
+    The speeds go into ``assign_by_type``'s throughputs (or a config's ``speeds``, written
+    down so that a run's placement does not move with timing noise). One warm-up (compile)
+    call per kind, then ``repeats`` timed calls; the fastest is the least disturbed by load.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < len(device_kinds):
+        raise ValueError(f"devices: {len(devices)} for {len(device_kinds)} stages; one device "
+                         f"per stage")
+    jitted, out = jax.jit(fn), {}
+    for kind in dict.fromkeys(device_kinds):
+        on = jax.device_put(args, devices[list(device_kinds).index(kind)])
+        jax.block_until_ready(jitted(*on))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(jitted(*on))
+            times.append(time.perf_counter() - t0)
+        out[kind] = 1.0 / max(min(times), 1e-9)
+    return out

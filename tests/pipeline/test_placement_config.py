@@ -21,7 +21,7 @@ from jaxstream.experiment.registry import load_experiment
 from jaxstream.experiment.runner import run_experiment
 from jaxstream.models import mlp
 from jaxstream.pipeline import unequal_stages
-from jaxstream.placement import assign_by_type, place_by_type, place_stages
+from jaxstream.placement import assign_by_type, measure_kind_speeds, place_by_type, place_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "experiments" / "pipeline_by_type.yaml"
@@ -104,6 +104,16 @@ def test_alternating_dense_activation_seed_against_place_by_type(capsys):
     with capsys.disabled():
         print(f"\n16 alternating layers: seed assignment {seed.slowest}, place_by_type "
               f"{blocks.slowest} (sizes {blocks.sizes})")
+
+
+def test_kind_speeds_are_measured_per_kind():
+    """One speed per kind, on the first device of that kind; too few devices are refused."""
+    x = np.ones((16, 16), np.float32)
+    speeds = measure_kind_speeds(lambda a: a @ a, (x,), ["gpu", "cpu", "gpu"], repeats=2)
+    assert list(speeds) == ["gpu", "cpu"]
+    assert all(np.isfinite(v) and v > 0 for v in speeds.values())
+    with pytest.raises(ValueError, match="devices: 1 for 2 stages"):
+        measure_kind_speeds(lambda a: a, (x,), ["gpu", "cpu"], jax.devices()[:1])
 
 
 @pytest.mark.parametrize("overrides, match", [
