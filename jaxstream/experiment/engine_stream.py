@@ -332,8 +332,7 @@ class StreamEngine:
             "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"]),
             "host_update_time": m["host_update_s"], "update_wait_time": m["wait_update_s"],
             "write_wait_time": m["wait_write_s"],
-            **{k: float(m[k]) for k in ("bytes_read", "bytes_written", "bytes_read_params",
-                                        "bytes_written_params")},
+            **data_bytes(m),
             **{k: float(v) for k, v in m.items() if k in ("ticks", "fill_ratio")}}
 
     def warm_up(self, state: StreamState, batch: dict, key: jax.Array) -> None:
@@ -355,6 +354,19 @@ class StreamEngine:
                              f"{self.location} holds step {ex.store.step}")
         ex.flush()
         return jax.tree.map(jnp.asarray, ex.store.read_params())
+
+
+def data_bytes(m: dict) -> dict[str, float]:
+    """A step's bytes for the run's records: ``bytes_read`` / ``bytes_written`` of the arrays
+    (parameters, optimizer state, scratch, carried means) and of the parameters alone. The
+    manifest's bytes (in the executor's metrics) are left out: they depend on the writing
+    process (its pid in the manifest) and on a reopened store's checks, and a run's records are
+    a function of its config (a resumed run logs what an uninterrupted one does)."""
+    kinds = ("params", "opt", "scratch", "carry")
+    return {"bytes_read": float(sum(m[f"bytes_read_{k}"] for k in kinds)),
+            "bytes_written": float(sum(m[f"bytes_written_{k}"] for k in kinds)),
+            "bytes_read_params": float(m["bytes_read_params"]),
+            "bytes_written_params": float(m["bytes_written_params"])}
 
 
 def _describe(opt: dict) -> str:
