@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -42,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.compose.peers import Together
 from jaxstream.compose.pipe import BY_STAGE, STAGE, WHOLE
 
-_is_spec = lambda x: isinstance(x, P)  # noqa: E731
+_is_spec = lambda x: isinstance(x, P)
 
 
 def _staged(specs: Any, drop: int = 0) -> Any:
@@ -97,7 +98,7 @@ class Circular:
     def window(self, prev, cur, carry, mb_aux, prev_aux, cur_aux, consts, slots, has_prev: bool):
         """Window k: ``(carry, chunk k − 1's emits (complete), (busy, ticks))``: per stage, the
         ticks it computed and the ticks the window ran, counted as they run."""
-        flags = jnp.asarray([int(has_prev), 1], jnp.int32)
+        flags = np.asarray([int(has_prev), 1], np.int32)  # a host value: no eager op
         return self._win(prev, cur, carry, mb_aux, prev_aux, cur_aux, consts, slots, flags)
 
     def tail(self, last, carry, mb_aux, last_aux, consts, slots):
@@ -105,7 +106,7 @@ class Circular:
         (None) when its chains finished inside its window (the carry's emits are returned)."""
         if not self.tail_ticks:
             return carry, carry[2], None
-        flags = jnp.asarray([1, 0], jnp.int32)
+        flags = np.asarray([1, 0], np.int32)
         return self._tail(last, last, carry, mb_aux, last_aux, last_aux, consts, slots, flags)
 
     # ------------------------------------------------------------------ device programs
@@ -114,7 +115,7 @@ class Circular:
         return (self.m - 1 - s) if self.reverse else s
 
     def _emit_zeros(self, params, states, mb_aux, stage_aux, consts):
-        first = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        first = lambda t: jax.tree.map(lambda a: a[0], t)
         _, sd = jax.eval_shape(self.fn, first(params), first(stage_aux), consts, first(states),
                                first(mb_aux))
         lead = () if self.emit_sum else (max(self.num_slots, 1),)
@@ -143,7 +144,7 @@ class Circular:
         m = self.m
         ring = [(i, (i - 1) % m) for i in range(m)] if self.reverse else \
             [(i, (i + 1) % m) for i in range(m)]
-        take = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
+        take = lambda t: jax.tree.map(lambda a: a[0], t)
         prev, cur, prev_aux, cur_aux = take(prev), take(cur), take(prev_aux), take(cur_aux)
         buf, recv, em_prev = take(carry[0]), take(carry[1]), take(carry[2])
         em_cur = jax.tree.map(jnp.zeros_like, em_prev)
@@ -159,7 +160,7 @@ class Circular:
         def tick(c, tau):
             buf, recv, em_prev, em_cur, busy, ran = c
             j, active, on_prev = self._op(tau, r, flags)
-            pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(on_prev, x, y), a, b)  # noqa: E731
+            pick = lambda a, b: jax.tree.map(lambda x, y: jnp.where(on_prev, x, y), a, b)
             x = jax.tree.map(lambda b, v: jnp.where(r == 0, b[j], v), buf, recv)
             y, e = self.fn(pick(prev, cur), pick(prev_aux, cur_aux), consts, x,
                            jax.tree.map(lambda a: a[j], mb_aux))
@@ -175,5 +176,5 @@ class Circular:
 
         init = (buf, recv, em_prev, em_cur, jnp.int32(0), jnp.int32(0))
         (buf, recv, em_prev, em_cur, busy, ran), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
-        add = lambda t: jax.tree.map(lambda a: a[None], t)  # noqa: E731
+        add = lambda t: jax.tree.map(lambda a: a[None], t)
         return (add(buf), add(recv), add(em_cur)), add(em_prev), (busy[None], ran[None])

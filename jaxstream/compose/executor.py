@@ -473,6 +473,12 @@ def _pass(mesh: Mesh, stack: Stack, spec: Any, name: str, kw: tuple) -> Callable
     return build_pipe(mesh, fn, **specs, **opts)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _row(a: jax.Array, i: int) -> jax.Array:
+    """Row ``i`` of ``a``, on ``a``'s device (jitted: no eager op per layer)."""
+    return a[i]
+
+
 def _stage_part(a: jax.Array, i: int) -> jax.Array:
     """Entry ``i`` of the leading (stage) axis of ``a``, on the one device whose shard holds
     it (no gathered chunk; the host worker reads it)."""
@@ -480,7 +486,7 @@ def _stage_part(a: jax.Array, i: int) -> jax.Array:
         rows = sh.index[0] if sh.index else slice(None)
         lo, hi = rows.start or 0, a.shape[0] if rows.stop is None else rows.stop
         if sh.replica_id == 0 and lo <= i < hi:
-            return sh.data[i - lo]  # a device value: materialised on the host worker
+            return _row(sh.data, i - lo)  # a device value: materialised on the host worker
     raise ValueError(f"no shard of an array of shape {a.shape} holds entry {i}")
 
 

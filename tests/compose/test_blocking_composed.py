@@ -1,7 +1,8 @@
 """The composed engine's steady step blocks on the main thread only for the step's few scalars,
 the same number at depth 4 and 8 (counted from outside the code, :mod:`tests.stream.blocking`):
 gradients are handed on as each stage's device values, the stash is read on the reverse sweep's
-loading thread, the windows' tick counts are summed on the device and read once."""
+loading thread, the windows' tick counts are summed on the device and read once; and it runs
+no eager op per layer or window (host-side per-layer work jitted) and traces nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.models import mlp
 from jaxstream.stream import LayerStore, StreamConfig
-from tests.stream.blocking import count_blocking
+from tests.stream.blocking import count_blocking, count_dispatch
 
 SGD = optax.sgd(0.1)
 # (estimator, most blocking reads per step): the losses, the metrics' tick counts (two arrays),
@@ -38,14 +39,16 @@ def _steady(tmp_path, depth: int, case: str) -> int:
              "y": rng.integers(0, 3, (4, 4))}
     for t in range(2):
         ex.step(batch, jax.random.key(t))
-    with count_blocking() as blocking:
+    with count_blocking() as blocking, count_dispatch() as dispatch:
         ex.step(batch, jax.random.key(2))
-    return blocking
+    return blocking, dispatch
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_composed_step_blocks_a_few_times_whatever_the_depth(tmp_path, case):
-    b4, b8 = (_steady(tmp_path, depth, case) for depth in (4, 8))
+    (b4, d4), (b8, d8) = (_steady(tmp_path, depth, case) for depth in (4, 8))
     assert b4.total == b8.total, (dict(b4.sites), dict(b8.sites))
     assert b8.total <= CASES[case][1], dict(b8.sites)
+    assert d4.traces == d8.traces == 0
+    assert d4.eager == d8.eager  # no eager op per layer or window
