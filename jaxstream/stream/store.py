@@ -33,6 +33,7 @@ otherwise: a reader sees the step it opened or an error, never a mix of steps.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -218,6 +219,12 @@ class LayerStore:
     @property
     def num_layers(self) -> int:
         return int(self._m["num_layers"])
+
+    def unit_sizes(self) -> dict[str, int]:
+        """Parameter count of the embed, of one block and of the head, from the manifest's
+        leaf table (nothing read)."""
+        return {part: sum(math.prod(e["shape"]) for e in self._m["leaves"]["params"][part])
+                for part in PARTS}
 
     @property
     def model_config(self) -> dict:

@@ -40,7 +40,7 @@ def run_reverse(ex: Any, batch: dict, key: Any, layers: list, sink: Callable, t0
     rule = ex.plan.rule
     later = bool(rule.cross or rule.along)  # estimates wait for every unit's share
     c = deferred.Combine.of(rule=rule.name, key=key, n=n, d=d, totals={}, idx=idx, depth=depth,
-                            total_size=total_size(ex, layers, hosts), key_data=key_data)
+                            total_size=total_size(ex, layers), key_data=key_data)
     shares = Shares(ex, c, keys, later, later and commit_lazy and ex.cfg.update == "lazy", sink)
     reverse_sweep(ex, layers, hosts, stash, jax.tree.map(lambda a: a[idx], x), True,
                   shares.finish, t0)
@@ -181,8 +181,8 @@ def plain_sweep(ex: Any, batch: dict, layers: list, t0: float) -> tuple:
     return None, hosts, stash, x
 
 
-def total_size(ex: Any, layers: list, hosts: dict) -> float:
-    """The model's parameter count (a combine rule's shrinkage reads it)."""
-    size = lambda u: float(sum(np.size(a) for a in jax.tree.leaves(ex._like(u, hosts))))
-    return size("embed") + size("head") + (size(layers[0]) * ex.store.num_layers
-                                           if layers else 0.0)
+def total_size(ex: Any, layers: list) -> float:
+    """The model's parameter count (a combine rule's shrinkage reads it), from the store's
+    leaf table: no layer is read for it."""
+    n = ex.store.unit_sizes()
+    return float(n["embed"] + n["head"] + (n["blocks"] * ex.store.num_layers if layers else 0))
