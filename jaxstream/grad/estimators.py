@@ -84,7 +84,8 @@ class Forward:
         if self.perturb == "activations" and self.aggregation != "mean":
             raise ValueError("aggregation='projection' needs perturb='weights'")
         if self.local_losses and self.perturb != "activations":
-            raise ValueError("local_losses=True needs perturb='activations'")
+            raise ValueError("local_losses=True needs perturb='activations' (weight tangents on "
+                             "local losses are LG-FG-W: jaxstream.grad.local_forward_weights())")
         if self.spec.rank is not None and self.perturb != "weights":
             raise ValueError(f"rank={self.spec.rank}: low-rank tangents are for weight matrices; "
                              "allowed: perturb='weights' with rank, or rank=None")

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_local_losses
-from jaxstream.grad.estimators import Aggregation, Perturb
+from jaxstream.grad.estimators import Aggregation, Perturb, forward
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import Distribution, TangentSpec, micro_key
 from jaxstream.models.stack import Stack, loss_dtype
@@ -242,11 +242,9 @@ def _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic
             raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} / local_losses="
                              f"{local_losses} run with correction='none' (got {correction!r})")
         return Plan("weights", "selected", correction, spec, micro_batches=True)
-    if local_losses:
-        return Plan("local_weights" if perturb == "weights" else "local", "none", None, spec)
-    if perturb == "activations":
-        return Plan("activity", "none", None, spec)
-    return Plan("weights", "none", aggregation, spec)
+    # jaxstream.grad's own builder: the keywords mean here what they mean there, refused alike
+    return forward(num_tangents, distribution, perturb, orthogonal, antithetic, aggregation,
+                   local_losses).plan
 
 
 def check_carries(plan: Plan, schedule: Schedule, lowered: Lowered) -> None:
@@ -565,7 +563,7 @@ def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple,
              num_inputs: int) -> TickCarry:
     """The initial :class:`TickCarry` (``num_inputs``: N for activity perturbation, else 0)."""
     hshape, hdtype = hsd.shape, hsd.dtype
-    z = lambda *shape: jnp.zeros(shape, hdtype)  # noqa: E731
+    z = lambda *shape: jnp.zeros(shape, hdtype)
     return TickCarry(
         z(low.h_slots + 1, *hshape), z(low.t_slots + 1, kt, *hshape), z(low.c_slots + 1, *hshape),
         z(len(low.prev_selected) + 1, *hshape), z(num_inputs + 1, *hshape),
@@ -578,7 +576,7 @@ def _buffers(low: Lowered, params, hsd, kt: int, n: int, dshape: tuple,
 def _gather(t: dict, s, m: int) -> dict:
     """Embed and head terms from the stage that computes them (first / last), on every stage."""
     on = {"embed": (s == 0), "head": (s == m - 1)}
-    keep = lambda g, here: g * here.astype(g.dtype)  # noqa: E731
+    keep = lambda g, here: g * here.astype(g.dtype)
     return {"embed": jax.tree.map(lambda g: jax.lax.psum(keep(g, on["embed"]), AXIS), t["embed"]),
             "blocks": t["blocks"],
             "head": jax.tree.map(lambda g: jax.lax.psum(keep(g, on["head"]), AXIS), t["head"])}

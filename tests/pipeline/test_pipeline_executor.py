@@ -222,6 +222,16 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
         pipeline(stack, complete(4, 4, (0,)), jg.forward(perturb="activations"))
     with pytest.raises(ValueError, match="correction='guess' needs exact gradients"):
         pipeline(stack, gpipe_forward(4, 4), correction="guess")
+    # the keywords mean what jaxstream.grad.forward's mean, refused alike (LG-FG-W has its own
+    # estimator); the plans they build are grad's
+    with pytest.raises(ValueError, match=r"local_losses=True needs perturb='activations'.*"
+                                         r"local_forward_weights"):
+        pipeline(stack, gpipe_forward(4, 4), perturb="weights", local_losses=True)
+    for kw in ({}, {"perturb": "activations"}, {"perturb": "activations", "local_losses": True},
+               {"aggregation": "projection", "num_tangents": 2}):
+        assert ex._keyword_plan(kw.get("num_tangents", 1), "rademacher", "none", False, False,
+                                kw.get("perturb", "weights"), kw.get("local_losses", False),
+                                kw.get("aggregation", "mean")) == jg.forward(**kw).plan
     with pytest.raises(ValueError, match="pass carry"):
         pipeline(stack, delayed(4, 4, (0,)))(params, batch, jax.random.key(0))
 
