@@ -82,7 +82,7 @@ def setup():
     params = model.init(jax.random.key(0))
     # nnx's gradient, in the Sequential's structure (the same leaves in the same order)
     ref = jax.tree.unflatten(jax.tree.structure(params),
-                             jax.tree.leaves(nnx.grad(nnx_loss)(module, flat)))
+                             jax.tree.leaves(nnx.jit(nnx.grad(nnx_loss))(module, flat)))
     return model, params, ref, micro, flat
 
 
