@@ -22,14 +22,13 @@ layers alternate between devices and it needs a schedule that visits a stage mor
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jaxstream.placement.stages import _split
+from jaxstream.placement.stages import _split, min_time
 
 __all__ = ["TypeAssignment", "assign_by_type", "measure_kind_speeds"]
 
@@ -133,11 +132,5 @@ def measure_kind_speeds(fn: Callable[..., Any], args: tuple, device_kinds: Seque
     jitted, out = jax.jit(fn), {}
     for kind in dict.fromkeys(device_kinds):
         on = jax.device_put(args, devices[list(device_kinds).index(kind)])
-        jax.block_until_ready(jitted(*on))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(jitted(*on))
-            times.append(time.perf_counter() - t0)
-        out[kind] = 1.0 / max(min(times), 1e-9)
+        out[kind] = 1.0 / max(min_time(jitted, on, repeats), 1e-9)
     return out

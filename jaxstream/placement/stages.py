@@ -202,14 +202,16 @@ def measure_layer_costs(
     Returns:
       (L,) float64 array of seconds.
     """
-    out = []
-    for fn, a in zip(layers, args, strict=True):
-        jitted = jax.jit(fn)
-        jax.block_until_ready(jitted(*a))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(jitted(*a))
-            times.append(time.perf_counter() - t0)
-        out.append(float(np.min(times)))
-    return np.asarray(out)
+    return np.asarray([min_time(jax.jit(fn), a, repeats)
+                       for fn, a in zip(layers, args, strict=True)])
+
+
+def min_time(jitted: Any, args: Any, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``jitted(*args)`` after one untimed (compile)."""
+    jax.block_until_ready(jitted(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        times.append(time.perf_counter() - t0)
+    return float(min(times))

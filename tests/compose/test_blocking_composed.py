@@ -15,7 +15,7 @@ import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.models import mlp
 from jaxstream.stream import LayerStore, StreamConfig
-from tests.stream.blocking import count_blocking, count_dispatch
+from tests.stream.blocking import count_steady_step
 
 SGD = optax.sgd(0.1)
 # (estimator, most blocking reads per step): the losses, the metrics' tick counts (two arrays),
@@ -27,7 +27,7 @@ CASES = {
 }
 
 
-def _steady(tmp_path, depth: int, case: str) -> int:
+def _steady(tmp_path, depth: int, case: str) -> tuple:
     est, _ = CASES[case]
     stack = mlp(6, 8, depth, 3)
     store = LayerStore.create(tmp_path / f"s{depth}", stack.init(jax.random.key(0)),
@@ -37,11 +37,7 @@ def _steady(tmp_path, depth: int, case: str) -> int:
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((4, 4, 6), dtype=np.float32),
              "y": rng.integers(0, 3, (4, 4))}
-    for t in range(2):
-        ex.step(batch, jax.random.key(t))
-    with count_blocking() as blocking, count_dispatch() as dispatch:
-        ex.step(batch, jax.random.key(2))
-    return blocking, dispatch
+    return count_steady_step(ex, batch)
 
 
 @pytest.mark.slow

@@ -167,3 +167,13 @@ def count_dispatch() -> Iterator[Dispatch]:
     finally:
         dispatch.xla_primitive_callable = callable_
         monitoring.unregister_event_duration_listener(traced)
+
+
+def count_steady_step(ex: Any, batch: dict, warm: int = 2) -> tuple[Counter, Dispatch]:
+    """(blocking counter, dispatch counter) of the step after ``warm`` steps of executor
+    ``ex`` on ``batch`` (the first compiles, the second applies the first lazy records)."""
+    for t in range(warm):
+        ex.step(batch, jax.random.key(t))
+    with count_blocking() as blocking, count_dispatch() as dispatch:
+        ex.step(batch, jax.random.key(warm))
+    return blocking, dispatch

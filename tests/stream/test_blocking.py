@@ -18,7 +18,7 @@ import jaxstream.grad as jg
 from jaxstream.models import mlp
 from jaxstream.stream import LayerStore
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
-from tests.stream.blocking import count_blocking, count_dispatch
+from tests.stream.blocking import count_blocking, count_steady_step
 
 N, B = 4, 3
 SGD = optax.sgd(0.1)
@@ -50,11 +50,7 @@ def _steady(tmp_path, depth: int, case: str, stash_bytes: int | None = None):
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((N, B, 6), dtype=np.float32),
              "y": rng.integers(0, 3, (N, B))}
-    for t in range(2):
-        ex.step(batch, jax.random.key(t))
-    with count_blocking() as blocking, count_dispatch() as dispatch:
-        ex.step(batch, jax.random.key(2))
-    return blocking, dispatch
+    return count_steady_step(ex, batch)
 
 
 @pytest.mark.slow

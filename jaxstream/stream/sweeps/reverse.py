@@ -64,13 +64,16 @@ class Shares:
     sq: list = dataclasses.field(default_factory=list)  # ‖h_u‖² per unit, device scalars
     tasks: dict = dataclasses.field(default_factory=dict)  # unit -> (slot, write future)
 
+    def __post_init__(self):
+        self.common = self.c.common()  # what every unit's share reads: formed once per step
+
     def finish(self, u: Any, g: Any, p: Any) -> None:
         """One unit's per selected micro-batch gradients ``g`` (device values), reduced
         there and handed to the host worker as they are."""
         ex, c = self.ex, self.c
         est, h_u, part, sq_u = K.unit_share(ex.plan.rule, ex.spec, K.shapes(p), self.later, g,
                                             c.member(u), K.seg_keys(self.keys, u), c.d,
-                                            c.common())
+                                            self.common)
         if not self.later:
             return self.sink(u, est, p)
         self.partials.append(part)
