@@ -59,6 +59,9 @@ class StreamEngineConfig(EngineConfig):
       compute_dtype: dtype on the device; the master copy and optimizer stay fp32.
       update: "eager" or "lazy": each layer's update applied when it is next read (the
         forward estimator's, and a hybrid's deferred combine: two reads per layer per step).
+      rewrite_every: with ``update: lazy``, a forward estimator's layer is written back only
+        when k updates wait for it (replayed from their keys when it is read meanwhile):
+        one read and 1/k writes per layer per step (:class:`StreamConfig`).
       micro_batches: N for backprop/forward (a hybrid estimator brings its own N).
       depth: dynamic depth policy (kind: all | stochastic | progressive).
       file_io_concurrency: TensorStore's concurrent file operations.
@@ -69,6 +72,7 @@ class StreamEngineConfig(EngineConfig):
     prefetch: Every = 2
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     update: Literal["eager", "lazy"] = "eager"
+    rewrite_every: Count = 1
     micro_batches: Count = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: Count = 64
@@ -78,6 +82,10 @@ class StreamEngineConfig(EngineConfig):
     def check(self) -> None:
         if self.store is not None and not str(self.store).strip():
             raise ValueError("store: must be a path, a kvstore URL or null, got ''")
+        if self.rewrite_every > 1 and self.update != "lazy":
+            raise ValueError(f"rewrite_every: {self.rewrite_every} needs update: lazy (an eager "
+                             f"update writes every layer it updates); allowed with "
+                             f"update: {self.update}: 1")
 
     def units(self, depth: int) -> tuple[int, str]:
         """How many units a step reads (what ``prefetch`` counts) for ``depth`` blocks, and
@@ -217,7 +225,7 @@ class StreamEngine:
 
     def _new_executor(self, store: LayerStore) -> StreamedExecutor:
         scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
-                            self.cfg.depth)
+                            self.cfg.depth, rewrite_every=self.cfg.rewrite_every)
         return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:

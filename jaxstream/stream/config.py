@@ -33,6 +33,13 @@ class StreamConfig:
         waits for it, a failed one is raised by the next step before anything is written, and
         a kill before it lands resumes at the step before. ``store.settle()`` (or
         ``store.close()``) waits for the last one. False: every step returns committed.
+      rewrite_every: with ``update="lazy"``, k: a layer read with fewer than k forward
+        records waiting uses them (replayed from their keys, bitwise the eager path's updates)
+        without writing the layer back; the read that finds k records writes it and drops
+        them. So a forward estimator's steady step reads each layer once and writes 1/k of
+        them on average (1: every read writes). A hybrid's deferred combine is written at its
+        next read either way (its carried means are not kept), and :meth:`flush` writes every
+        layer (before an evaluation).
     """
 
     prefetch: int = 2
@@ -42,6 +49,7 @@ class StreamConfig:
     overlap_update: bool = True
     stash_bytes: int | None = None
     async_commit: bool = False
+    rewrite_every: int = 1
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -50,6 +58,13 @@ class StreamConfig:
             raise ValueError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
         if self.update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+        if (not isinstance(self.rewrite_every, int) or isinstance(self.rewrite_every, bool)
+                or self.rewrite_every < 1):
+            raise ValueError(f"rewrite_every must be an int >= 1, got {self.rewrite_every!r}")
+        if self.rewrite_every > 1 and self.update != "lazy":
+            raise ValueError(f"rewrite_every={self.rewrite_every} needs update='lazy' (an eager "
+                             f"update writes every layer it updates), got "
+                             f"update={self.update!r}")
         if self.stash_bytes is not None and (not isinstance(self.stash_bytes, int)
                                              or self.stash_bytes < 0):
             raise ValueError(f"stash_bytes must be None or an int >= 0, got {self.stash_bytes!r}")

@@ -33,9 +33,11 @@ class Pending:
         """A copy to restore after a failed step (which leaves no trace)."""
         return {k: list(v) for k, v in self.records.items()}
 
-    def apply(self, unit: LayerKey, params: Any) -> Any:
-        """Applies the records of store address ``unit`` to its host params (fp32) and stages
-        the result (:meth:`StreamedExecutor.estimate` and ``forward`` drop it)."""
+    def apply(self, unit: LayerKey, params: Any, force: bool = False) -> Any:
+        """Applies the records of store address ``unit`` to its host params (fp32); stages the
+        result (:meth:`StreamedExecutor.estimate` and ``forward`` drop it) and drops the
+        records when they are ``rewrite_every`` or more, one is a deferred combine, or
+        ``force``; otherwise the records stay for the next read (nothing written)."""
         ex = self.ex
         recs = lazy.take(self.records, unit)
         if not recs:
@@ -51,8 +53,9 @@ class Pending:
                     g = K.unit_estimate(ex.spec, K.step_seg_keys(key, unit), coeffs, params)
                 params, opt = K.optax_step(ex.optimizer, g, opt, params)
             params, opt = jax.tree.map(np.asarray, (params, opt))
-        ex.store.write(unit, params, opt)
-        self.applied.add(str(unit))
+        if force or len(recs) >= ex.cfg.rewrite_every or any(map(deferred.is_combine, recs)):
+            ex.store.write(unit, params, opt)
+            self.applied.add(str(unit))
         return params
 
     def merge(self, new: dict) -> dict:
@@ -66,11 +69,11 @@ class Pending:
         return self.records
 
     def apply_all(self) -> bool:
-        """Applies (stages) every record; False when there was none."""
+        """Applies and writes (stages) every record; False when there was none."""
         if not any(self.records.values()):
             return False
         self.applied = set()
         for unit in [parse_key(u) for u, r in self.records.items() if r]:
-            self.apply(unit, self.ex.store.read(unit).result())
+            self.apply(unit, self.ex.store.read(unit).result(), force=True)
         self.records = {}
         return True

@@ -59,7 +59,8 @@ def _batch(step: int) -> dict:
 
 def train(path: str, steps: int, update: str = "lazy", snapshots: dict | None = None) -> float:
     """Trains the store at ``path`` (created if missing) up to ``steps`` committed steps;
-    ``update`` is the mode: "lazy" (forward, lazy), "eager" (forward), "hybrid" (eager) or
+    ``update`` is the mode: "lazy" (forward, lazy), "lazy_k3" (forward, lazy, a layer written
+    back every 3 records: ``rewrite_every=3``), "eager" (forward), "hybrid" (eager) or
     "hybrid_lazy" (the hybrid's update deferred to the next read).
 
     Returns:
@@ -78,7 +79,8 @@ def train(path: str, steps: int, update: str = "lazy", snapshots: dict | None = 
         store = LayerStore.create(path, params, optimizer=opt)
     ex = StreamedExecutor(stack, est, opt, store, StreamConfig(
         prefetch=2, compute_dtype="float32", async_commit=ASYNC,
-        update="lazy" if update in ("lazy", "hybrid_lazy") else "eager"))
+        update="lazy" if update in ("lazy", "lazy_k3", "hybrid_lazy") else "eager",
+        rewrite_every=3 if update == "lazy_k3" else 1))
     times = []
     if snapshots is not None:
         snapshots[store.step] = _committed_params(path, update)
@@ -311,14 +313,18 @@ def _main(argv: list[str]) -> None:
         ap.add_argument("--manifest-kills", type=int, default=10)
         ap.add_argument("--disk", type=int, default=60)
         ap.add_argument("--out", default="crash_scan.json")
+        ap.add_argument("--mode", default="lazy",
+                        choices=["lazy", "lazy_k3", "eager", "hybrid", "hybrid_lazy"],
+                        help="the kill scan's training mode (see train)")
         a = ap.parse_args(argv[1:])
         out: dict = {"corruption": run_corruption_scan()}
         print(out["corruption"], flush=True)
         if a.disk:
-            out["disk"] = run_disk_scan(a.disk)
+            out["disk"] = run_disk_scan(a.disk, modes=(a.mode, "hybrid"))
             print({k: v for k, v in out["disk"].items() if k != "trials"}, flush=True)
         if a.kills:
-            out["kill"] = run_crash_experiment(kills=a.kills, steps=12, manifest_kills=a.manifest_kills)
+            out["kill"] = run_crash_experiment(kills=a.kills, steps=12, update=a.mode,
+                                               manifest_kills=a.manifest_kills)
             k = out["kill"]
             subprocess.run(["rm", "-rf", k["workdir"]], check=False)
             print({"kills": k["kills"], "resumed_equal": sum(t["resumed_equal"] for t in k["trials"]),

@@ -30,6 +30,8 @@ def test_configs_parse():
 def test_bad_engine_option_is_named():
     with pytest.raises((ConfigError, ValueError), match="engine.*compute_dtype|compute_dtype"):
         load_experiment(CONFIGS[0], ["engine.compute_dtype=int8"])
+    with pytest.raises((ConfigError, ValueError), match="rewrite_every.*needs update: lazy"):
+        load_experiment(CONFIGS[0], ["engine.update=eager", "engine.rewrite_every=3"])
 
 
 @pytest.mark.standard_promotion  # steps optax itself
@@ -39,7 +41,8 @@ def test_stream_engine_matches_local_engine(tmp_path):
     params = stack.init(jax.random.key(0))
     opt = optax.adam(1e-2)
     est = jg.forward(num_tangents=2)
-    cfg = StreamEngineConfig(store=str(tmp_path / "{arm}"), micro_batches=2, update="lazy")
+    cfg = StreamEngineConfig(store=str(tmp_path / "{arm}"), micro_batches=2, update="lazy",
+                             rewrite_every=2)  # the layers are written back at the third step
     eng = StreamEngine(cfg, stack=stack, estimator=est, optimizer=opt)
     state = eng.init(params, jax.random.key(1))
     p, s = params, opt.init(params)

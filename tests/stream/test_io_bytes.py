@@ -130,3 +130,26 @@ def test_composed_step_counts_bytes(tmp_path):
     before = os.path.getsize(path / "manifest.json")
     want = {**_expected("hybrid_eager"), "read_params": P_ENDS + (3 * L - 2) * P_B}
     _check(ex.step(_batch(1), jax.random.key(11)), want, path, before)
+
+
+def test_replayed_updates_write_a_layer_every_k_steps(tmp_path):
+    """``rewrite_every=3``: every steady step reads each layer once; a block is written only
+    on the step whose read finds 3 records (embed and head update at once, every step)."""
+    path = tmp_path / "k3"
+    store = LayerStore.create(path, STACK.init(jax.random.key(0)), optimizer=ADAM)
+    ex = StreamedExecutor(STACK, FORWARD, ADAM, store,
+                          StreamConfig(compute_dtype="float32", update="lazy", rewrite_every=3))
+    ex.step(_batch(0), jax.random.key(10))  # one record per block, nothing replayed yet
+    o_ends = U["embed"][1] + U["head"][1]
+    writes = []
+    for t in range(1, 7):
+        before = os.path.getsize(path / "manifest.json")
+        m = ex.step(_batch(t), jax.random.key(10 + t))
+        rewrite = t % 3 == 0  # the reads of steps 3 and 6 find 3 records
+        writes.append(m["bytes_written_params"])
+        _check(m, {"read_params": P_ALL, "read_opt": O_ALL,  # the replay needs Adam's state
+                   "written_params": P_ALL if rewrite else P_ENDS,
+                   "written_opt": O_ALL if rewrite else o_ends}, path, before)
+        waiting = {len(v) for k, v in store.extra["pending"].items()}
+        assert waiting == {1 if rewrite else t % 3 + 1}
+    assert sum(writes) - 6 * P_ENDS == 2 * L * P_B  # 1/3 of the block writes
