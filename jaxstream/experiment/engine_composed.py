@@ -45,9 +45,14 @@ class ComposedEngineConfig(StreamEngineConfig):
     stage: Count = 1
     schedule: Schedule = "circular"
     peer_timeout_s: Positive = 40.0
+    async_commit: bool = False  # its copies agree on each committed step before the next
 
     def check(self) -> None:
         super().check()
+        if self.async_commit:
+            raise ValueError("async_commit: the composed engine commits each step before the "
+                             "next (its store copies must agree on the committed step); "
+                             "allowed: false")
         if self.schedule == "circular" and self.prefetch < 1:
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while "
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "

@@ -62,6 +62,10 @@ class StreamEngineConfig(EngineConfig):
       rewrite_every: with ``update: lazy``, a forward estimator's layer is written back only
         when k updates wait for it (replayed from their keys when it is read meanwhile):
         one read and 1/k writes per layer per step (:class:`StreamConfig`).
+      async_commit: each step's manifest is written and fsynced on a thread while the next
+        step computes (off the step's critical path; a kill before it lands resumes at the
+        step before, and the runner waits for it before each checkpoint, so a checkpoint is
+        never ahead of its store). false: every step returns committed.
       micro_batches: N for backprop/forward (a hybrid estimator brings its own N).
       depth: dynamic depth policy (kind: all | stochastic | progressive).
       file_io_concurrency: TensorStore's concurrent file operations.
@@ -73,6 +77,7 @@ class StreamEngineConfig(EngineConfig):
     compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     update: Literal["eager", "lazy"] = "eager"
     rewrite_every: Count = 1
+    async_commit: bool = True
     micro_batches: Count = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: Count = 64
@@ -225,7 +230,8 @@ class StreamEngine:
 
     def _new_executor(self, store: LayerStore) -> StreamedExecutor:
         scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
-                            self.cfg.depth, rewrite_every=self.cfg.rewrite_every)
+                            self.cfg.depth, rewrite_every=self.cfg.rewrite_every,
+                            async_commit=self.cfg.async_commit)
         return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:
@@ -342,6 +348,12 @@ class StreamEngine:
             "write_wait_time": m["wait_write_s"],
             **data_bytes(m),
             **{k: float(v) for k, v in m.items() if k in ("ticks", "fill_ratio")}}
+
+    def settle(self) -> None:
+        """Waits until the last step's commit is on disk (``async_commit``): the runner calls
+        it before a checkpoint, which must never be ahead of the store it stands for."""
+        if self.executor is not None:
+            self.executor.store.settle()
 
     def warm_up(self, state: StreamState, batch: dict, key: jax.Array) -> None:
         """Compiles the step's kernels (its sweeps and the host updates) on ``batch`` without

@@ -131,10 +131,18 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         bar = arm_bar(arm.name, start=start, total=stop, enabled=cfg.progress)
         loop.add_hook(bar_hook(bar))
         loop.add_hook(lambda i: (records.append(i.record), log.append(i.record)))
-        loop.add_hook(lambda i: ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
-                                                            "diverged": _diverged(i.record)}),
-                      every=cfg.checkpoint_every, at_end=True)
+        settle = getattr(engine, "settle", None)  # a store committing on a thread
+
+        def save(i) -> None:
+            if settle is not None:
+                settle()  # the checkpoint is never ahead of the store it stands for
+            ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
+                                        "diverged": _diverged(i.record)})
+
+        loop.add_hook(save, every=cfg.checkpoint_every, at_end=True)
         out = loop.run(state, start=start, stop=stop, train_time=resume_ckpt.train_time)
+        if settle is not None:
+            settle()  # the arm's last commit is on disk before the next arm or the summary
         bar.close()
         stopped = stop if stop < cfg.steps and not out.stopped else None
         arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),

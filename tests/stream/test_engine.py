@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import jax
@@ -74,7 +75,7 @@ def test_stream_engine_matches_local_engine(tmp_path):
     assert int(st.step) == start == 3
 
 
-def test_run_experiment_end_to_end(tmp_path):
+def test_run_experiment_end_to_end(tmp_path, monkeypatch):
     # The shipped config with its backprop arm (micro-batches from engine.micro_batches) and its
     # hybrid arm (micro-batches of its own); the forward arm goes through the same engine path
     # as backprop and is checked against the local engine above.
@@ -83,8 +84,25 @@ def test_run_experiment_end_to_end(tmp_path):
     assert len(data["arms"]) == 2
     config = tmp_path / CONFIGS[0].name
     config.write_text(yaml.safe_dump(data))
+    # commits land on a thread (async_commit, the default), slowly here: each checkpoint must
+    # still find its step on disk (the runner settles the store first)
+    import jaxstream.stream.store as store_mod
+    from jaxstream.experiment.checkpoints import ArmCheckpointer
+
+    write = store_mod.write_manifest
+    monkeypatch.setattr(store_mod, "write_manifest",
+                        lambda *a, **k: (time.sleep(0.3), write(*a, **k))[1])
+    save, on_disk = ArmCheckpointer.save, []
+
+    def checked_save(self, step, state, meta=None):
+        on_disk.append((step, {a: LayerStore.open(tmp_path / "stores" / a).step
+                               for a in ("backprop", "hybrid")
+                               if (tmp_path / "stores" / a / "manifest.json").exists()}))
+        return save(self, step, state, meta)
+
+    monkeypatch.setattr(ArmCheckpointer, "save", checked_save)
     _, summary = run_experiment(
-        config, ["steps=3", "eval_every=3", "checkpoint_every=3", "plots=false",
+        config, ["steps=3", "eval_every=3", "checkpoint_every=2", "plots=false",
                  "progress=false", "model.depth=2", f"engine.store={tmp_path}/stores/{{arm}}"],
         out=tmp_path / "run")
     assert summary["finished"] and set(summary["arms"]) == {"backprop", "hybrid"}
@@ -95,3 +113,7 @@ def test_run_experiment_end_to_end(tmp_path):
     # each arm trained from its own store, committed at the last step
     for arm in ("backprop", "hybrid"):
         assert LayerStore.open(tmp_path / "stores" / arm).step == 3
+    # checkpoints at steps 2 and 3 of each arm; the arm training has its store on disk there
+    assert [s for s, _ in on_disk] == [2, 3, 2, 3]
+    assert [d["backprop"] for _, d in on_disk[:2]] == [2, 3]
+    assert [d["hybrid"] for _, d in on_disk[2:]] == [2, 3]
