@@ -279,6 +279,18 @@ def _flat(tree: Any) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
 
 
+@jax.jit
+def _agreement(tree: Any, exact_tree: Any, target: Any) -> tuple:
+    """An estimate against the exact gradient in one compiled program (not op by op): cosine,
+    relative squared error, per-segment cosines, and per-segment cosines to ``target`` (an
+    estimator's local targets; None: none)."""
+    g, exact = _flat(tree), _flat(exact_tree)
+    cos = g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)
+    rel = jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)
+    local = None if target is None else segment_cosines("c", tree, target)
+    return cos, rel, segment_cosines("c", tree, exact_tree), local
+
+
 def _evaluator(stack: Any, ds: Any, train_eval_size: int):
     """One jitted ``params (lanes) -> (lanes, 4)``: test error, train error, test loss, train
     loss; shared by the arms of a data set (one compile per lane count)."""
@@ -389,18 +401,17 @@ class _Arm:
         local losses, per segment to its local target (``local_cosine_layers``)."""
         keys = jax.random.split(jax.random.fold_in(jax.random.key(self.cfg.seed), 11),
                                 self.cfg.cosine_keys)
-        exact = _flat(exact_tree)
         local = self.arm.estimator.build().plan.local_target
         target = local_targets(self.stack, params, batch) if local else None
         cos, rel_mse, layers, local_layers = [], [], [], []
         for k in keys:
-            tree = estimate(state, batch, k)[1]
-            g = _flat(tree)
-            cos.append(float(g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)))
-            rel_mse.append(float(jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)))
-            layers.append(_per_segment(segment_cosines("c", tree, exact_tree)))
+            c, r, seg, local_seg = jax.device_get(
+                _agreement(estimate(state, batch, k)[1], exact_tree, target))
+            cos.append(float(c))
+            rel_mse.append(float(r))
+            layers.append(_per_segment(seg))
             if local:
-                local_layers.append(_per_segment(segment_cosines("c", tree, target)))
+                local_layers.append(_per_segment(local_seg))
         mean = lambda xs: np.mean(xs, axis=0).round(4).tolist()  # noqa: E731
         return {"cosine_mean": float(np.mean(cos)),
                 "cosine_sd": float(np.std(cos, ddof=1)) if len(cos) > 1 else 0.0,
