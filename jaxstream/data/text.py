@@ -3,6 +3,8 @@
 The corpus is a fixed list of pure-Python modules of the running interpreter's standard library
 (found with ``sysconfig``; no download). The split is by file: :data:`TRAIN_FILES` give the
 training text, :data:`TEST_FILES` the test text, so test windows are never seen in training.
+A second training text, :data:`FINETUNE_FILES` (``corpus="b"``; other modules, none of them in
+the first text or the test files), is there to fine-tune a model pretrained on the first.
 Characters are printable ASCII plus newline (tabs become a space; anything else becomes ``?``),
 a vocabulary of :data:`VOCAB_SIZE` = 96.
 
@@ -26,6 +28,12 @@ TRAIN_FILES: tuple[str, ...] = (
     "heapq.py", "ipaddress.py", "locale.py", "operator.py", "pprint.py", "queue.py",
 )
 TEST_FILES: tuple[str, ...] = ("random.py", "sched.py", "shlex.py", "statistics.py", "textwrap.py")
+FINETUNE_FILES: tuple[str, ...] = (
+    "ast.py", "base64.py", "bisect.py", "copy.py", "datetime.py", "enum.py", "inspect.py",
+    "numbers.py", "string.py", "tokenize.py", "typing.py", "uuid.py",
+)
+#: The training texts by name: ``a`` (the default) and ``b`` (another text, to fine-tune on).
+CORPORA: dict[str, tuple[str, ...]] = {"a": TRAIN_FILES, "b": FINETUNE_FILES}
 
 VOCAB = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 VOCAB_SIZE = len(VOCAB)
@@ -62,11 +70,12 @@ def corpus(files: tuple[str, ...], root: str | Path | None = None) -> np.ndarray
 
 
 def load_text(seed: int = 0, seq_len: int = 64, num_train: int = 4096, num_test: int = 512,
-              root: str | Path | None = None) -> Dataset:
+              root: str | Path | None = None, corpus_name: str = "a") -> Dataset:
     """Random windows of the standard-library corpus: x = ids[t:t+T], y = ids[t+1:t+T+1].
 
-    Train windows come from :data:`TRAIN_FILES`, test windows from :data:`TEST_FILES`; window
-    starts are drawn with ``seed``.
+    Train windows come from the files of ``CORPORA[corpus_name]`` (``a``: :data:`TRAIN_FILES`,
+    ``b``: :data:`FINETUNE_FILES`), test windows from :data:`TEST_FILES` (held out from both);
+    window starts are drawn with ``seed``.
 
     Example:
       >>> ds = load_text(seq_len=32, num_train=64, num_test=16)
@@ -76,6 +85,8 @@ def load_text(seed: int = 0, seq_len: int = 64, num_train: int = 4096, num_test:
     for name, value in (("seq_len", seq_len), ("num_train", num_train), ("num_test", num_test)):
         if value < 1:
             raise ValueError(f"{name}: must be >= 1, got {value}")
+    if corpus_name not in CORPORA:
+        raise ValueError(f"corpus: {corpus_name!r} is not a text; allowed: {sorted(CORPORA)}")
     rng = np.random.default_rng([seed, 13])
 
     def windows(ids: np.ndarray, n: int) -> dict[str, np.ndarray]:
@@ -83,7 +94,7 @@ def load_text(seed: int = 0, seq_len: int = 64, num_train: int = 4096, num_test:
         idx = starts[:, None] + np.arange(seq_len)[None]
         return {"x": ids[idx], "y": ids[idx + 1]}
 
-    train = windows(corpus(TRAIN_FILES, root), num_train)
+    train = windows(corpus(CORPORA[corpus_name], root), num_train)
     test = windows(corpus(TEST_FILES, root), num_test)
     info = {"vocab_size": VOCAB_SIZE, "seq_len": seq_len, "num_classes": VOCAB_SIZE,
             "num_train": num_train, "num_test": num_test}

@@ -10,6 +10,7 @@ from jaxstream.experiment import (  # noqa: F401
     engine_dataparallel,
     engine_pipeline,
     engine_stream,
+    finetune,
     forward_table,
     lr_sweep,
     quality_study,

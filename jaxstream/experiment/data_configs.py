@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Annotated
+from typing import Annotated, Literal
 
 from jaxstream.data.arrays import load_npz
 from jaxstream.data.chars import load_chars
@@ -136,11 +136,17 @@ class MNIST1DDataConfig(DataConfig):
 @register_choice(DataConfig, "text")
 @dataclasses.dataclass(frozen=True)
 class TextDataConfig(DataConfig):
-    """Windows of the standard-library source corpus (see :mod:`jaxstream.data.text`)."""
+    """Windows of the standard-library source corpus (see :mod:`jaxstream.data.text`).
+
+    Attributes:
+      corpus: the training text: ``a`` (the default) or ``b`` (other modules, e.g. to
+        fine-tune a model pretrained on ``a``); test windows come from held-out files.
+    """
 
     seq_len: Count = 64
     num_train: Count = 4096
     num_test: Count = 512
+    corpus: Literal["a", "b"] = "a"
 
     def train_size(self, seed: int) -> int:
         return self.num_train
@@ -149,7 +155,8 @@ class TextDataConfig(DataConfig):
         return 2 * 4 * self.seq_len * (self.num_train + self.num_test)  # int32 x and y
 
     def load(self, seed: int) -> Dataset:
-        return load_text(seed, self.seq_len, self.num_train, self.num_test)
+        return load_text(seed, self.seq_len, self.num_train, self.num_test,
+                         corpus_name=self.corpus)
 
 
 @register_choice(DataConfig, "store")
