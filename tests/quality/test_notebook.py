@@ -52,6 +52,26 @@ def check_claims(c: dict[str, Any]) -> None:
     bound = stats.f.ppf(1 - nbc.ALPHA, 1, s - 1)
     for e in c["hybrids"]:
         assert s * w[e]["bias"] ** 2 / w[e]["relative_variance"] <= bound, (e, w[e])
+    check_families(c["families"], s)
+
+
+def check_families(f: dict[str, Any], s: int) -> None:
+    """jvp, SPSA and rank-1 jvp at K = 1, 4, 16: cosines and costs in forward passes."""
+    se = lambda *names: math.sqrt(sum(f[e]["cosine_std"] ** 2 for e in names) / s)  # noqa: E731
+    cos = lambda e: f[e]["cosine_mean"]  # noqa: E731
+    for k in (1, 4, 16):
+        jvp, zo, low = f"jvp K={k}", f"spsa K={k}", f"jvp rank-1 K={k}"
+        # SPSA: exactly two forward passes per direction (matmul FLOPs, loops counted)
+        assert f[zo]["passes"] == pytest.approx(2 * k, rel=1e-9)
+        # the same K: SPSA's and the rank-1 tangents' cosines are the jvp's within noise
+        assert abs(cos(zo) - cos(jvp)) <= nbc.Z * se(zo, jvp), k
+        assert abs(cos(low) - cos(jvp)) <= nbc.Z * se(low, jvp), k
+        assert f[low]["passes"] == pytest.approx(f[jvp]["passes"], rel=1e-9)
+    for fam in ("jvp", "spsa", "jvp rank-1"):  # more directions raise the cosine
+        assert nbc.exceeds(cos(f"{fam} K=16") - cos(f"{fam} K=1"), se(f"{fam} K=16", f"{fam} K=1"))
+    # the first tangent costs more than two passes, further ones share the primal
+    assert f["jvp K=1"]["passes"] > f["spsa K=1"]["passes"]
+    assert f["jvp K=16"]["passes"] < f["spsa K=16"]["passes"]
 
 
 def test_committed_with_outputs_whose_claims_hold():
