@@ -161,22 +161,23 @@ def best_weighted(m: Moments, s: int, nu: float) -> float:
     return a * b / (a + b) if a + b > 0 else 0.0
 
 
-def selections(n: int, s: int, seed: int = 0) -> list[tuple[int, ...]]:
-    """Every S-subset of N (sampled, fixed seed, where there are more than MAX_SUBSETS)."""
-    if math.comb(n, s) <= MAX_SUBSETS:
+def selections(n: int, s: int, seed: int = 0, limit: int = MAX_SUBSETS) -> list[tuple[int, ...]]:
+    """Every S-subset of N (``limit`` of them sampled, fixed seed, where there are more)."""
+    if math.comb(n, s) <= limit:
         return list(itertools.combinations(range(n), s))
     rng = np.random.default_rng(seed)
-    return [tuple(sorted(rng.choice(n, s, replace=False))) for _ in range(MAX_SUBSETS)]
+    return [tuple(sorted(rng.choice(n, s, replace=False))) for _ in range(limit)]
 
 
-def guess_mse(grads: np.ndarray, s: int) -> float:
+def guess_mse(grads: np.ndarray, s: int, limit: int = MAX_SUBSETS) -> float:
     """``guess``: ĝ = (g·u) u with u = h/‖h‖ (one jvp along u per micro-batch): error
     ‖g‖² − (g·u)², averaged exactly over the selections. Never above the exact subset's
-    ‖g − h‖² (the closest point to g on the line through h), biased."""
+    ‖g − h‖² (the closest point to g on the line through h), biased. Exact up to ``limit``
+    selections, sampled beyond."""
     g = np.asarray(grads, np.float64)
     full = g.mean(0)
     out = []
-    for sel in selections(g.shape[0], s):
+    for sel in selections(g.shape[0], s, limit=limit):
         h = g[list(sel)].mean(0)
         hh = float(h @ h)
         out.append(float(full @ full) - (float(full @ h) ** 2 / hh if hh > 0 else 0.0))

@@ -152,3 +152,17 @@ def test_bad_input_is_refused_by_name():
         hv.kappa(10, "uniform")
     with pytest.raises(ValueError, match="num_exact"):
         hv.exact_subset(hv.Moments(4, 10, 1.0, 1.0, 1.0), 5)
+
+
+def test_critical_nu_is_where_the_best_hybrid_meets_the_subset_at_equal_cost():
+    """Just below ν* the best fixed-β hybrid beats the exact subset bought with its compute,
+    just above it does not; where that subset is the whole batch ν* = 0."""
+    m = hv.Moments(num=64, size=1000, spread=40.0, second=41.0, full=2.0)
+    costs = hv.Costs(0.75, 1.94, 3.32, 2.68)
+    nu = hv.critical_nu(m, 1, costs, costs.forward(1))
+    s_eq = costs.subset_at(costs.hybrid(1, 64, 1), 64)
+    assert 1.0 < s_eq < 64 and nu > 0
+    subset = hv.exact_subset(m, s_eq)
+    assert hv.best_weighted(m, 1, nu * 0.999) < subset < hv.best_weighted(m, 1, nu * 1.001)
+    assert hv.critical_nu(m, 32, costs, costs.forward(1)) == 0.0  # S' = N: backprop
+    assert hv.rho(hv.nu_of_rho(0.3)) == pytest.approx(0.3)
