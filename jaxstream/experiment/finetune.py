@@ -13,10 +13,12 @@ The run (see :class:`~jaxstream.experiment.finetune_config.FinetuneConfig`):
    per step (of the model's parameters, and in all), the effective read bandwidth against the
    raw one ``jaxstream plan`` measures, and the peak resident memory of the arm's steps.
 
-Peak RSS (Linux): the kernel's high-water mark (``VmHWM``) is reset after the arm's step-0
-evaluation (which reads the whole model: the runner's evaluator runs in memory) and read after
-each step before its evaluation, so it covers the arm's compilation and steps. ``rss_constant``
-is the process's resident memory once JAX has started, before any data or model.
+Peak RSS (Linux): the kernel's high-water mark (``VmHWM``), reset after the arm's step-0
+evaluation (which reads the whole model: the runner's evaluator runs in memory) and read before
+the first step (``rss_warm_up``: the compilation, whose warm-up estimate holds a gradient of the
+whole model), then reset again (``rss_start``) and read after each step before its evaluation
+(``rss_peak``: the steps alone). ``rss_constant`` is the process's resident memory once JAX has
+started, before any data or model.
 """
 
 from __future__ import annotations
@@ -211,8 +213,13 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
 
         def on_start(recs: list[dict], done=done, peak=peak) -> None:
             log.rewrite(done + recs)
-            peak["reset"] = reset_peak()
-            peak["start"] = rss()
+            reset_peak()  # after the step-0 evaluation
+
+        def before_step(info: Any, peak=peak) -> None:
+            if "start" not in peak:  # the first step, after the compilation (warm-up)
+                peak["warm_up"] = rss("VmHWM")
+                peak["reset"] = reset_peak()
+                peak["start"] = rss()
 
         def after_step(info: Any, peak=peak) -> None:
             peak["peak"] = rss("VmHWM")
@@ -220,10 +227,11 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
         init = abstract if i in streamed else params
         out = train_arm(tc, tc.arms[0], stack=stack, data=data, init_params=init,
                         run_dir=run_dir, log=log, kept=[], resume=False, on_start=on_start,
-                        hooks=(after_step,))
+                        hooks=((before_step, {"before": True}), (after_step, {})))
         results[arm.name] = {"records": out["records"], "diverged": out["diverged"],
                              "compile_time": out["compile_time"],
                              "rss_start": peak.get("start"),
+                             "rss_warm_up": peak.get("warm_up") if peak.get("reset") else None,
                              "rss_peak": peak.get("peak") if peak.get("reset") else None}
     log.rewrite(records + [r for a in cfg.arms for r in results[a.name]["records"]])
     raw = measure_read_bandwidth(str(run_dir))
@@ -234,6 +242,7 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
                           "estimator": describe(arm.estimator), "lr": arm.lr,
                           "diverged": res["diverged"], "compile_time": res["compile_time"],
                           "rss_start": res["rss_start"], "rss_peak": res["rss_peak"],
+                          "rss_warm_up": res["rss_warm_up"],
                           "engine_config": dataclasses.asdict(arm.engine)}
     summary = {"model": sizes, "rss_constant": constant, "raw_read_bandwidth": raw,
                "data_store": str(where), "pretrain": {

@@ -42,7 +42,8 @@ def arms_table(s: dict[str, Any]) -> str:
     m, raw = s["model"], s["raw_read_bandwidth"]
     head = ("| arm | engine | estimator | train loss start → end | test loss end | "
             "read / step | written / step | model reads / step | block writes / step | "
-            "step time | read bandwidth (× raw) | model / budget | RSS at start → peak (peak / model) |")
+            "step time | read bandwidth (× raw) | model / budget | RSS at start → peak of the steps "
+            "((peak − start) / model) | peak of the compilation |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, a in s["arms"].items():
         e = a["engine_config"]
@@ -62,7 +63,8 @@ def arms_table(s: dict[str, Any]) -> str:
             + ("–" if bw is None else f"{bw / 1e9:.2f} GB/s ({bw / raw:.2f}×)")
             + f" | {ratio} | "
             + ("–" if peak is None else f"{_mb(a['rss_start'])} → {_mb(peak)} "
-                                          f"({peak / m['fp32_bytes']:.2f}×)") + " |")
+                                          f"({(peak - a['rss_start']) / m['fp32_bytes']:.2f}×)")
+            + f" | {_mb(a.get('rss_warm_up'))} |")
     return "\n".join(rows)
 
 

@@ -73,14 +73,15 @@ def _warm_up(engine: Any, state: Any, batch: dict, key: jax.Array) -> float:
 def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_params: Any,
               run_dir: Path, log: MetricsLog, kept: list[dict], resume: bool,
               on_start: Callable[[list[dict]], None], rollback: bool = False,
-              hooks: tuple[Callable[[Any], None], ...] = ()) -> dict[str, Any]:
+              hooks: tuple[tuple[Callable[[Any], None], dict], ...] = ()) -> dict[str, Any]:
     """Train one arm from its last checkpoint (if resuming) to ``min(steps, max_steps)``;
     with ``rollback``, from its last sane state (a layer store's last sane commit, or the last
     checkpoint saved before the run diverged), even after a divergence.
 
     ``kept`` are the arm's records from an earlier session; those up to the restored step are
     kept and handed to ``on_start`` (which puts them in the log) before training goes on.
-    ``hooks``: called with each step's loop info after the step, before its evaluation.
+    ``hooks``: ``(fn, options)`` pairs added to the loop (``TrainLoop.add_hook(fn, **options)``)
+    after the compilation, before the evaluation hook (an after-step hook runs before it).
     Returns the arm's records (kept + new) and run facts (compile time, divergence).
     """
     batches = batch_source(data.train, cfg.batch_size, cfg.seed)
@@ -127,8 +128,8 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         if diag is not None:
             loop.add_hook(lambda i: i.record.update(diag(i.state, i.batch, i.key)),
                           every=cfg.diag_every, before=True)
-        for hook in hooks:
-            loop.add_hook(hook)
+        for fn, options in hooks:
+            loop.add_hook(fn, **options)
         loop.add_hook(lambda i: i.record.update(
             _eval_record(evaluate, engine.params(i.state), data.train, data.test)),
             every=cfg.eval_every, at=(cfg.steps,))
