@@ -212,12 +212,14 @@ def ratio(x: float) -> str:
 
 def regime_table(rows: list[dict]) -> str:
     lines = [("| N | S | cost (fwd passes) | subset at S | S' at equal cost | subset at S' "
-             "| forward-only at equal cost | best hybrid (model) | hybrid / best ingredient "
-             "| ρ of K=1 weight tangents | ρ* needed |"), "|" + "---|" * 11]
+             "| forward-only at equal cost | weighted (model) | best hybrid (model) "
+             "| hybrid / best ingredient | ρ of K=1 weight tangents | ρ* needed |"),
+             "|" + "---|" * 12]
     for r in rows:
         lines.append(
             f"| {r['N']} | {r['S']} | {r['cost']:.2f} | {r['exact_subset']:.3g} | {r['S_eq']:.1f} "
-            f"| {r['exact_subset_eq']:.3g} | {r['forward_eq']:.3g} | {r['best']} "
+            f"| {r['exact_subset_eq']:.3g} | {r['forward_eq']:.3g} | {r['weighted']:.3g} "
+            f"| {r['best']} "
             f"{r[r['best']]:.3g} | {ratio(r['ratio'])} | {r['rho_weights']:.4f} "
             f"| {r['rho_star']:.3f} |")
     return "\n".join(lines)
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"{c.forward_base:.2f} + {c.forward_per_tangent:.2f}·K, exact part "
                  f"{c.exact:.2f}·S/N, backprop {c.backprop:.2f}.")
     rows = regime(per_example, c, 1)
-    tables["regime"] = regime_table(rows) + "\n\n" + cost_line
+    tables["regime"] = (regime_table(rows) + "\n\n" + cost_line
+                        + f" The zero estimate's error, ‖g‖², is {full:.3g}.")
     print(tables["regime"], "\n")
     out = {"setting": vars(args) | {"json": None, "doc": None}, "model": model,
            "measured": meas, "costs": c._asdict(), "regime": rows}

@@ -79,7 +79,7 @@ def check(sq: np.ndarray, predicted: float, model_se: float = 0.0) -> tuple[floa
 
 
 FAST = ("exact_subset", "control_variate", "weighted")  # one program
-REST = ("replace", "stein", "guess", "forward_micro")
+REST = ("replace", "stein", "guess")
 
 
 def predictions(n: int, s: int, k: int) -> dict[str, tuple[float, float]]:
@@ -120,10 +120,10 @@ def test_linear_corrections_match_the_model():
 
 @pytest.mark.slow
 def test_every_correction_matches_the_model_at_two_settings():
-    """The rest at the first setting, everything at the second (``stein`` against its
-    large-P model, its own Monte-Carlo error in the tolerance)."""
+    """The rest at the first setting, the linear ones and ``stein`` at the second (``stein``
+    against its large-P model, its own Monte-Carlo error in the tolerance)."""
     assert_matches(*SETTINGS[0], REST)
-    assert_matches(*SETTINGS[1], FAST + REST)
+    assert_matches(*SETTINGS[1], FAST + ("stein",))
 
 
 def test_a_wrong_formula_fails_the_check():
