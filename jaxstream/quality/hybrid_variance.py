@@ -13,16 +13,12 @@ and A = σ² (1/S − 1/N) (the exact subset's error), every estimator of
 :mod:`jaxstream.grad` that is linear in its tangent part has an exact MSE
 (docs/hybrid_variance.md derives each line):
 
-=================  =====================================================  ===================
-estimator          E‖ĝ − g‖²                                              conditional bias
-=================  =====================================================  ===================
-exact subset       A                                                      h − g
-forward, batch     ν ‖g‖²  (K tangents on the whole batch)                 0
-forward, micro     ν m₂ / N  (K tangents per micro-batch)                   0
-replace            ν (N − S) m₂ / N²                                      0
-control variate    ν (N − S) σ² (1 + 1/S) / N²  =: B                      0
-weighted (β)       (1 − β)² A + β² B                                      (1 − β)(h − g)
-=================  =====================================================  ===================
+* exact subset: A (bias given S: h − g);
+* forward on the whole batch (K tangents): ν ‖g‖²;
+* forward per micro-batch (K tangents each, averaged): ν m₂ / N;
+* replace: ν (N − S) m₂ / N² (unbiased given S);
+* control variate: B = ν (N − S) σ² (1 + 1/S) / N² (unbiased given S);
+* weighted, a fixed β: (1 − β)² A + β² B (bias given S: (1 − β)(h − g)).
 
 ``guess`` (the projection of g on u = h/‖h‖) is deterministic given S: its MSE is the exact
 mean over the C(N, S) selections of ‖g‖² − (g·u)², from the per-micro-batch gradients
