@@ -49,17 +49,6 @@ def flat(tree) -> jax.Array:
     return ravel_pytree(tree)[0]
 
 
-def segments(params) -> np.ndarray:
-    """Segment id per flat coordinate: 0 embed, 1..L the blocks, L + 1 the head."""
-    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
-    ids = {"embed": jax.tree.map(lambda x: jnp.zeros(x.shape), params["embed"]),
-           "blocks": jax.tree.map(lambda x: jnp.broadcast_to(
-               1.0 + jnp.arange(layers, dtype=jnp.float32).reshape((-1,) + (1,) * (x.ndim - 1)),
-               x.shape), params["blocks"]),
-           "head": jax.tree.map(lambda x: jnp.full(x.shape, layers + 1.0), params["head"])}
-    return np.asarray(flat(ids)).astype(int)
-
-
 def setup(seed: int = 0):
     """The forward table's digits model at init and the first batch of 64 train examples."""
     ds = load_digits(seed=0)
@@ -271,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     per_example = example_grads(stack, params, batch)
     grads = group(per_example, args.n)
     full = float((per_example.mean(0) ** 2).sum())
-    model = model_rows(grads, segments(params), args.s, args.k)
+    model = model_rows(grads, hv.segment_ids(params), args.s, args.k)
     meas = measured(stack, params, batch, args.n, args.s, args.k, args.keys)
     tables = {"lab": lab_table(model, meas, full)}
     print(tables["lab"], "\n")

@@ -230,6 +230,22 @@ def stein_mse(grads: np.ndarray, segments: np.ndarray, s: int, k: int, draws: in
     return float(per_draw.mean()), float(per_draw.std(ddof=1) / math.sqrt(draws))
 
 
+def segment_ids(params: dict) -> np.ndarray:
+    """The segment of each coordinate of a stack's params, in ``ravel_pytree`` order: 0 the
+    embed, 1..L the blocks, L + 1 the head (the segments ``stein`` takes its β over)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.flatten_util import ravel_pytree
+
+    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    ids = {"embed": jax.tree.map(lambda x: jnp.zeros(x.shape), params["embed"]),
+           "blocks": jax.tree.map(lambda x: jnp.broadcast_to(
+               1.0 + jnp.arange(layers, dtype=jnp.float32).reshape((-1,) + (1,) * (x.ndim - 1)),
+               x.shape), params["blocks"]),
+           "head": jax.tree.map(lambda x: jnp.full(x.shape, layers + 1.0), params["head"])}
+    return np.asarray(ravel_pytree(ids)[0]).astype(int)
+
+
 class Costs(NamedTuple):
     """A step's cost in forward passes of the whole batch (the lab's unit, from matmul FLOPs).
 

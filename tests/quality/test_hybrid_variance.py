@@ -9,7 +9,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.flatten_util import ravel_pytree
@@ -37,18 +36,7 @@ def problem(n: int):
     kx, ky = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(kx, (n, 4, 8)), "y": jax.random.randint(ky, (n, 4), 0, 4)}
     grads = np.asarray(jax.vmap(lambda b: _flat(jax.grad(stack)(params, b)))(batch), np.float64)
-    return stack, params, batch, grads, hv_segments(params)
-
-
-def hv_segments(params) -> np.ndarray:
-    """Segment id per flat coordinate: 0 embed, 1..L the blocks, L + 1 the head."""
-    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
-    ids = {"embed": jax.tree.map(lambda x: jnp.zeros(x.shape), params["embed"]),
-           "blocks": jax.tree.map(lambda x: jnp.broadcast_to(
-               1.0 + jnp.arange(layers, dtype=jnp.float32).reshape((-1,) + (1,) * (x.ndim - 1)), x.shape),
-               params["blocks"]),
-           "head": jax.tree.map(lambda x: jnp.full(x.shape, layers + 1.0), params["head"])}
-    return np.asarray(_flat(ids)).astype(int)
+    return stack, params, batch, grads, hv.segment_ids(params)
 
 
 def estimator(name: str, s: int, k: int):
@@ -166,3 +154,14 @@ def test_critical_nu_is_where_the_best_hybrid_meets_the_subset_at_equal_cost():
     assert hv.best_weighted(m, 1, nu * 0.999) < subset < hv.best_weighted(m, 1, nu * 1.001)
     assert hv.critical_nu(m, 32, costs, costs.forward(1)) == 0.0  # S' = N: backprop
     assert hv.rho(hv.nu_of_rho(0.3)) == pytest.approx(0.3)
+
+
+def test_segment_ids_follow_the_stack_layout():
+    """Each segment's count is its parameter count (embed, each block, head), in the order
+    ravel_pytree flattens them."""
+    _, params, *_ = problem(8)
+    size = lambda t: sum(x.size for x in jax.tree.leaves(t))
+    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    want = [size(params["embed"])] + [size(params["blocks"]) // layers] * layers + [
+        size(params["head"])]
+    assert np.bincount(hv.segment_ids(params)).tolist() == want
