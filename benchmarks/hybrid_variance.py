@@ -230,6 +230,15 @@ def paired_table(arms: dict, tests: dict) -> str:
     return "\n".join(lines)
 
 
+def finite(x):
+    """``x`` with every infinite float as None (strict JSON has no Infinity)."""
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return None if isinstance(x, float) and math.isinf(x) else x
+
+
 def pick(rows: list[dict]) -> dict:
     """The (N, S) whose best hybrid comes closest to beating both ingredients."""
     return min(rows, key=lambda r: r["ratio"])
@@ -295,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(tables["paired"])
         out["paired"] = {"arms": {k: v.tolist() for k, v in arms.items()}, "tests": tests}
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=float))
+        args.json.write_text(json.dumps(finite(out), indent=1, default=float))
     if args.doc:
         from jaxstream.experiment.docblock import write_tables
 

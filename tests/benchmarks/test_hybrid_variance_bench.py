@@ -28,3 +28,10 @@ def test_pick_is_the_lowest_ratio_and_the_table_says_when_the_subset_is_backprop
     rows = [{"ratio": math.inf}, {"ratio": 17.4}, {"ratio": 33.0}]
     assert bench.pick(rows)["ratio"] == 17.4
     assert bench.ratio(math.inf).startswith("∞") and bench.ratio(17.4) == "17.4"
+
+
+def test_json_has_no_infinity():
+    import json
+
+    text = json.dumps(bench.finite({"rows": [{"ratio": math.inf, "S": 2}], "x": (1.5,)}))
+    assert "Infinity" not in text and json.loads(text)["rows"][0]["ratio"] is None
