@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import yaml
 
-from jaxstream.experiment.forward_table import run_table
+from jaxstream.lab.forward_table import run_table
 from jaxstream.experiment.registry import load_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.runner import run_experiment
