@@ -33,11 +33,11 @@ from jaxstream.data import load_digits
 from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
-from jaxstream.ranges import Checked, Count, Every, Positive, Range, Seed
 from jaxstream.quality.baselines import ExactSubset, MicrobatchForward
 from jaxstream.quality.compare import compare
 from jaxstream.quality.report import write_outputs
 from jaxstream.quality.theory import gaussian_cosine_approx, gaussian_cosine_mean
+from jaxstream.ranges import Checked, Count, Every, Positive, Range, Seed
 
 Setting = Literal["correlated", "shuffled"]
 FORWARD, SUBSET = "forward", "exact subset"

@@ -152,7 +152,7 @@ class LocalForwardWeights:
 def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array):
     """Each segment's weight-perturbed estimate of its local loss (the segment kernel
     :func:`~jaxstream.grad.segments.local_weight_grad`, as every engine runs it)."""
-    example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg, batch)
 
     def kernel(fn, p, seg):
         return sg.local_grad(stack, fn, p, spec, key, seg, params["head"], example, weights=True)

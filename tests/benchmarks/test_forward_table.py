@@ -395,7 +395,7 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     text = markdown({"rows": [shared, own], "command": "c", "machine": "m"})
     assert "| arm | embed | block 0 | block 1 | head |" in text
     assert f"| {glob[0]:+.3f} ({loc[0]:+.3f}) |" in text
-    line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))  # noqa
+    line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))
     assert line("LG-FG-A").endswith("| — | — |")
     assert line("LG-FG-A-Ren").endswith("| 3.24 | — |")  # one group: S/1/1 only
     sixteen = {**own, "arm": "LG-FG-A-Ren-G16", "local_groups": 16}
@@ -571,8 +571,7 @@ def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_fami
     design = 5); a row set without both arms has no such line; seeds below 5 are named."""
     from scipy import stats
 
-    from jaxstream.lab.table_report import (comparisons, family_size, head_verdict,
-                                                   seeds_note)
+    from jaxstream.lab.table_report import comparisons, family_size, head_verdict, seeds_note
     from jaxstream.lab.verdicts import holm
 
     def row(arm, errs):
