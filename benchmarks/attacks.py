@@ -31,14 +31,14 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxstream.cli import main as cli  # noqa: E402
-from jaxstream.experiment.checkpoints import ArmCheckpointer, CheckpointError  # noqa: E402
-from jaxstream.experiment.rundir import run_lock  # noqa: E402
-from jaxstream.experiment.runner import run_experiment  # noqa: E402
+from jaxstream.cli import main as cli
+from jaxstream.experiment.checkpoints import ArmCheckpointer, CheckpointError
+from jaxstream.experiment.rundir import run_lock
+from jaxstream.experiment.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 EXP = ROOT / "experiments"
@@ -62,7 +62,7 @@ def checkpoint_flips(tmp: Path) -> list[str]:
     ckpt.save(1, state)
     ckpt.save(2, state)
     ckpt.close()
-    same = lambda a: all(np.array_equal(np.asarray(jax.random.key_data(x) if  # noqa: E731
+    same = lambda a: all(np.array_equal(np.asarray(jax.random.key_data(x) if
                                                    jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
                                                    else x), np.asarray(
         jax.random.key_data(y) if jnp.issubdtype(y.dtype, jax.dtypes.prng_key) else y))

@@ -38,9 +38,9 @@ def part_functions(stack: Any, num_micro: int) -> dict[str, Callable]:
     """``name -> f(params, micro_batches, key)`` for every part and alternative."""
     spec = tg.TangentSpec()
     idx = jnp.array(SELECTED)
-    masks = lambda p: cr.group_masks(p, jnp.zeros((len(SELECTED),), jnp.int32))  # noqa: E731
-    keys = lambda key: jax.vmap(lambda i: tg.micro_key(key, i))(jnp.arange(num_micro))  # noqa: E731
-    sel = lambda b: jax.tree.map(lambda x: x[idx], b)  # noqa: E731
+    masks = lambda p: cr.group_masks(p, jnp.zeros((len(SELECTED),), jnp.int32))
+    keys = lambda key: jax.vmap(lambda i: tg.micro_key(key, i))(jnp.arange(num_micro))
+    sel = lambda b: jax.tree.map(lambda x: x[idx], b)
 
     def exact_vmap(p, b, k):
         return jax.tree.map(lambda g: g.mean(0), jax.vmap(lambda bb: jax.grad(stack)(p, bb))(sel(b)))
@@ -55,7 +55,7 @@ def part_functions(stack: Any, num_micro: int) -> dict[str, Callable]:
 
     def forward(batch_size: int | None, probe: bool) -> Callable:
         def f(p, b, k):
-            fn = lambda bk: directional(stack, spec, p, bk[0], bk[1], p if probe else None)  # noqa: E731
+            fn = lambda bk: directional(stack, spec, p, bk[0], bk[1], p if probe else None)
             if batch_size == num_micro:
                 return jax.vmap(lambda bb, kk: fn((bb, kk)))(b, keys(k))
             return jax.lax.map(fn, (b, keys(k)), batch_size=batch_size)

@@ -19,17 +19,17 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from jaxstream.experiment.docblock import machine, write_tables  # noqa: E402
-from jaxstream.experiment.rundir import MetricsLog  # noqa: E402
-from jaxstream.experiment.runner import run_experiment  # noqa: E402
+from jaxstream.experiment.docblock import machine, write_tables
+from jaxstream.experiment.rundir import MetricsLog
+from jaxstream.experiment.runner import run_experiment
 
 HERE = Path(__file__).resolve().parent
 CONFIG = HERE.parent / "experiments" / "pipeline_stream.yaml"

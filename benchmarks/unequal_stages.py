@@ -31,7 +31,6 @@ from jaxstream.models import mlp
 from jaxstream.pipeline import gpipe_backprop, unequal_stages
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.placement import (
-    evaluate_placement,
     evaluate_split,
     measure_layer_costs,
     place_by_type,
@@ -104,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         "pipeline_grad_max_rel_err": err}
     print(f"{'policy':48s} {'sizes':16s} {'slowest/mean':>12s} {'slowest ms':>10s}")
     for r in rows:
-        print(f"{r['policy']:48s} {str(r['sizes']):16s} {r['balance']:12.3f} "
+        print(f"{r['policy']:48s} {r['sizes']!s:16s} {r['balance']:12.3f} "
               f"{r['slowest_ms']:10.3f}")
     print(f"pipeline over {placed.sizes}: backprop max rel err vs sequential {err:.2e}")
     if args.json:

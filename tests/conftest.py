@@ -38,7 +38,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # without it (5:23 against 6:27 on this 2-core machine), one multi-process test 150 s faster.
 
 
-import pytest  # noqa: E402  (after the XLA flags: importing it does not import JAX)
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -56,4 +56,4 @@ def strict_dtype_promotion(request):
 
 # jaxlib 0.10.2's CPU backend miscompiles some vmapped reductions (jaxstream.xla_guard): the
 # guard adds its flag to XLA_FLAGS, which must happen before any test module starts JAX.
-import jaxstream  # noqa: E402,F401
+import jaxstream  # noqa: F401

@@ -67,7 +67,7 @@ def table_exact_from(sched, num_layers: int) -> tuple[int, ...]:
     exact block is the first layer of the lowest stage with a weight-gradient op for j."""
     per = num_layers // sched.num_stages
     out = []
-    for j in range(sched.num_microbatches):
+    for j in range(sched.micro_batches):
         cells = np.isin(sched.kind, GRAD_OPS) & (sched.micro == j) & ~sched.stale
         stages = np.nonzero(cells.any(axis=0))[0]
         out.append(int(stages.min()) * per if stages.size else num_layers + 1)

@@ -26,8 +26,8 @@ optimizer such as :func:`jaxstream.optim.max_adabelief_exchange` all-reduces its
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 import typing
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax

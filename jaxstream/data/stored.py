@@ -123,5 +123,5 @@ class _Prefetched:
 def batch_source(data: Mapping, batch_size: int, seed: int) -> Callable[[int], dict]:
     """``step -> batch_at(data, batch_size, seed, step)``; a streamed split (read from a
     store) is prefetched one step ahead."""
-    fn = lambda s: batch_at(data, batch_size, seed, s)  # noqa: E731
+    fn = lambda s: batch_at(data, batch_size, seed, s)
     return _Prefetched(fn) if getattr(data, "streamed", False) else fn

@@ -2,7 +2,8 @@
 
 The experiment layer imports the engines (never the other way round): each module below wraps a
 library package (``jaxstream.pipeline``, ``jaxstream.stream``, ``jaxstream.comm``,
-``jaxstream.quality``) as an ``engine: {type: ...}`` or a ``kind: ...``.
+``jaxstream.quality``) as an ``engine: {type: ...}`` or a ``kind: ...``. The lab's kind
+(``forward_table``, :mod:`jaxstream.lab`) registers itself as a plugin: nothing here imports it.
 """
 
 from jaxstream.experiment import (  # noqa: F401
@@ -11,7 +12,6 @@ from jaxstream.experiment import (  # noqa: F401
     engine_pipeline,
     engine_stream,
     finetune,
-    forward_table,
     lr_sweep,
     quality_study,
     train,

@@ -348,6 +348,10 @@ def _convert_choice(base: type, value: Any, path: str, default: Any) -> Any:
                           "for another type do not carry over)") from None
 
 
+#: Old spellings of config keys: refused with one line naming the new one.
+RENAMED = {"num_microbatches": "micro_batches", "num_micro_batches": "micro_batches"}
+
+
 def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
     if isinstance(value, cls):
         return value
@@ -357,6 +361,11 @@ def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
     unknown = [k for k in value if k not in fields]
     if unknown:
         prefix = f"{path}." if path else ""
+        new = RENAMED.get(unknown[0])
+        if new in fields:
+            raise ConfigError(f"{prefix}{unknown[0]}: renamed {new} (one spelling of the "
+                              f"micro-batch count everywhere); write {prefix}{new}: "
+                              f"{value[unknown[0]]!r}")
         raise ConfigError(
             f"{prefix}{unknown[0]}: unknown key for {cls.__name__}; allowed keys: "
             f"{', '.join(fields)}"

@@ -124,8 +124,8 @@ class PipelineEngine:
         self.pipe = pipeline(stack, schedule, estimator)
         self.guess = self.pipe.along
         plan = estimator.plan
-        self.num_microbatches = (micro_batches if plan.forward == "none" and plan.exact == "selected"
-                                 else schedule.num_microbatches)
+        self.micro_batches = (micro_batches if plan.forward == "none" and plan.exact == "selected"
+                                 else schedule.micro_batches)
         self._example = example_batch
         if (self.pipe.stale or self.guess) and example_batch is None:
             raise ValueError(f"engine.policy={cfg.policy!r}"
@@ -144,12 +144,12 @@ class PipelineEngine:
             "head": NamedSharding(mesh, P())})
         carry = None
         if self.pipe.stale:
-            micro = split_micro_batches(self._example, self.num_microbatches)
+            micro = split_micro_batches(self._example, self.micro_batches)
             carry = self.pipe.init_carry(self._padded(params), micro)
             carry = carry._replace(stash=jax.device_put(carry.stash, NamedSharding(mesh, P(AXIS))))
         state = PipelineState(params, jax.jit(self.optimizer.init)(params), carry)
         if self.guess:  # the first step's direction: its own exact mean (see the executor)
-            micro = split_micro_batches(self._example, self.num_microbatches)
+            micro = split_micro_batches(self._example, self.micro_batches)
             direction = self.pipe(self._padded(params), micro, key)[2]["direction"]
             state = state._replace(direction=direction)
         # every step returns the state with these shardings: one compilation for all steps
@@ -168,7 +168,7 @@ class PipelineEngine:
     def _grads(self, state: PipelineState, batch: dict, key: jax.Array):
         """(loss, grads shaped like the params, aux); the carry and the guess direction stay
         in the pipeline's (padded) shapes."""
-        micro = split_micro_batches(batch, self.num_microbatches)
+        micro = split_micro_batches(batch, self.micro_batches)
         loss, grads, aux = self.pipe(self._padded(state.params), micro, key, state.carry,
                                      guess=state.direction)
         return loss, (grads if self._unpad is None else self._unpad(grads)), aux

@@ -33,11 +33,11 @@ from jaxstream.data import load_digits
 from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.registry import register_experiment
-from jaxstream.ranges import Checked, Count, Every, Positive, Range, Seed
 from jaxstream.quality.baselines import ExactSubset, MicrobatchForward
 from jaxstream.quality.compare import compare
 from jaxstream.quality.report import write_outputs
 from jaxstream.quality.theory import gaussian_cosine_approx, gaussian_cosine_mean
+from jaxstream.ranges import Checked, Count, Every, Positive, Range, Seed
 
 Setting = Literal["correlated", "shuffled"]
 FORWARD, SUBSET = "forward", "exact subset"
@@ -54,7 +54,7 @@ class GradQualityConfig(Checked):
         where micro-batch gradients share a large common part; after training they are
         mostly example-specific and the correlated/shuffled contrast fades).
       pretrain_lr: learning rate of those steps.
-      num_microbatches: N micro-batches per batch.
+      micro_batches: N micro-batches per batch.
       microbatch_size: examples per micro-batch.
       num_exact: exact micro-batches for the headline and the K sweep.
       num_tangents: K for the headline and the exact-count sweep.
@@ -73,7 +73,7 @@ class GradQualityConfig(Checked):
     model: ModelConfig = dataclasses.field(default_factory=lambda: MLPConfig(width=32, depth=3))
     pretrain_steps: Every = 0
     pretrain_lr: Positive = 0.01
-    num_microbatches: Count = 16
+    micro_batches: Count = 16
     microbatch_size: Count = 16
     num_exact: Count = 2
     num_tangents: Count = 1
@@ -95,9 +95,9 @@ class GradQualityConfig(Checked):
                 check_correction(c)
             except ValueError as err:
                 raise ValueError(f"corrections.{i}: {str(err).split(': ', 1)[1]}") from None
-        n = self.num_microbatches
+        n = self.micro_batches
         if self.num_exact > n:
-            raise ValueError(f"num_exact: must be at most num_microbatches = {n}, got "
+            raise ValueError(f"num_exact: must be at most micro_batches = {n}, got "
                              f"{self.num_exact}")
         if not self.tangent_counts:
             raise ValueError("tangent_counts: list one or more tangent counts")
@@ -110,7 +110,7 @@ class GradQualityConfig(Checked):
         """Before anything is written: a batch of the study fits in memory."""
         from jaxstream.experiment.train_config import check_memory
 
-        check_memory(self.model, self.num_microbatches * self.microbatch_size,
+        check_memory(self.model, self.micro_batches * self.microbatch_size,
                      tangents=max(self.tangent_counts + (self.num_tangents,)))
 
 
@@ -122,14 +122,14 @@ def microbatches(
     ``correlated``: every micro-batch is drawn from the same ``correlated_classes`` classes;
     ``shuffled``: drawn from the whole training set. Without replacement where possible.
     """
-    total = cfg.num_microbatches * cfg.microbatch_size
+    total = cfg.micro_batches * cfg.microbatch_size
     if setting == "correlated":
         classes = rng.choice(10, cfg.correlated_classes, replace=False)
         pool = np.flatnonzero(np.isin(data["y"], classes))
     else:
         pool = np.arange(len(data["y"]))
     idx = rng.choice(pool, total, replace=total > len(pool))
-    shape = (cfg.num_microbatches, cfg.microbatch_size)
+    shape = (cfg.micro_batches, cfg.microbatch_size)
     return {k: v[idx].reshape(shape + v.shape[1:]) for k, v in data.items()}
 
 

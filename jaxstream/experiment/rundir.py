@@ -15,7 +15,6 @@ Layout::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -27,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from jaxstream.pidlock import PidLock
 
 #: Fields that hold wall-clock measurements; they differ between otherwise identical runs.
 TIME_SUFFIX = "_time"
@@ -200,23 +201,15 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     leaves no stale lock). A second process gets a ``ConfigError`` naming the holder's pid."""
     from jaxstream.experiment.config import ConfigError
 
-    path = Path(run_dir) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = PidLock(Path(run_dir) / LOCK_FILE)
+    holder = lock.acquire()
+    if holder is not None:
+        raise ConfigError(f"{run_dir} is in use by another process ({holder} holds "
+                          f"{lock.path}); one run or --resume at a time")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(f"{run_dir} is in use by another process (pid {holder} holds {path});"
-                          " one run or --resume at a time") from None
-    try:
-        with contextlib.suppress(OSError):  # a full disk: the lock holds, only the pid is missing
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        lock.release()
 
 
 def has_results(run_dir: Path) -> bool:

@@ -18,7 +18,7 @@ from jaxstream.grad.baselines import (
 )
 from jaxstream.grad.directional import directional, generic_directional, stack_directional
 from jaxstream.grad.estimators import Backprop, Forward, aggregate, backprop, forward
-from jaxstream.grad.hybrid import Hybrid, hybrid, num_micro_batches
+from jaxstream.grad.hybrid import Hybrid, hybrid, micro_batches_of
 from jaxstream.grad.hybrid_activity import HybridActivity, hybrid_activity
 from jaxstream.grad.local_guess import LocalGuess, local_guess, local_targets
 from jaxstream.grad.tangents import TangentSpec
@@ -48,7 +48,7 @@ __all__ = [
     "local_forward_weights",
     "local_guess",
     "local_targets",
-    "num_micro_batches",
+    "micro_batches_of",
     "spsa",
     "stack_directional",
     "tangents",

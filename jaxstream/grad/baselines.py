@@ -29,7 +29,7 @@ from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.exact import group_exact_mean
-from jaxstream.grad.hybrid import num_micro_batches
+from jaxstream.grad.hybrid import micro_batches_of
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import Distribution, TangentSpec
 from jaxstream.models.stack import AS_STACK, Stack
@@ -104,7 +104,7 @@ class ExactSubset:
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array,
                  *, diagnostics: bool = False):
-        n = num_micro_batches(batch)
+        n = micro_batches_of(batch)
         idx = select_exact(key, n, self.num_exact)
         sub = jax.tree.map(lambda x: x[idx], batch)
         # the hybrid's exact part: one rematerialised sweep, no per-micro-batch gradient trees
@@ -152,7 +152,7 @@ class LocalForwardWeights:
 def _local_weights(stack: Stack, spec: TangentSpec, params: dict, batch: dict, key: jax.Array):
     """Each segment's weight-perturbed estimate of its local loss (the segment kernel
     :func:`~jaxstream.grad.segments.local_weight_grad`, as every engine runs it)."""
-    example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg, batch)
 
     def kernel(fn, p, seg):
         return sg.local_grad(stack, fn, p, spec, key, seg, params["head"], example, weights=True)

@@ -9,7 +9,8 @@ materialised.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -107,7 +108,7 @@ def stack_activity(
 def _activity_local(stack, spec, params, batch, key):
     """One pass: each module output's tangent reaches only that output's local loss (the
     head's: the global loss)."""
-    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
 
     def kernel(fn, p, seg):
         return sg.local_grad(stack, fn, p, spec, key, seg, params["head"], example)

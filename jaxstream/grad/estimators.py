@@ -9,7 +9,8 @@ over or passed as static arguments to ``jax.jit``; the call itself is pure and v
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 

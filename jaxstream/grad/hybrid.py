@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
 FORWARD_CHUNK = 4
 
 
-def num_micro_batches(batch: Any) -> int:
+def micro_batches_of(batch: Any) -> int:
     """N, the common leading axis of every leaf of ``batch`` (N, B, ...); a clear error
     naming the leaf otherwise."""
     return check_micro_batches(batch, "hybrid")
@@ -103,7 +104,7 @@ class Hybrid:
         estimator on the whole batch."""
         reduce = reduce or (lambda t: t)
         check_key(key, "hybrid")
-        n = num_micro_batches(batch)
+        n = micro_batches_of(batch)
         check_labels(loss_fn, batch, "hybrid")
         idx, depth = self.selection(n, key, loss_fn.num_layers if isinstance(loss_fn, Stack) else None)
         spec, rule = self.spec, cb.get(self.correction)

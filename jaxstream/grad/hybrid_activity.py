@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxstream.grad.baselines import select_exact
 from jaxstream.grad.estimators import forward
-from jaxstream.grad.hybrid import num_micro_batches
+from jaxstream.grad.hybrid import micro_batches_of
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
 from jaxstream.models.stack import AS_STACK, Stack
@@ -99,7 +99,7 @@ class HybridActivity:
         if not isinstance(loss_fn, Stack):
             raise TypeError("hybrid_activity needs a model Stack as loss_fn (activity "
                             f"perturbation); got {type(loss_fn).__name__}" + AS_STACK)
-        n = num_micro_batches(batch)
+        n = micro_batches_of(batch)
         if n <= self.num_exact:
             raise ValueError(f"hybrid_activity: num_exact={self.num_exact} must be below the "
                              f"N={n} micro-batches")

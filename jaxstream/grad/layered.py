@@ -33,7 +33,7 @@ def layered_activity(model: Sequential, spec: TangentSpec, params: tuple, batch:
     akey = jax.random.fold_in(key, ACTIVITY)
     h, dh = batch["x"], None
     for l in range(model.num_layers):
-        f = lambda hh, l=l: model.layer(l, params[l], hh)[0]  # noqa: E731
+        f = lambda hh, l=l: model.layer(l, params[l], hh)[0]
         h, dh = (f(h), None) if dh is None else jvp_k(f, (h,), (dh,))
         if model.layers[l].has_params:
             u = spec.sample(block_key(akey, l), h.shape, h.dtype)

@@ -97,7 +97,7 @@ __all__ = [
     "stash_intervals",
     "summary",
     "truncated",
+    "unequal_stages",
     "validate",
     "weighted_makespan",
-    "unequal_stages",
 ]

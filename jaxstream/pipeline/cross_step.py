@@ -40,20 +40,20 @@ from jaxstream.pipeline.validate import peak_stash
 NAME = "crossstep (stale 1 step)"
 
 
-def _check(num_stages: int, num_microbatches: int, selected: Sequence[int],
+def _check(num_stages: int, micro_batches: int, selected: Sequence[int],
            added_ticks: int) -> tuple:
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     if M < 1:
         raise ValueError(f"num_stages={num_stages}; must be >= 1")
     if N < 1:
-        raise ValueError(f"num_microbatches={num_microbatches}; must be >= 1")
+        raise ValueError(f"micro_batches={micro_batches}; must be >= 1")
     if int(added_ticks) < 0:
         raise ValueError(f"added_ticks={added_ticks}; must be >= 0")
     sel = tuple(sorted({int(j) for j in selected}))
     bad = [j for j in sel if not 0 <= j < N]
     if bad:
         raise ValueError(f"selected micro-batch {bad[0]} outside 0..{N - 1} "
-                         f"(num_microbatches={N})")
+                         f"(micro_batches={N})")
     return M, N, sel
 
 
@@ -94,12 +94,12 @@ def _score(s: Schedule, low: list[int]) -> tuple:
     return (covered, -int(peak_stash(s).max(initial=0)))
 
 
-def crossstep(num_stages: int, num_microbatches: int, selected: Sequence[int],
+def crossstep(num_stages: int, micro_batches: int, selected: Sequence[int],
               added_ticks: int = 0) -> Schedule:
     """Full stale chains (every stage) for the previous step's selected micro-batches.
 
     Args:
-      num_stages, num_microbatches: M and N.
+      num_stages, micro_batches: M and N.
       selected: the micro-batches whose exact gradients every stage gets one step later.
       added_ticks: ticks allowed over forward-only GPipe (N+M-1); the split between leading and
         trailing idle ticks is searched.
@@ -108,7 +108,7 @@ def crossstep(num_stages: int, num_microbatches: int, selected: Sequence[int],
       ValueError naming ``selected`` (or ``num_stages``) when the chains do not all reach stage 0
         within the budget; the message gives the most chains that fit and the ticks needed.
     """
-    M, N, sel = _check(num_stages, num_microbatches, selected, added_ticks)
+    M, N, sel = _check(num_stages, micro_batches, selected, added_ticks)
     best = None
     for s, low in _candidates(M, N, sel, int(added_ticks)):
         if all(r == 0 for r in low) and (best is None or _score(s, low) > _score(*best)):
@@ -128,7 +128,7 @@ def crossstep(num_stages: int, num_microbatches: int, selected: Sequence[int],
     return s
 
 
-def max_coverage(num_stages: int, num_microbatches: int, selected: Sequence[int],
+def max_coverage(num_stages: int, micro_batches: int, selected: Sequence[int],
                  added_ticks: int = 0) -> Schedule:
     """The stale cross-step table with the most (stage, micro-batch) exact gradients in budget.
 
@@ -140,15 +140,15 @@ def max_coverage(num_stages: int, num_microbatches: int, selected: Sequence[int]
       >>> coverage_per_stage(max_coverage(4, 4, (0, 1)))
       (0.25, 0.25, 0.5, 0.5)
     """
-    M, N, sel = _check(num_stages, num_microbatches, selected, added_ticks)
+    M, N, sel = _check(num_stages, micro_batches, selected, added_ticks)
     s, _ = max(_candidates(M, N, sel, int(added_ticks)), key=lambda c: _score(*c))
     s.meta.update(added_ticks=int(added_ticks), lead=int(np.nonzero(s.kind[:, 0] == F)[0][0]))
     return s
 
 
-def max_full_chains(num_stages: int, num_microbatches: int, added_ticks: int = 0) -> int:
+def max_full_chains(num_stages: int, micro_batches: int, added_ticks: int = 0) -> int:
     """The most full stale chains that fit in forward-only GPipe plus ``added_ticks`` ticks."""
-    M, N, _ = _check(num_stages, num_microbatches, (), added_ticks)
+    M, N, _ = _check(num_stages, micro_batches, (), added_ticks)
     k = 0
     while k < N and any(all(r == 0 for r in low)
                         for _, low in _candidates(M, N, tuple(range(k + 1)), added_ticks)):
@@ -156,11 +156,11 @@ def max_full_chains(num_stages: int, num_microbatches: int, added_ticks: int = 0
     return k
 
 
-def min_added_ticks(num_stages: int, num_microbatches: int, k: int) -> int:
+def min_added_ticks(num_stages: int, micro_batches: int, k: int) -> int:
     """The fewest ticks over N+M-1 with which k full stale chains fit (searched)."""
-    M, N, _ = _check(num_stages, num_microbatches, (), 0)
+    M, N, _ = _check(num_stages, micro_batches, (), 0)
     if not 0 <= int(k) <= N:
-        raise ValueError(f"k={k}; must be in 0..num_microbatches={N}")
+        raise ValueError(f"k={k}; must be in 0..micro_batches={N}")
     a = 0
     while not any(all(r == 0 for r in low) for _, low in _candidates(M, N, tuple(range(k)), a)):
         a += 1

@@ -94,11 +94,11 @@ class Pipeline:
 
     def check_batch(self, batch: dict) -> None:
         """Raises ValueError unless every leaf has the leading micro-batch axis N."""
-        n = self.schedule.num_microbatches
+        n = self.schedule.micro_batches
         for name, leaf in batch.items():
             if jnp.ndim(leaf) < 2 or jnp.shape(leaf)[0] != n:
                 raise ValueError(f"batch[{name!r}] has shape {jnp.shape(leaf)}; expected a leading "
-                                 f"micro-batch axis of num_microbatches={n}, then the examples")
+                                 f"micro-batch axis of micro_batches={n}, then the examples")
 
     def init_carry(self, params: dict, batch: dict) -> PipelineCarry | None:
         """The carry before the first step (stale tables only; None otherwise)."""
@@ -252,7 +252,7 @@ def check_carries(plan: Plan, schedule: Schedule, lowered: Lowered) -> None:
     the plan: backprop needs every micro-batch's complete chain; a hybrid needs chains (of
     this step for ``guess``, stale ones only for rules unbiased with a stale mean); a forward
     estimate other than the weights' mean needs a forward-only table."""
-    name, n = schedule.name, schedule.num_microbatches
+    name, n = schedule.name, schedule.micro_batches
     chains = lowered.prev_selected if lowered.stale else lowered.selected
     what = f"estimator {plan.describe()} on schedule {name!r}"
     if plan.exact == "all":
@@ -295,11 +295,11 @@ def _subset(stack: Stack, schedule: Schedule, plan: Plan, lowered: Lowered, devi
     from jaxstream.pipeline.subset import SubsetPipeline
 
     k = plan.num_exact
-    if schedule.num_microbatches != k:
+    if schedule.micro_batches != k:
         raise ValueError(f"schedule: exact_subset({k}) runs backprop over its {k} selected "
                          f"micro-batches; pass a backprop table of {k} micro-batches such as "
                          f"gpipe_backprop(M, {k}), got {schedule.name!r} with "
-                         f"{schedule.num_microbatches}")
+                         f"{schedule.micro_batches}")
     if not lowered.backward or lowered.stale:
         raise ValueError(f"schedule: exact_subset needs a backprop table (gpipe_backprop), got "
                          f"{schedule.name!r}")
@@ -380,7 +380,7 @@ def _run(pipe: Pipeline, params, batch, key, carry, guess=None, along_pass: bool
         pipe._compiled[name] = _build(pipe, along_pass)
     groups = low.groups.astype(np.float32).reshape(m, len(low.selected))
     sched = pipe.schedule
-    ain_w = np.where(sched.kind == F, sched.micro, sched.num_microbatches).astype(np.int32)
+    ain_w = np.where(sched.kind == F, sched.micro, sched.micro_batches).astype(np.int32)
     direction = params if guess is None else guess  # a stand-in when there is no direction
     has_dir = jnp.float32(guess is not None)
     args = (params, batch, jax.random.key_data(key), low.tables, ain_w, groups, carry,
@@ -502,7 +502,7 @@ def _build(pipe: Pipeline, along_pass: bool = False):
     """The jitted shard_map'd step of a pipeline (built once, traced per input shapes);
     ``along_pass``: the local guess's second pass, derivatives along a given direction only."""
     low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
-    m, n, kt = sched.num_stages, sched.num_microbatches, spec.num
+    m, n, kt = sched.num_stages, sched.micro_batches, spec.num
     per = pipe.stack.num_layers // m
     activity = pipe.plan.forward == "activity"
     local = pipe.plan.forward in ("local", "local_weights", "local_guess") and not along_pass

@@ -30,23 +30,23 @@ from jaxstream.pipeline.metrics import UNIT_COSTS, OpCosts
 from jaxstream.pipeline.table import BW, FBW, IDLE, F, Schedule
 
 
-def check_selected(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> tuple:
+def check_selected(num_stages: int, micro_batches: int, selected: Sequence[int]) -> tuple:
     """Validates (M, N, selected) and returns the selection as a sorted tuple of ints."""
     if int(num_stages) < 1:
         raise ValueError(f"num_stages={num_stages}; must be >= 1")
-    if int(num_microbatches) < 1:
-        raise ValueError(f"num_microbatches={num_microbatches}; must be >= 1")
+    if int(micro_batches) < 1:
+        raise ValueError(f"micro_batches={micro_batches}; must be >= 1")
     sel = tuple(sorted({int(j) for j in selected}))
-    bad = [j for j in sel if not 0 <= j < num_microbatches]
+    bad = [j for j in sel if not 0 <= j < micro_batches]
     if bad:
-        raise ValueError(f"selected micro-batch {bad[0]} outside 0..{num_microbatches - 1} "
-                         f"(num_microbatches={num_microbatches})")
+        raise ValueError(f"selected micro-batch {bad[0]} outside 0..{micro_batches - 1} "
+                         f"(micro_batches={micro_batches})")
     return sel
 
 
-def gpipe_forward(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe_forward(num_stages: int, micro_batches: int) -> Schedule:
     """Forward-only GPipe: T = N+M-1 ticks, F_j at stage s on tick j+s."""
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     check_selected(M, N, ())
     s = Schedule.empty(N + M - 1, M, N, name="forward")
     for st in range(M):
@@ -66,13 +66,13 @@ def _chain_down(s: Schedule, j: int, top: int, t_prev: int, stale: bool) -> None
         t_prev = t
 
 
-def truncated(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> Schedule:
+def truncated(num_stages: int, micro_batches: int, selected: Sequence[int]) -> Schedule:
     """Forward-only ticks; chains of the selected micro-batches stop where no idle slot is left.
 
     The last stage has no idle tick after its first F, so a selected micro-batch's chain starts
     inside its last-stage F (FBW: F, loss, and the stage's B and W in one op, costed F+B+W).
     """
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     sel = check_selected(M, N, selected)
     s = gpipe_forward(M, N)
     s = Schedule(s.kind, s.micro, s.stale, N, name="truncated")
@@ -83,13 +83,13 @@ def truncated(num_stages: int, num_microbatches: int, selected: Sequence[int]) -
     return s
 
 
-def delayed(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> Schedule:
+def delayed(num_stages: int, micro_batches: int, selected: Sequence[int]) -> Schedule:
     """Forward-only ticks; the previous step's selected chains run in this step's idle slots.
 
     The exact gradients are those of the previous step's micro-batches at the previous step's
     parameters: stale by one step (the table is named "delayed (stale 1 step)").
     """
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     sel = check_selected(M, N, selected)
     s = gpipe_forward(M, N)
     s = Schedule(s.kind, s.micro, s.stale, N, name="delayed (stale 1 step)")
@@ -98,7 +98,7 @@ def delayed(num_stages: int, num_microbatches: int, selected: Sequence[int]) -> 
     return s
 
 
-def complete(num_stages: int, num_microbatches: int, selected: Sequence[int],
+def complete(num_stages: int, micro_batches: int, selected: Sequence[int],
              costs: OpCosts = UNIT_COSTS) -> Schedule:
     """Full chains (every stage) for the selected micro-batches, with the fewest added ticks
     among its list-scheduling rules (a heuristic, not a proven minimum).
@@ -106,23 +106,23 @@ def complete(num_stages: int, num_microbatches: int, selected: Sequence[int],
     List-scheduled under several priority rules, fused BW and Zero-Bubble split B/W with W in the
     gaps; the table with the fewest ticks, then the lowest cost-weighted makespan, wins.
     """
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     sel = check_selected(M, N, selected)
     s = best_list_schedule(M, N, sel, costs)
     return Schedule(s.kind, s.micro, s.stale, N, name="complete", meta=s.meta)
 
 
-def gpipe_backprop(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe_backprop(num_stages: int, micro_batches: int) -> Schedule:
     """GPipe with backprop: all forwards, then every micro-batch's BW chain (2(N+M-1) ticks)."""
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     check_selected(M, N, ())
     s = list_schedule(M, N, range(N), priority=("F", "B", "W"), split=False)
     return Schedule(s.kind, s.micro, s.stale, N, name="gpipe-backprop")
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, micro_batches: int) -> Schedule:
     """1F1B with backprop: stage s keeps at most M-s micro-batches in flight."""
-    M, N = int(num_stages), int(num_microbatches)
+    M, N = int(num_stages), int(micro_batches)
     check_selected(M, N, ())
     s = list_schedule(M, N, range(N), priority=("B", "F", "W"), split=False,
                       in_flight=[M - st for st in range(M)])
@@ -133,7 +133,7 @@ POLICIES = {"truncated": truncated, "delayed": delayed, "complete": complete,
             "crossstep": crossstep}
 
 
-def make_schedule(policy: str, num_stages: int, num_microbatches: int,
+def make_schedule(policy: str, num_stages: int, micro_batches: int,
                   selected: Sequence[int] = (), costs: OpCosts = UNIT_COSTS) -> Schedule:
     """The table of a named policy: "forward", "truncated", "delayed", "complete", "crossstep".
 
@@ -144,9 +144,9 @@ def make_schedule(policy: str, num_stages: int, num_microbatches: int,
       13
     """
     if policy == "forward":
-        return gpipe_forward(num_stages, num_microbatches)
+        return gpipe_forward(num_stages, micro_batches)
     if policy == "complete":
-        return complete(num_stages, num_microbatches, selected, costs)
+        return complete(num_stages, micro_batches, selected, costs)
     if policy in POLICIES:
-        return POLICIES[policy](num_stages, num_microbatches, selected)
+        return POLICIES[policy](num_stages, micro_batches, selected)
     raise ValueError(f"policy={policy!r}; allowed: 'forward', {', '.join(map(repr, POLICIES))}")

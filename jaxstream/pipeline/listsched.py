@@ -21,7 +21,7 @@ from jaxstream.pipeline.metrics import UNIT_COSTS, OpCosts, makespan, weighted_m
 from jaxstream.pipeline.table import Schedule
 
 
-def list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int], *,
+def list_schedule(num_stages: int, micro_batches: int, selected: Sequence[int], *,
                   priority: Sequence[str] = ("B", "F", "W"), split: bool = False,
                   in_flight: Sequence[int] | None = None) -> Schedule:
     """One greedy schedule (see the module docstring).
@@ -32,7 +32,7 @@ def list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int
       split: Zero-Bubble B/W split (True) or fused BW (False).
       in_flight: per stage, the most micro-batches between F and their B (1F1B), None for no cap.
     """
-    M, N = num_stages, num_microbatches
+    M, N = num_stages, micro_batches
     sel = list(selected)
     INF = 1 << 30
     f_done = np.full((M, N), INF)
@@ -84,7 +84,7 @@ def list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int
     return Schedule.from_ops(M, N, rows, name="list")
 
 
-def best_list_schedule(num_stages: int, num_microbatches: int, selected: Sequence[int],
+def best_list_schedule(num_stages: int, micro_batches: int, selected: Sequence[int],
                        costs: OpCosts = UNIT_COSTS) -> Schedule:
     """The fewest-ticks (then cheapest cost-weighted) table over priority rules and B/W split."""
     best, key = None, None
@@ -92,7 +92,7 @@ def best_list_schedule(num_stages: int, num_microbatches: int, selected: Sequenc
         for split in (False, True):
             if not split and prio.index("W") != 2:
                 continue  # W is never scheduled on its own when fused
-            s = list_schedule(num_stages, num_microbatches, selected, priority=prio, split=split)
+            s = list_schedule(num_stages, micro_batches, selected, priority=prio, split=split)
             k = (makespan(s), weighted_makespan(s, costs))
             if key is None or k < key:
                 best, key = s, k

@@ -111,7 +111,7 @@ def _colour(items: list[tuple[int, int, object]]) -> tuple[dict, int]:
 def lower(s: Schedule) -> Lowered:
     """Validates `s` and builds the executor's tables (see Lowered)."""
     validate(s)
-    M, N = s.num_stages, s.num_microbatches
+    M, N = s.num_stages, s.micro_batches
     if s.stale.any() and np.isin(s.kind[~s.stale], (B, W, BW, FBW)).any():
         raise ValueError("a table may hold exact-gradient ops of this step or of the previous "
                          "step (stale), not both")
@@ -166,7 +166,7 @@ def _slots(M: int, N: int, fwd: np.ndarray, cot_tick: dict, last_use: dict) -> t
 def _tables(s: Schedule, slots: tuple, last_use: dict, prev_sel: tuple,
             selected: tuple) -> tuple[list, np.ndarray]:
     """The switch branches used and the (T, M, len(FIELDS)) table of :class:`Row` s."""
-    M, N, T = s.num_stages, s.num_microbatches, s.num_ticks
+    M, N, T = s.num_stages, s.micro_batches, s.num_ticks
     h_slot, t_slot, c_slot = slots
     h_n, t_n, c_n = (max(n for _, n in per) for per in slots)
     rank = {j: r for r, j in enumerate(prev_sel)}
@@ -224,7 +224,7 @@ def exact_from(s: Schedule, num_layers: int) -> tuple[int, ...]:
     """
     lowered = lower(s)
     M, per = s.num_stages, num_layers // s.num_stages
-    out = [num_layers + 1] * s.num_microbatches
+    out = [num_layers + 1] * s.micro_batches
     for i, j in enumerate(lowered.selected):
         stages = np.nonzero(lowered.groups[:, i])[0]
         if not np.array_equal(stages, np.arange(stages[0], M)):

@@ -53,17 +53,17 @@ def idle_fraction(s: Schedule) -> float:
     return float((s.kind[:T] == IDLE).sum() / (T * s.num_stages)) if T else 0.0
 
 
-def gpipe_idle_fraction(num_stages: int, num_microbatches: int) -> float:
+def gpipe_idle_fraction(num_stages: int, micro_batches: int) -> float:
     """(M-1)/(N+M-1): the idle fraction of forward-only GPipe."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+    return (num_stages - 1) / (micro_batches + num_stages - 1)
 
 
-def forward_only_idle_mask(num_stages: int, num_microbatches: int) -> np.ndarray:
+def forward_only_idle_mask(num_stages: int, micro_batches: int) -> np.ndarray:
     """(N+M-1, M) True at the idle cells of the forward-only GPipe table (F_j at tick j+s)."""
-    T = num_microbatches + num_stages - 1
+    T = micro_batches + num_stages - 1
     t = np.arange(T)[:, None]
     s = np.arange(num_stages)[None, :]
-    return (t < s) | (t >= s + num_microbatches)
+    return (t < s) | (t >= s + micro_batches)
 
 
 def fill_ratio(s: Schedule) -> float:
@@ -72,7 +72,7 @@ def fill_ratio(s: Schedule) -> float:
     The forward-only table is aligned with this table's first F (at stage 0), so a table that
     starts with idle ticks (crossstep's leading ticks) is measured against its own forward ops.
     """
-    mask = forward_only_idle_mask(s.num_stages, s.num_microbatches)
+    mask = forward_only_idle_mask(s.num_stages, s.micro_batches)
     first = np.nonzero(np.isin(s.kind[:, 0], (F, FBW)))[0]
     lead = int(first[0]) if first.size else 0
     T = min(mask.shape[0], s.num_ticks - lead)
@@ -96,7 +96,7 @@ def groups(s: Schedule, stale: bool = False) -> tuple[tuple[int, ...], ...]:
 def coverage(s: Schedule) -> float:
     """Share of the (stage, micro-batch) pairs with an exact gradient (current or previous step)."""
     n = sum(len(g) for g in groups(s)) + sum(len(g) for g in groups(s, stale=True))
-    return n / (s.num_stages * s.num_microbatches)
+    return n / (s.num_stages * s.micro_batches)
 
 
 def coverage_per_stage(s: Schedule) -> tuple[float, ...]:
@@ -108,7 +108,7 @@ def coverage_per_stage(s: Schedule) -> tuple[float, ...]:
       (0.0, 0.0, 0.125, 0.125)
     """
     cur, old = groups(s), groups(s, stale=True)
-    return tuple(len(a) / s.num_microbatches if a else len(b) / s.num_microbatches
+    return tuple(len(a) / s.micro_batches if a else len(b) / s.micro_batches
                  for a, b in zip(cur, old))
 
 
@@ -132,7 +132,7 @@ def groups_nested(gs) -> bool:
 
 def summary(s: Schedule, costs: OpCosts = UNIT_COSTS) -> dict:
     """All the measures of one table as a flat dict (for tables and JSON rows)."""
-    M, N = s.num_stages, s.num_microbatches
+    M, N = s.num_stages, s.micro_batches
     n_ops = {name: int(np.isin(s.kind, codes).sum())
              for name, codes in (("F", (F, FBW)), ("B", (B, BW, FBW)), ("W", (W, BW, FBW)))}
     return {

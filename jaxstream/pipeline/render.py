@@ -31,7 +31,7 @@ def render_text(s: Schedule) -> str:
     """A text grid; a trailing ' marks an op on the previous step's micro-batch (stale)."""
     cells = [[_cell(s, t, st) for t in range(s.num_ticks)] for st in range(s.num_stages)]
     width = max((len(c) for row in cells for c in row), default=1)
-    head = f"{s.name}  M={s.num_stages} N={s.num_microbatches} T={s.num_ticks}"
+    head = f"{s.name}  M={s.num_stages} N={s.micro_batches} T={s.num_ticks}"
     lines = [head] + [f"s{st} | " + " ".join(c.rjust(width) for c in row)
                       for st, row in enumerate(cells)]
     return "\n".join(lines)
@@ -67,7 +67,7 @@ def render_png(s: Schedule, path: str | Path | None = None, ax=None, title: str 
     ax.set_ylim(s.num_stages, 0)
     ax.set_yticks(np.arange(s.num_stages) + 0.5, [f"s{i}" for i in range(s.num_stages)])
     ax.set_xlabel("tick")
-    ax.set_title(title or f"{s.name}  (M={s.num_stages}, N={s.num_microbatches}, "
+    ax.set_title(title or f"{s.name}  (M={s.num_stages}, N={s.micro_batches}, "
                  f"T={s.num_ticks})", fontsize=9)
     used = sorted({OP_NAMES[int(k)] for k in np.unique(s.kind)} - {"-"}, key=OP_NAMES.index)
     handles = [Patch(facecolor=_COLORS[n], edgecolor="k", label=n) for n in used]

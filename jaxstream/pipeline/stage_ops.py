@@ -92,7 +92,7 @@ class StageOps:
         segment's tangent reaches only its own loss (the head applied to its output). Tangents
         on the segments' outputs (activity), or with ``weights`` on their weights (LG-FG-W)."""
         st, spec = self.stack, self.spec
-        example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
+        example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
 
         def kernel(fn, pp, seg):
             return sg.local_grad(st, fn, pp, spec, key, seg, p["head"], example, weights)
@@ -109,7 +109,7 @@ class StageOps:
         from jaxstream.grad.local_guess import _guess_kernel
 
         st = self.stack
-        example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)  # noqa: E731
+        example = lambda lg: st.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
         last = position in ("last", "only")
         out, g = sg.segment_sweep(st, p, inp, _guess_kernel(st, p["head"], example),
                                   self.first_layer, embed=position in ("first", "only"),

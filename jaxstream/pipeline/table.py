@@ -39,7 +39,7 @@ class Schedule:
       kind: int8 (T, M) op codes (IDLE, F, B, W, BW, FBW).
       micro: int32 (T, M) micro-batch index of each op, -1 where idle.
       stale: bool (T, M) True where the op belongs to the previous step's micro-batch.
-      num_microbatches: N, the micro-batches per step.
+      micro_batches: N, the micro-batches per step.
       name: a label used in tables and plots (stale policies say so in their name).
       stash_capacity: the most stage inputs a stage may hold for B/W, None for no limit.
     """
@@ -47,7 +47,7 @@ class Schedule:
     kind: np.ndarray
     micro: np.ndarray
     stale: np.ndarray
-    num_microbatches: int
+    micro_batches: int
     name: str = "custom"
     stash_capacity: int | None = None
     meta: dict = field(default_factory=dict)
@@ -66,20 +66,20 @@ class Schedule:
         return bool(self.stale.any())
 
     @classmethod
-    def empty(cls, num_ticks: int, num_stages: int, num_microbatches: int, **kw) -> Schedule:
+    def empty(cls, num_ticks: int, num_stages: int, micro_batches: int, **kw) -> Schedule:
         """An all-idle table."""
         return cls(
             kind=np.zeros((num_ticks, num_stages), np.int8),
             micro=np.full((num_ticks, num_stages), -1, np.int32),
             stale=np.zeros((num_ticks, num_stages), bool),
-            num_microbatches=num_microbatches,
+            micro_batches=micro_batches,
             **kw,
         )
 
     @classmethod
-    def from_ops(cls, num_stages: int, num_microbatches: int, rows, **kw) -> Schedule:
+    def from_ops(cls, num_stages: int, micro_batches: int, rows, **kw) -> Schedule:
         """Builds a table from rows of cells: None (idle), (name, j) or (name, j, stale)."""
-        s = cls.empty(len(rows), num_stages, num_microbatches, **kw)
+        s = cls.empty(len(rows), num_stages, micro_batches, **kw)
         for t, row in enumerate(rows):
             if len(row) != num_stages:
                 raise ValueError(f"rows[{t}] has {len(row)} cells; expected num_stages={num_stages}")
@@ -103,5 +103,5 @@ class Schedule:
 
     def with_capacity(self, stash_capacity: int | None) -> Schedule:
         """A copy with another stash capacity."""
-        return Schedule(self.kind, self.micro, self.stale, self.num_microbatches, self.name,
+        return Schedule(self.kind, self.micro, self.stale, self.micro_batches, self.name,
                         stash_capacity, dict(self.meta))

@@ -35,7 +35,6 @@ import numpy as np
 
 from jaxstream.models.stack import Stack
 
-
 LAYOUTS = ("contiguous", "chunked")
 
 

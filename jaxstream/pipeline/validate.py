@@ -41,9 +41,9 @@ def _op(kind: int, j: int, stale: bool) -> str:
 
 def forward_ticks(s: Schedule) -> np.ndarray:
     """(M, N) tick of F_j (or FBW_j) at each stage; -1 where missing."""
-    out = np.full((s.num_stages, s.num_microbatches), -1, np.int64)
+    out = np.full((s.num_stages, s.micro_batches), -1, np.int64)
     for t, st, k, j, _ in s.cells():
-        if k in (F, FBW) and 0 <= j < s.num_microbatches:
+        if k in (F, FBW) and 0 <= j < s.micro_batches:
             out[st, j] = t
     return out
 
@@ -98,9 +98,9 @@ def validate(s: Schedule) -> None:
 
 def _check_shape(s: Schedule) -> None:
     """Sizes, codes, micro-batch indices, and which ops may be stale."""
-    M, N = s.num_stages, s.num_microbatches
+    M, N = s.num_stages, s.micro_batches
     if N < 1:
-        raise ScheduleError(f"num_microbatches={N}; must be >= 1")
+        raise ScheduleError(f"micro_batches={N}; must be >= 1")
     if M < 1:
         raise ScheduleError(f"the table has {M} stages; must be >= 1")
     for name, arr in (("micro", s.micro), ("stale", s.stale)):
@@ -123,7 +123,7 @@ def _check_shape(s: Schedule) -> None:
 def _check_ops(s: Schedule) -> tuple[np.ndarray, dict]:
     """Each op at most once per (stage, micro-batch), FBW on the last stage, every F present;
     returns the F ticks (M, N) and the input-cotangent ticks by (stage, j, stale)."""
-    M, N = s.num_stages, s.num_microbatches
+    M, N = s.num_stages, s.micro_batches
     fwd = np.full((M, N), -1, np.int64)
     cot: dict[tuple[int, int, bool], int] = {}
     wgt: dict[tuple[int, int, bool], int] = {}
@@ -152,7 +152,7 @@ def _check_ops(s: Schedule) -> tuple[np.ndarray, dict]:
 def _check_order(s: Schedule, fwd: np.ndarray, cot: dict) -> None:
     """F_j after its input; B/W/BW after the loss or the cotangent from the stage above, and
     after their own stage's F."""
-    M, N = s.num_stages, s.num_microbatches
+    M, N = s.num_stages, s.micro_batches
     for st in range(1, M):
         for j in range(N):
             if fwd[st, j] <= fwd[st - 1, j]:

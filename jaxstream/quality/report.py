@@ -97,7 +97,7 @@ def write_outputs(rows: Rows, cfg: Any, run_dir: Path) -> dict[str, Any]:
     head = headline_rows(rows, cfg)
     verdict = verdicts(head, cfg.corrections)
     title = (
-        f"N={cfg.num_microbatches}, {cfg.num_exact} exact, K={cfg.num_tangents}: "
+        f"N={cfg.micro_batches}, {cfg.num_exact} exact, K={cfg.num_tangents}: "
         "cosine to the exact batch gradient (+- std over seeds)"
     )
     lines = [title, format_table(head, _columns()), ""]

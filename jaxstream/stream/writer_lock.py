@@ -15,11 +15,10 @@ Example::
 
 from __future__ import annotations
 
-import fcntl
 import os
-import socket
 from typing import Any
 
+from jaxstream.pidlock import PidLock
 from jaxstream.stream.errors import StoreLockedError, StoreWriteError
 from jaxstream.stream.layout import kvstore_spec
 
@@ -37,62 +36,37 @@ def local_dir(location: Any) -> str | None:
 
 
 class WriterLock:
-    """An exclusive, non-blocking ``flock`` on ``<store>/writer.lock`` (no-op off ``file``)."""
+    """An exclusive, non-blocking ``flock`` on ``<store>/writer.lock`` (no-op off ``file``):
+    a :class:`~jaxstream.pidlock.PidLock` whose refusal is a :class:`StoreLockedError`."""
 
     def __init__(self, location: Any):
         self.dir = local_dir(location)
-        self._fd: int | None = None
+        self._lock = None if self.dir is None else PidLock(os.path.join(self.dir, LOCK_FILE))
 
     @property
     def held(self) -> bool:
-        return self._fd is not None
+        return self._lock is not None and self._lock.held
 
     def acquire(self) -> None:
-        if self.dir is None or self._fd is not None:
+        if self._lock is None or self._lock.held:
             return
-        path = os.path.join(self.dir, LOCK_FILE)
         try:
             os.makedirs(self.dir, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            holder = self._lock.acquire()
         except OSError as err:
-            raise StoreWriteError(f"cannot open the writer lock {path}: {err}") from err
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 128, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise StoreLockedError(f"another writer is active on the store at {self.dir} (pid "
-                                   f"{holder} holds {path}); one writer per store: stop that "
-                                   "run, or point this one at another store") from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} on {socket.gethostname()}".encode(), 0)
-        except OSError:  # full disk: the lock itself still holds; only the pid is missing
-            pass
-        self._fd = fd
+            raise StoreWriteError(f"cannot open the writer lock {self._lock.path}: {err}") from err
+        if holder is not None:
+            raise StoreLockedError(f"another writer is active on the store at {self.dir} "
+                                   f"({holder} holds {self._lock.path}); one writer per store: "
+                                   "stop that run, or point this one at another store")
 
     def holder(self) -> str | None:
         """``pid N on HOST`` of another process that holds the lock now, else None."""
-        if self.dir is None or self._fd is not None:
-            return None
-        try:
-            fd = os.open(os.path.join(self.dir, LOCK_FILE), os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            text = os.pread(fd, 128, 0).decode(errors="replace").strip() or "unknown"
-            return f"pid {text}"
-        finally:
-            os.close(fd)  # closing drops a lock taken here
-        return None
+        return None if self._lock is None else self._lock.holder()
 
     def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        if self._lock is not None:
+            self._lock.release()
 
     def __del__(self):
         try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import pipeline_stream as ps  # noqa: E402
+import pipeline_stream as ps
 
 
 def _records(arm, ticks, losses, reads=12.0):

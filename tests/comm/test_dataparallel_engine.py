@@ -5,7 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxstream.experiment.engine_dataparallel import DataParallelEngineConfig, build_dataparallel_engine
+from jaxstream.experiment.engine_dataparallel import (
+    DataParallelEngineConfig,
+    build_dataparallel_engine,
+)
 from jaxstream.experiment.engines import LocalEngine, LocalEngineConfig
 from jaxstream.grad import backprop
 from jaxstream.models import mlp

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxstream.data import load_mnist1d
-from jaxstream.experiment.data_configs import MNIST1DDataConfig
 from jaxstream.experiment.config import from_dict
+from jaxstream.experiment.data_configs import MNIST1DDataConfig
 
 
 def test_generated_matches_package_and_cache(tmp_path):

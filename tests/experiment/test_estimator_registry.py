@@ -93,7 +93,7 @@ def test_config_bounds_agree_with_the_estimator():
         for f in dataclasses.fields(cls):
             if f.type not in ("int", int):
                 continue
-            for value in range(0, 4):
+            for value in range(4):
                 try:
                     cfg = from_dict(EstimatorConfig, {"type": name, f.name: value})
                 except ConfigError:

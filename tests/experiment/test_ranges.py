@@ -18,7 +18,7 @@ from jaxstream.ranges import Checked, Count, Range, declared, numeric
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import config_walk  # noqa: E402
+import config_walk
 
 # A dict of options whose ranges are per option name (optimizers.OPTION_RANGES).
 PER_KEY = {("OptimizerConfig", "options")}

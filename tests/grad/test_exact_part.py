@@ -141,7 +141,7 @@ def test_hybrid_equals_the_formula_with_materialised_tangents(correction):
     key = jax.random.key(10)
     est = jg.hybrid(exact_indices=(1, 3), correction=correction, num_tangents=k)
     _, got, diag = jax.jit(lambda p: est(stack, p, micro, key, diagnostics=True))(params)
-    f64 = lambda t: [np.asarray(a, np.float64) for a in jax.tree.leaves(t)]  # noqa: E731
+    f64 = lambda t: [np.asarray(a, np.float64) for a in jax.tree.leaves(t)]
     all_grads = jax.jit(jax.vmap(lambda b: jax.grad(stack)(params, b)))(micro)
     grads = [f64(jax.tree.map(lambda a, i=i: a[i], all_grads)) for i in range(n)]
     all_v = jax.jit(jax.vmap(lambda i: tg.tangents(est.spec, tg.micro_key(key, i), params)))(

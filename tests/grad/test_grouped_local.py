@@ -96,9 +96,9 @@ def test_a_groups_tangent_reaches_only_its_own_loss():
     one = jax.tree.map(lambda a: a[0], p["blocks"])
     own = one["local_head"]
     h_in = grouped.embed(p["embed"], batch["x"])
-    example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
-    losses = lambda h: sg.own_losses(grouped, own, h, example)  # noqa: E731
-    fn = lambda m: grouped.block({"module": m}, h_in)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg, batch)
+    losses = lambda h: sg.own_losses(grouped, own, h, example)
+    fn = lambda m: grouped.block({"module": m}, h_in)
     key = jax.random.key(3)
     out, g = sg.grouped_act_grad(fn, one["module"], spec, key, 0, losses)
     u = np.asarray(sg._u(spec, key, 0, out)[0], np.float64)  # (B, D)
@@ -195,9 +195,9 @@ def test_a_patch_groups_tangent_reaches_only_its_own_loss():
     spec = jg.TangentSpec(1, "gaussian")
     one = jax.tree.map(lambda a: a[0], p["blocks"])
     h_in = grouped.embed(p["embed"], batch["x"])
-    example = lambda lg: stack.example_loss(lg, batch)  # noqa: E731
-    losses = lambda h: sg.own_losses(grouped, one["local_head"], h, example)  # noqa: E731
-    fn = lambda m: grouped.block({"module": m}, h_in)  # noqa: E731
+    example = lambda lg: stack.example_loss(lg, batch)
+    losses = lambda h: sg.own_losses(grouped, one["local_head"], h, example)
+    fn = lambda m: grouped.block({"module": m}, h_in)
     key = jax.random.key(3)
     out, g = sg.grouped_act_grad(fn, one["module"], spec, key, 0, losses,
                                  cells=((1, 4),))

@@ -28,7 +28,7 @@ def ce(logits):
 def guesses(embed, blocks, head, head_of):
     """U: the embed's and each block's gradient of ce(head_of(segment, out)) with its input
     fixed; the head's gradient of the global loss."""
-    at = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
+    at = lambda tree, l: jax.tree.map(lambda a: a[l], tree)
     u_embed = jax.grad(lambda m: ce(head_of("embed", STACK.embed(m, BATCH["x"]))))(embed)
     h = STACK.embed(embed, BATCH["x"])
     u_blocks = []
@@ -57,9 +57,9 @@ def test_shared_head_guess_is_the_projection_on_the_local_gradients():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8), g, want)
     assert float(loss) == pytest.approx(float(STACK(params, BATCH)))
     # never pointing away from the gradient; its cosine is the guess's
-    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
     exact = flat(jax.grad(STACK)(params, BATCH))
-    cos = lambda a, b: a @ b / np.linalg.norm(a) / np.linalg.norm(b)  # noqa: E731
+    cos = lambda a, b: a @ b / np.linalg.norm(a) / np.linalg.norm(b)
     assert flat(g) @ exact > 0
     assert cos(flat(g), exact) == pytest.approx(abs(cos(flat(u), exact)), rel=1e-4)
 
@@ -74,7 +74,7 @@ def test_own_heads_guess_and_train_their_heads_exactly():
                 lambda seg, h: STACK.head(heads[seg], h))
     core = {"embed": emb["module"], "blocks": blk["module"], "head": params["head"]}
     want = projected(core, u)
-    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)  # noqa: E731
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
     jax.tree.map(close, {"embed": g["embed"]["module"], "blocks": g["blocks"]["module"],
                          "head": g["head"]}, want)
     # each local head: the exact gradient of its own loss, its segment's output held fixed

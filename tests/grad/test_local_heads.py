@@ -32,7 +32,7 @@ def local_targets(params: dict) -> dict:
     of its own head's loss with its input held fixed, each local head by the gradient of its
     loss with its segment's output held fixed, the final head by the global loss."""
     emb, blocks = params["embed"], params["blocks"]
-    at = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
+    at = lambda tree, l: jax.tree.map(lambda a: a[l], tree)
     g_emb = jax.grad(lambda m, q: ce(STACK.head(q, STACK.embed(m, BATCH["x"]))), (0, 1))(
         emb["module"], emb["local_head"])
     h = STACK.embed(emb["module"], BATCH["x"])
@@ -42,7 +42,7 @@ def local_targets(params: dict) -> dict:
         g_blocks.append(jax.grad(lambda m, q: ce(STACK.head(q, STACK.block(m, h))), (0, 1))(m, q))
         h = STACK.block(m, h)
     g_head = jax.grad(lambda q: ce(STACK.head(q, h)))(params["head"])
-    stacked = lambda i: jax.tree.map(lambda *a: jnp.stack(a), *[g[i] for g in g_blocks])  # noqa
+    stacked = lambda i: jax.tree.map(lambda *a: jnp.stack(a), *[g[i] for g in g_blocks])
     return {"embed": {"module": g_emb[0], "local_head": g_emb[1]},
             "blocks": {"module": stacked(0), "local_head": stacked(1)}, "head": g_head}
 
@@ -79,8 +79,8 @@ def test_modules_follow_their_own_heads_loss_without_bias(name):
     est = ESTIMATORS[name](1)
     draws = jax.jit(jax.vmap(lambda k: est(OWN, params, BATCH, k)[1]))(keys)
     want = local_targets(params)
-    flat = lambda t: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(t)])  # noqa: E731
-    parts = lambda t: {"embed": t["embed"]["module"], "blocks": t["blocks"]["module"],  # noqa
+    flat = lambda t: jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(t)])
+    parts = lambda t: {"embed": t["embed"]["module"], "blocks": t["blocks"]["module"],
                        "head": t["head"]}
     d = jax.vmap(lambda t: flat(parts(t)))(draws)
     mean, se = d.mean(0), d.std(0, ddof=1) / np.sqrt(r)

@@ -26,7 +26,7 @@ def _reference(stack, params, batch, key):
     est = jg.forward(K)
     outs = [est(stack, params, jax.tree.map(lambda a, i=i: a[i], batch), micro_key(key, i))
             for i in range(n)]
-    mean = lambda *xs: sum(xs) / n  # noqa: E731
+    mean = lambda *xs: sum(xs) / n
     return mean(*(o[0] for o in outs)), jax.tree.map(mean, *(o[1] for o in outs))
 
 

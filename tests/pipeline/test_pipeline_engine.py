@@ -8,11 +8,11 @@ import optax
 import pytest
 
 import jaxstream.grad as jg
+from jaxstream.experiment.engine_pipeline import PipelineEngine, PipelineEngineConfig
 from jaxstream.experiment.engines import split_micro_batches
 from jaxstream.experiment.estimators import BackpropConfig, HybridConfig
 from jaxstream.experiment.registry import load_experiment
 from jaxstream.models import mlp
-from jaxstream.experiment.engine_pipeline import PipelineEngine, PipelineEngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -127,7 +127,7 @@ def test_policy_equals_hybrid_4_devices(correction):
 
 
 def _check_hybrid(sched, correction, layers_per_stage):
-    m, n = sched.num_stages, sched.num_microbatches
+    m, n = sched.num_stages, sched.micro_batches
     stack, params, batch = _setup(m, n, layers_per_stage)
     key = jax.random.key(3)
     loss, grads, _ = pipeline(stack, sched, num_tangents=K, correction=correction)(
@@ -147,7 +147,7 @@ def test_all_selected_complete_equals_jax_grad(make, layers_per_stage):
     # every micro-batch selected with a complete chain: the hybrid estimator with these groups
     # (exact_from all 0) and replace is the exact gradient, so jax.grad is the reference
     sched = make()
-    m, n = sched.num_stages, sched.num_microbatches
+    m, n = sched.num_stages, sched.micro_batches
     stack, params, batch = _setup(m, n, layers_per_stage)
     assert set(exact_from(sched, stack.num_layers)) == {0}
     loss, grads, _ = pipeline(stack, sched, num_tangents=K, correction="replace")(
@@ -201,7 +201,7 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
     stack, params, batch = _setup(4, 4)
     with pytest.raises(ValueError, match="num_stages=16 but only 8 devices"):
         pipeline(mlp(6, 5, 16, 3), gpipe_forward(16, 4))
-    with pytest.raises(ValueError, match="num_microbatches=0"):
+    with pytest.raises(ValueError, match="micro_batches=0"):
         gpipe_forward(4, 0)
     with pytest.raises(ValueError, match="selected micro-batch 4 outside 0..3"):
         complete(4, 4, (4,))
@@ -216,7 +216,7 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
     with pytest.raises(ValueError, match="correction='replace' is not allowed"):
         pipeline(stack, delayed(4, 4, (0,)), correction="replace")
     pipe = pipeline(stack, gpipe_forward(4, 4))
-    with pytest.raises(ValueError, match=r"batch\['x'\].*num_microbatches=4"):
+    with pytest.raises(ValueError, match=r"batch\['x'\].*micro_batches=4"):
         pipe(params, {"x": batch["x"][:3], "y": batch["y"][:3]}, jax.random.key(0))
     with pytest.raises(ValueError, match="run on a forward-only table"):
         pipeline(stack, complete(4, 4, (0,)), jg.forward(perturb="activations"))

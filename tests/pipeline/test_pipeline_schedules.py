@@ -176,7 +176,7 @@ def test_metrics_against_hand_counts():
 
 
 def test_generator_argument_errors():
-    with pytest.raises(ValueError, match="num_microbatches=0"):
+    with pytest.raises(ValueError, match="micro_batches=0"):
         gpipe_forward(2, 0)
     with pytest.raises(ValueError, match="selected micro-batch 4 outside 0..3"):
         truncated(2, 4, (1, 4))

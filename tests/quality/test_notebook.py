@@ -57,8 +57,8 @@ def check_claims(c: dict[str, Any]) -> None:
 
 def check_families(f: dict[str, Any], s: int) -> None:
     """jvp, SPSA and rank-1 jvp at K = 1, 4, 16: cosines and costs in forward passes."""
-    se = lambda *names: math.sqrt(sum(f[e]["cosine_std"] ** 2 for e in names) / s)  # noqa: E731
-    cos = lambda e: f[e]["cosine_mean"]  # noqa: E731
+    se = lambda *names: math.sqrt(sum(f[e]["cosine_std"] ** 2 for e in names) / s)
+    cos = lambda e: f[e]["cosine_mean"]
     for k in (1, 4, 16):
         jvp, zo, low = f"jvp K={k}", f"spsa K={k}", f"jvp rank-1 K={k}"
         # SPSA: exactly two forward passes per direction (matmul FLOPs, loops counted)

@@ -13,7 +13,7 @@ TINY = [
     "model.width=8",
     "model.depth=2",
     "pretrain_steps=2",
-    "num_microbatches=4",
+    "micro_batches=4",
     "microbatch_size=4",
     "num_exact=2",
     "tangent_counts=[1, 2]",
@@ -27,9 +27,20 @@ TINY = [
 def test_shipped_config_parses():
     kind, cfg = load_experiment(CONFIG)
     assert kind == "grad_quality"
-    assert cfg.num_microbatches == 16 and cfg.num_exact == 2
+    assert cfg.micro_batches == 16 and cfg.num_exact == 2
     assert set(cfg.corrections) == {"replace", "control_variate", "guess", "weighted"}
     assert set(cfg.settings) == {"correlated", "shuffled"}
+
+
+
+def test_the_old_spelling_of_the_micro_batch_count_names_the_new_one():
+    import yaml
+
+    data = yaml.safe_load(CONFIG.read_text())
+    data["num_microbatches"] = data.pop("micro_batches")
+    with pytest.raises(ValueError, match=r"^num_microbatches: renamed micro_batches .*"
+                                         r"write micro_batches: 16$"):
+        load_experiment(data)
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxstream.models import mlp
 from jaxstream.experiment.plan_cli import add_plan_parser, main_plan
+from jaxstream.models import mlp
 from jaxstream.stream.planner import LayerCost, layer_cost, plan
 
 

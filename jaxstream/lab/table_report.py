@@ -7,27 +7,19 @@ published figures of Ren et al. (2023), which are quoted as such.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from pathlib import Path
 from typing import Any
 
-from jaxstream.experiment import verdicts
+from jaxstream.lab import verdicts
 
-# Ren, Kornblith, Liao, Hinton: "Scaling forward gradient with local losses", ICLR 2023 —
-# supervised MNIST test error (%) of their MLPs as published, in their notation
-# size/patches/groups, patches counted per side of the image (their released configuration,
-# google-research local_forward_gradient/configs/supervised.py, names "L/32/64" the run with
-# num_patches = 32 and num_groups = 64): S/1/1 (the whole image, one group; their LG-FG-W and
-# LG-FG-A figures there equal FG-W's and FG-A's) and M/1/16 (16 channel groups).
-REN_SETTINGS = ("S/1/1", "M/1/16")
-REN_MNIST = {
-    "BP": {"S/1/1": 2.66, "M/1/16": 2.41},
-    "FG-W": {"S/1/1": 9.25, "M/1/16": 8.56},
-    "FG-A": {"S/1/1": 3.24, "M/1/16": 3.76},
-    "LG-FG-W": {"S/1/1": 9.25, "M/1/16": 5.66},
-    "LG-FG-A": {"S/1/1": 3.24, "M/1/16": 2.55},
-}
+# Ren et al.'s published figures are data, with their source: published.json beside this file
+_PUBLISHED = json.loads((Path(__file__).with_name("published.json")).read_text())["ren2023"]
+REN_SETTINGS = tuple(_PUBLISHED["settings"])
+REN_MNIST = _PUBLISHED["mnist_test_error_percent"]
 REN = "-Ren"  # suffix of the arms that run Ren et al.'s local losses (a head per block)
 FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "LG-FG-W" + REN, "LG-FG-A" + REN)
 #: The arms :func:`equivalents_plot` draws where a table has them (the rest: the table).
@@ -62,7 +54,7 @@ def _fmt(x: Any, spec: str = ".0f") -> str:
 
 
 def is_baseline(r: dict) -> bool:
-    """A baseline row (:mod:`jaxstream.experiment.table_baselines`): one figure, no training."""
+    """A baseline row (:mod:`jaxstream.lab.table_baselines`): one figure, no training."""
     return r.get("kind") == "baseline"
 
 
@@ -114,7 +106,7 @@ MIN_SEEDS = verdicts.MIN_SEEDS_TEST  # paired seeds any test needs
 MIN_SEEDS_EQUIVALENT = verdicts.MIN_SEEDS_EQUIVALENT  # paired seeds an "≈" needs
 MARGIN_ERROR = 0.005  # equivalence margin of test error: 0.5 percentage points
 MARGIN_LOSS = 0.01  # equivalence margin of test loss: 0.01 nats per character
-#: A paired comparison's words, by :func:`jaxstream.experiment.verdicts.verdict` of ``a − b``.
+#: A paired comparison's words, by :func:`jaxstream.lab.verdicts.verdict` of ``a − b``.
 VERDICT = {"better": "better than", "worse": "worse than", "≈": "≈",
            "inconclusive": "inconclusive against"}
 BASE_DESIGN = "LG-FG-A" + REN  # the local-loss design the others are judged against
@@ -141,7 +133,7 @@ def margin(loss: bool) -> float:
 
 def paired(a: dict, b: dict) -> dict:
     """Paired by-seed difference of the judged figure, ``a − b``:
-    :func:`jaxstream.experiment.verdicts.paired_difference` of the rows' by-seed test errors
+    :func:`jaxstream.lab.verdicts.paired_difference` of the rows' by-seed test errors
     (test losses for ``metric: loss``) against :func:`margin` (``{"n", "mean", "lo", "hi",
     "t", "df", "p", "p_tost", ...}``; only ``{"n"}`` below :data:`MIN_SEEDS` paired seeds,
     ``{"n", "mean", "constant"}`` where every seed differs by the same nonzero amount)."""
@@ -178,7 +170,7 @@ def _pairs(rows: list[dict], dataset: str) -> list[tuple[str, str]]:
 
 def comparisons(rows: list[dict], dataset: str) -> dict[tuple[str, str], dict]:
     """Every paired comparison of the data set's table (:func:`paired`), Holm-adjusted as one
-    family (:func:`jaxstream.experiment.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
+    family (:func:`jaxstream.lab.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
     ``verdict``), by ``(a, b)``."""
     r = _by(rows, dataset)
     pairs = _pairs(rows, dataset)

@@ -75,9 +75,9 @@ from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
-from jaxstream.experiment.table_baselines import baselines
-from jaxstream.experiment.table_report import equivalents_plot, frontier_plot, markdown
 from jaxstream.grad import local_targets
+from jaxstream.lab.table_baselines import baselines
+from jaxstream.lab.table_report import equivalents_plot, frontier_plot, markdown
 from jaxstream.models import to_stack, with_local_heads
 from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
 
@@ -412,7 +412,7 @@ class _Arm:
             layers.append(_per_segment(seg))
             if local:
                 local_layers.append(_per_segment(local_seg))
-        mean = lambda xs: np.mean(xs, axis=0).round(4).tolist()  # noqa: E731
+        mean = lambda xs: np.mean(xs, axis=0).round(4).tolist()
         return {"cosine_mean": float(np.mean(cos)),
                 "cosine_sd": float(np.std(cos, ddof=1)) if len(cos) > 1 else 0.0,
                 "relative_mse": float(np.mean(rel_mse)), "cosine_layers": mean(layers),
