@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxstream.grad.hybrid import SELECT
 
 
-def _num_microbatches(batch: Any) -> int:
+def _micro_batches_of(batch: Any) -> int:
     return jax.tree.leaves(batch)[0].shape[0]
 
 
@@ -42,7 +42,7 @@ class MicrobatchForward:
     forward: Callable[..., Any]
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array):
-        n = _num_microbatches(batch)
+        n = _micro_batches_of(batch)
 
         def one(i, mb):
             return self.forward(loss_fn, params, mb, jax.random.fold_in(key, i))
@@ -88,7 +88,7 @@ class ExactSubset:
         )
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None):
-        sel = jax.tree.map(lambda a: a[self._indices(_num_microbatches(batch), key)], batch)
+        sel = jax.tree.map(lambda a: a[self._indices(_micro_batches_of(batch), key)], batch)
 
         def mean_loss(p):
             return jnp.mean(jax.vmap(lambda mb: loss_fn(p, mb))(sel))
