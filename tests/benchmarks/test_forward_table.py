@@ -233,7 +233,7 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
     """Rows are written as they finish; a run killed in its second row keeps the first
     (rows.json, report and plot); --resume runs only the missing row and keeps the first
     byte for byte."""
-    from jaxstream.experiment import forward_table as lib
+    from jaxstream.lab import forward_table as lib
     from jaxstream.experiment.runner import run_experiment
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1",
