@@ -9,7 +9,7 @@ after the first, which applies no deferred update) as the executor counted them
 (:mod:`jaxstream.stream.io_bytes`), per layer the step ran.
 
 Usage:
-  python benchmarks/io_bytes.py                              # width 256, depth 8, SGD, k = 4
+  python benchmarks/io_bytes.py                              # width 256, depth 8, SGD, k = 8
   python benchmarks/io_bytes.py --width 1024 --optimizer adam --json io.json
   python benchmarks/io_bytes.py --doc docs/streaming.md      # rewrites its marked table
 """
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--steps", type=int, default=9,
                    help="steps per case; the mean of all but the first is reported")
-    p.add_argument("--rewrite-every", type=int, default=4,
+    p.add_argument("--rewrite-every", type=int, default=8,
                    help="k of the forward case written back every k records")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--doc", default=None,
