@@ -32,47 +32,15 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # a segfault three times in nine suite runs on one machine: twice in the engine matrix, once
 # compiling a host-side combine in a streamed sweep).
 
-# A persistent compilation cache per test process (tests build the same small models and
-# estimators over and over, each a new jitted function with the same program): never shared
-# between processes — jaxlib writes an entry in place, so a process reading an entry another is
-# still writing can crash in deserialisation (a segfault once seen in the engine matrix with one
-# cache for both xdist workers). Per worker: about 12 % less CPU on the stream executor and
-# hybrid tests, measured back to back. Subprocesses a test starts do not inherit it (it is set
-# with jax.config, not the environment). JAXSTREAM_TEST_JIT_CACHE=0 turns it off.
+# No persistent compilation cache: jaxlib writes a cache entry in place, so a reader of an entry
+# still being written can crash in deserialisation. Seen with one cache for both xdist workers
+# (a segfault in the engine matrix) and again with a cache per test process: the streamed
+# executors compile on their own threads (host updates, prefetch), and a host-update thread
+# aborted reading an entry (jax's compilation_cache.get_executable_and_time). A cache per
+# process saved about 12 % of CPU; not worth a crash.
 
 
 import pytest  # after the XLA flags: importing it does not import JAX
-
-
-def _worker_jit_cache() -> None:
-    """A persistent compilation cache of this pytest process alone (see above), removed with
-    the test run (:func:`pytest_sessionfinish`)."""
-    if os.environ.get("JAXSTREAM_TEST_JIT_CACHE", "1") != "1":
-        return
-    import tempfile
-
-    import jax
-
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID", "solo")
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    path = os.path.join(tempfile.gettempdir(), f"jaxstream-jit-{uid}-{worker}-{os.getpid()}")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-_worker_jit_cache()
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Each test process removes its own compilation cache."""
-    import shutil
-
-    import jax
-
-    path = jax.config.jax_compilation_cache_dir
-    if path and os.path.basename(path).startswith("jaxstream-jit-"):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
