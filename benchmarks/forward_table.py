@@ -1,6 +1,6 @@
 """Ren et al.'s forward-gradient table, reproduced: every arm trained on every data set.
 
-The table itself is :mod:`jaxstream.lab.forward_table` (also ``jaxstream run
+The table itself is :mod:`jaxstream_lab.forward_table` (also ``jaxstream run
 experiments/forward_table.yaml``); this script runs it, writes the rows as JSON, the markdown
 report (docs/results.md) and the memory/time frontier plot.
 
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
 from jaxstream.experiment.docblock import machine
-from jaxstream.lab.forward_table import ROW_KEYS, load_table_config, run_table
-from jaxstream.lab.table_report import equivalents_plot, frontier_plot, markdown
+from jaxstream_lab.forward_table import ROW_KEYS, load_table_config, run_table
+from jaxstream_lab.table_report import equivalents_plot, frontier_plot, markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "experiments" / "forward_table_quick.yaml"

@@ -16,7 +16,7 @@ same compute, and ρ*, the correlation a forward part would need for the best fi
 beat that subset.
 (c) ``--seeds`` seeds of training in the point of (b) closest to a win: the hybrid against the
 exact subset at equal compute and at its own S, paired by seed (same init, batches and keys),
-test error at the end, Student's paired t (:mod:`jaxstream.lab.verdicts`).
+test error at the end, Student's paired t (:mod:`jaxstream_lab.verdicts`).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"setting": vars(args) | {"json": None, "doc": None}, "model": model,
            "measured": meas, "costs": c._asdict(), "regime": rows}
     if not args.no_train:
-        from jaxstream.lab.verdicts import paired_difference
+        from jaxstream_lab.verdicts import paired_difference
 
         r = pick(rows)
         n, s = r["N"], r["S"]

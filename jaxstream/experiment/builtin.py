@@ -3,7 +3,7 @@
 The experiment layer imports the engines (never the other way round): each module below wraps a
 library package (``jaxstream.pipeline``, ``jaxstream.stream``, ``jaxstream.comm``,
 ``jaxstream.quality``) as an ``engine: {type: ...}`` or a ``kind: ...``. The lab's kind
-(``forward_table``, :mod:`jaxstream.lab`) registers itself as a plugin: nothing here imports it.
+(``forward_table``, :mod:`jaxstream_lab`) registers itself as a plugin: nothing here imports it.
 """
 
 from jaxstream.experiment import (  # noqa: F401

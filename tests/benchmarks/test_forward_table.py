@@ -128,7 +128,7 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
     of calling a tie."""
     from scipy import stats
 
-    from jaxstream.lab.table_report import hybrid_verdict, paired
+    from jaxstream_lab.table_report import hybrid_verdict, paired
 
     a, b = _row("A", 0.030, sd=0.004, seeds=5), _row("B", 0.034, sd=0.004, seeds=5)
     got = paired(a, b)
@@ -155,7 +155,7 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
 
 
 def test_report_checks_follow_the_rows():
-    from jaxstream.lab.table_report import hybrid_verdict, markdown, ordering
+    from jaxstream_lab.table_report import hybrid_verdict, markdown, ordering
 
     def answers(rows):
         return [line.split(":")[1].split()[0] for line in ordering(rows, "d")]
@@ -190,7 +190,7 @@ def test_report_checks_follow_the_rows():
 
 
 def test_report_judges_loss_data_sets_by_test_loss():
-    from jaxstream.lab.table_report import hybrid_verdict, ordering
+    from jaxstream_lab.table_report import hybrid_verdict, ordering
 
     def row(arm, loss, err):  # token errors ordered the other way, so a wrong key shows
         by_seed = [x - err + loss for x in _row(arm, err, seeds=5)["test_error_by_seed"]]
@@ -216,7 +216,7 @@ def test_report_judges_loss_data_sets_by_test_loss():
 def test_picks_at_the_edge_of_their_sweep_are_marked():
     """A rate picked at the edge of its sweep is marked (↑ largest, ↓ smallest) and counted:
     the best rate may lie outside what was tried."""
-    from jaxstream.lab.table_report import lr_edge, markdown
+    from jaxstream_lab.table_report import lr_edge, markdown
 
     rows = [_row("BP", 0.03), _row("FG-W", 0.20), _row("FG-A", 0.05)]
     rows[0].update(lr=1e-2, lrs=[1e-3, 3e-3, 1e-2])   # largest tried
@@ -233,7 +233,7 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
     """Rows are written as they finish; a run killed in its second row keeps the first
     (rows.json, report and plot); --resume runs only the missing row and keeps the first
     byte for byte."""
-    from jaxstream.lab import forward_table as lib
+    from jaxstream_lab import forward_table as lib
     from jaxstream.experiment.runner import run_experiment
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1",
@@ -289,7 +289,7 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
     np.testing.assert_allclose(np.asarray(grown["train_loss_by_lr_seed"])[:2],
                                plain["train_loss_by_lr_seed"], rtol=1e-5)
     np.testing.assert_allclose(by[-1], grown["test_error_by_seed"])  # the pick's own seeds
-    from jaxstream.lab.table_report import markdown
+    from jaxstream_lab.table_report import markdown
 
     text = markdown({"rows": [grown], "command": "c", "machine": "m"})
     assert "BP (+9e-04, 3e-03)" in text and "1 of 1 swept arms picked the edge" in text
@@ -305,7 +305,7 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
 def test_extension_and_pick_rules():
     """One geometric step of the sweep past the edge; a diverged rate (NaN) is never picked,
     so a pick next to it lies inside the sweep."""
-    from jaxstream.lab.forward_table import extension, pick_lr
+    from jaxstream_lab.forward_table import extension, pick_lr
 
     assert extension((1e-3, 3e-3, 1e-2), "largest") == pytest.approx(10 ** -1.5, rel=1e-2)
     assert extension((1e-3, 1e-2), "smallest") == pytest.approx(1e-4)
@@ -323,7 +323,7 @@ def test_baselines_match_hand_counts():
     """Chance, and the unigram / bigram tables, against plain Python counts of the same data;
     logistic regression beats chance on digits and is no better on test than on train."""
     from jaxstream.data.digits import Dataset
-    from jaxstream.lab.table_baselines import baselines
+    from jaxstream_lab.table_baselines import baselines
 
     rng = np.random.default_rng(0)
     v = 5
@@ -356,7 +356,7 @@ def test_baselines_match_hand_counts():
 
 
 def test_a_report_shows_baselines_beside_the_arms(tmp_path):
-    from jaxstream.lab.table_report import frontier_plot, markdown
+    from jaxstream_lab.table_report import frontier_plot, markdown
 
     base = {"dataset": "d", "kind": "baseline", "metric": "error", "train_error_mean": 0.02,
             "test_loss_mean": 0.2, "train_loss_mean": 0.1, "how": "h"}
@@ -375,7 +375,7 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     """An arm with ``local_heads`` trains the model with a head per block (the row says so);
     Ren et al.'s LG figures sit beside it, not beside the shared-head arm of the same
     estimator; a local_heads arm without local losses is refused by name."""
-    from jaxstream.lab.table_report import markdown
+    from jaxstream_lab.table_report import markdown
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
             "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
@@ -418,7 +418,7 @@ def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
     """Backprop's step on an MLP 64 → 8 → 8 → 10, batch 8, costs its forward pass, the weight
     cotangents of every layer and the input cotangents of all but the first (hand count); K
     tangents cost more than one; the cost plot draws the counted rows."""
-    from jaxstream.lab.table_report import equivalents_plot
+    from jaxstream_lab.table_report import equivalents_plot
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
             "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
@@ -507,7 +507,7 @@ def test_an_arm_runs_only_on_the_data_sets_it_names():
 def test_backprop_at_each_arms_compute_is_read_off_its_own_curve():
     """An arm costing half BP's forward passes per step is compared with BP after half its
     steps; one costing twice as much with BP's end, marked ≥; none without a BP curve."""
-    from jaxstream.lab.table_report import equal_compute_table, markdown
+    from jaxstream_lab.table_report import equal_compute_table, markdown
 
     bp = {**_row("BP", 0.1), "steps": 40, "eval_every": 10, "forward_equivalents_per_step": 3.0,
           "curve_test_error_mean": [0.5, 0.3, 0.2, 0.1]}
@@ -523,7 +523,7 @@ def test_backprop_at_each_arms_compute_is_read_off_its_own_curve():
 
 def test_k_is_an_axis_of_the_report():
     """Arms NAME and NAME-K<k> are one estimator at several K: one line, a column per K."""
-    from jaxstream.lab.table_report import k_table
+    from jaxstream_lab.table_report import k_table
 
     rows = [{**_row("FG-A", 0.3), "tangents": 1, "forward_equivalents_per_step": 3.3},
             {**_row("FG-A-K4", 0.2), "tangents": 4, "forward_equivalents_per_step": 5.4},
@@ -541,7 +541,7 @@ def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
     df and p equal to SciPy's paired t-test; an arm of another family is left out."""
     from scipy import stats
 
-    from jaxstream.lab.table_report import design_verdicts
+    from jaxstream_lab.table_report import design_verdicts
 
     def row(arm, errs):
         return {"dataset": "d", "arm": arm, "test_error_by_seed": errs,
@@ -571,8 +571,8 @@ def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_fami
     design = 5); a row set without both arms has no such line; seeds below 5 are named."""
     from scipy import stats
 
-    from jaxstream.lab.table_report import comparisons, family_size, head_verdict, seeds_note
-    from jaxstream.lab.verdicts import holm
+    from jaxstream_lab.table_report import comparisons, family_size, head_verdict, seeds_note
+    from jaxstream_lab.verdicts import holm
 
     def row(arm, errs):
         return {"dataset": "d", "arm": arm, "test_error_by_seed": errs, "seeds": len(errs),

@@ -11,7 +11,7 @@ import yaml
 from jaxstream.experiment.registry import load_experiment
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.runner import run_experiment
-from jaxstream.lab.forward_table import run_table
+from jaxstream_lab.forward_table import run_table
 
 MODEL = {"type": "mlp", "width": 8, "depth": 2}
 # SGD with Nesterov momentum, a warm-up, a cosine decay and clipping: a lane must build all of

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxstream.lab.verdicts import family, holm, paired_difference, verdict
+from jaxstream_lab.verdicts import family, holm, paired_difference, verdict
 
 
 def test_interval_and_t_match_a_hand_worked_example():

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxstream.lab import verdicts
+from jaxstream_lab import verdicts
 
 # Ren et al.'s published figures are data, with their source: published.json beside this file
 _PUBLISHED = json.loads((Path(__file__).with_name("published.json")).read_text())["ren2023"]
@@ -54,7 +54,7 @@ def _fmt(x: Any, spec: str = ".0f") -> str:
 
 
 def is_baseline(r: dict) -> bool:
-    """A baseline row (:mod:`jaxstream.lab.table_baselines`): one figure, no training."""
+    """A baseline row (:mod:`jaxstream_lab.table_baselines`): one figure, no training."""
     return r.get("kind") == "baseline"
 
 
@@ -106,7 +106,7 @@ MIN_SEEDS = verdicts.MIN_SEEDS_TEST  # paired seeds any test needs
 MIN_SEEDS_EQUIVALENT = verdicts.MIN_SEEDS_EQUIVALENT  # paired seeds an "≈" needs
 MARGIN_ERROR = 0.005  # equivalence margin of test error: 0.5 percentage points
 MARGIN_LOSS = 0.01  # equivalence margin of test loss: 0.01 nats per character
-#: A paired comparison's words, by :func:`jaxstream.lab.verdicts.verdict` of ``a − b``.
+#: A paired comparison's words, by :func:`jaxstream_lab.verdicts.verdict` of ``a − b``.
 VERDICT = {"better": "better than", "worse": "worse than", "≈": "≈",
            "inconclusive": "inconclusive against"}
 BASE_DESIGN = "LG-FG-A" + REN  # the local-loss design the others are judged against
@@ -133,7 +133,7 @@ def margin(loss: bool) -> float:
 
 def paired(a: dict, b: dict) -> dict:
     """Paired by-seed difference of the judged figure, ``a − b``:
-    :func:`jaxstream.lab.verdicts.paired_difference` of the rows' by-seed test errors
+    :func:`jaxstream_lab.verdicts.paired_difference` of the rows' by-seed test errors
     (test losses for ``metric: loss``) against :func:`margin` (``{"n", "mean", "lo", "hi",
     "t", "df", "p", "p_tost", ...}``; only ``{"n"}`` below :data:`MIN_SEEDS` paired seeds,
     ``{"n", "mean", "constant"}`` where every seed differs by the same nonzero amount)."""
@@ -170,7 +170,7 @@ def _pairs(rows: list[dict], dataset: str) -> list[tuple[str, str]]:
 
 def comparisons(rows: list[dict], dataset: str) -> dict[tuple[str, str], dict]:
     """Every paired comparison of the data set's table (:func:`paired`), Holm-adjusted as one
-    family (:func:`jaxstream.lab.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
+    family (:func:`jaxstream_lab.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
     ``verdict``), by ``(a, b)``."""
     r = _by(rows, dataset)
     pairs = _pairs(rows, dataset)

@@ -3,7 +3,7 @@ t-test, an equivalence test (two one-sided tests, TOST) against a stated margin,
 adjustment over a family of comparisons, and the word a comparison earns.
 
 Pure functions of lists of numbers (SciPy for the t distribution), so the forward table's
-report (:mod:`jaxstream.lab.table_report`) and its tests share one definition of
+report (:mod:`jaxstream_lab.table_report`) and its tests share one definition of
 "better", "worse", "≈" and "inconclusive":
 
 - "better" / "worse": ``a − b`` below / above zero, two-sided paired t-test significant at

@@ -76,10 +76,10 @@ from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.grad import local_targets
-from jaxstream.lab.table_baselines import baselines
-from jaxstream.lab.table_report import equivalents_plot, frontier_plot, markdown
 from jaxstream.models import to_stack, with_local_heads
 from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
+from jaxstream_lab.table_baselines import baselines
+from jaxstream_lab.table_report import equivalents_plot, frontier_plot, markdown
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
 BASELINE_NAMES = (BASELINES, "chance", "logistic regression", "unigram", "bigram")
