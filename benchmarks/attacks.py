@@ -191,9 +191,9 @@ def store_chunks(tmp: Path) -> list[str]:
         for step in (1, 2):  # every layer written twice: both slots hold different values
             s = LayerStore.open(str(path), optimizer=opt)
             for l in range(3):
-                moved = jax.tree.map(lambda x: x + sign * step * (l + 1) if x.dtype.kind == "f" else x,
+                moved = jax.tree.map(lambda x, l=l, step=step: x + sign * step * (l + 1) if x.dtype.kind == "f" else x,
                                      s.read_opt(l).result())
-                s.write(l, jax.tree.map(lambda x: x + sign * step, s.read(l).result()), moved)
+                s.write(l, jax.tree.map(lambda x, step=step: x + sign * step, s.read(l).result()), moved)
             s.commit(step)
             s.close()
 
@@ -214,7 +214,7 @@ def store_chunks(tmp: Path) -> list[str]:
             for l in range(3):
                 slot = m["slots"]["blocks"][l]
 
-                def chunk(root: Path, layer: int, sl: int) -> Path:
+                def chunk(root: Path, layer: int, sl: int, kind=kind, leaf=leaf) -> Path:
                     return root / kind / "blocks" / str(leaf) / "c" / str(layer) / str(sl) / "0"
 
                 target = chunk(tmp / "a", l, slot)

@@ -267,7 +267,7 @@ def overlap_efficiency(steps: int = 4, layers: int = 16, width: int = 256,
     for update in ("eager", "lazy"):
         cfg = dataclasses.replace(FP32, update=update)
 
-        def timed(store):
+        def timed(store, cfg=cfg):
             ex = ComposedExecutor(stack, est, opt, store, cfg, mesh=make_mesh(*mesh))
             ms = [ex.step(micro, jax.random.key(i)) for i in range(steps + 1)][1:]
             return float(np.median([m["step_time_s"] for m in ms])), int(ms[-1]["layers_read"])
@@ -283,7 +283,7 @@ def overlap_efficiency(steps: int = 4, layers: int = 16, width: int = 256,
             times = []
             for _ in range(steps):
                 t0 = time.perf_counter()
-                for _c, _v in Prefetcher(lambda c: [disk.read(l).result() for l in c], chunks,
+                for _c, _v in Prefetcher(lambda c, disk=disk: [disk.read(l).result() for l in c], chunks,
                                          FP32.prefetch, t0, "read-only"):
                     pass
                 for l in range(layers):

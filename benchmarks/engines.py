@@ -102,7 +102,7 @@ def per_micro_forward(est, stack, params, micro, key):
     """The in-memory forward estimator with micro-batch n keyed ``micro_key(key, n)``,
     averaged over the N micro-batches (what a pipeline's forward-only table computes)."""
     n = jax.tree.leaves(micro)[0].shape[0]
-    out = [est(stack, params, jax.tree.map(lambda a: a[i], micro), micro_key(key, i))
+    out = [est(stack, params, jax.tree.map(lambda a, i=i: a[i], micro), micro_key(key, i))
            for i in range(n)]
     return (jnp.mean(jnp.stack([o[0] for o in out])),
             jax.tree.map(lambda *g: sum(g) / n, *[o[1] for o in out]))
@@ -177,12 +177,12 @@ def main(argv=None) -> dict:
         dp = functools.partial(data_parallel, est, mesh, tangents="shared",  # refusals: a row
                                batch_axis=0 if layout == "flat" else 1)
         runs = {
-            "memory": lambda: (ref, None),
-            "dataparallel": lambda: (jax.jit(dp(), static_argnums=0)(stack, params, data,
+            "memory": lambda ref=ref: (ref, None),
+            "dataparallel": lambda data=data, dp=dp, params=params, stack=stack: (jax.jit(dp(), static_argnums=0)(stack, params, data,
                                                                       key)[1], None),
-            "pipeline": lambda: run_pipeline(name, est, stack, params, micro, key),
-            "stream": lambda: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
-            "composed": lambda: (run_composed(est, stack, params, micro, key, tmp / f"c{i}"),
+            "pipeline": lambda est=est, name=name, params=params, stack=stack: run_pipeline(name, est, stack, params, micro, key),
+            "stream": lambda est=est, i=i, params=params, stack=stack: (run_stream(est, stack, params, micro, key, tmp / f"s{i}"), None),
+            "composed": lambda est=est, i=i, params=params, stack=stack: (run_composed(est, stack, params, micro, key, tmp / f"c{i}"),
                                  None),
         }
         for engine, fn in runs.items():

@@ -126,7 +126,8 @@ class TableArm(Checked):
             if count > 1 and not self.local_heads:
                 raise ValueError(f"{name}: {count} groups need local heads of their own "
                                  "(local_heads: true); allowed without: 1")
-            if count > 1 and self.estimator.build().plan.forward != "local":
+            fp = self.estimator.build().plan.forward_pass
+            if count > 1 and not (fp.local_losses and fp.tangents == "activations"):
                 raise ValueError(f"{name}: grouped local losses need activity perturbation "
                                  "(estimator: {type: forward, perturb: activations, "
                                  "local_losses: true}): a weight tangent reaches every group; "
@@ -146,8 +147,7 @@ class TableArm(Checked):
         if self.optimizer is not None:
             check_optimizer(self.optimizer, "optimizer")
             self.engine.check_optimizer(self.optimizer, "optimizer")
-        if self.local_heads and self.estimator.build().plan.forward not in (
-                "local", "local_weights", "local_guess"):
+        if self.local_heads and not self.estimator.build().plan.local_target:
             raise ValueError("local_heads: only local losses read local heads "
                              "(estimator: {type: forward, local_losses: true}, {type: "
                              "local_forward_weights} or {type: local_guess}); allowed: false")
@@ -428,7 +428,7 @@ class _Arm:
         params0 = self.stack.init(init_key(lane.seed))
         exact = jax.jit(jax.grad(self.stack))(params0, batch)
         tangents = self.arm.estimator.build().plan
-        out = {"tangents": tangents.spec.num if tangents.forward != "none" else 0}
+        out = {"tangents": tangents.spec.num if tangents.forward_pass.runs else 0}
         if self.step_ms:  # lanes ran one by one on their engine
             scratch = tempfile.mkdtemp(prefix="jaxstream-probe-")
             try:

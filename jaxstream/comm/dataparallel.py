@@ -94,8 +94,8 @@ class ShardRows(TangentSpec):
 
 
 def _is_activity(estimator: Any) -> bool:
-    return getattr(estimator, "plan", None) is not None and estimator.plan.forward in (
-        "activity", "local")
+    plan = getattr(estimator, "plan", None)
+    return plan is not None and plan.forward_pass.tangents == "activations"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,7 @@ class DataParallel:
         if self.exchange == "scalars":
             est = self.estimator
             plan = getattr(est, "plan", None)
-            if plan is None or not (plan.forward == "weights" and plan.exact == "none"):
+            if plan is None or not (plan.forward_pass.scalars and plan.exact == "none"):
                 raise ValueError(
                     "exchange: 'scalars' needs a weight-perturbation forward estimator "
                     "(jaxstream.grad.forward(perturb='weights')); got "
@@ -134,7 +134,7 @@ class DataParallel:
         if self.batch_axis < 0:
             raise ValueError(f"batch_axis: must be >= 0, got {self.batch_axis}")
         plan = getattr(self.estimator, "plan", None)
-        if plan is not None and plan.forward == "local_guess" and self.tangents == "shared":
+        if plan is not None and plan.forward_pass.guess and self.tangents == "shared":
             raise ValueError("tangents: 'shared' promises the in-memory estimator of the whole "
                              "batch, but local_guess's guess is each shard's own local "
                              "gradients; use tangents='independent' (each shard's estimate, "

@@ -45,7 +45,7 @@ class StoredField:
         return self.shape[0]
 
     def __getitem__(self, idx: Any) -> np.ndarray:
-        if isinstance(idx, np.ndarray) or isinstance(idx, list):
+        if isinstance(idx, (np.ndarray, list)):
             flat = np.asarray(idx, dtype=np.int64)
             out = np.asarray(self._array[flat.reshape(-1)].read().result())
             return out.reshape(flat.shape + self.shape[1:])

@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.experiment.placement_config import PlacementConfig
 from jaxstream.optim.promotion import standard_promotion
-from jaxstream.pipeline.executor import AXIS, RUNS, pipeline
+from jaxstream.pipeline.executor import AXIS, pipeline
 from jaxstream.pipeline.generators import complete, make_schedule
 from jaxstream.pipeline.unequal import unequal_stages
 from jaxstream.ranges import Count
@@ -73,10 +73,8 @@ class PipelineEngineConfig(EngineConfig):
         """The pipeline runs the arm's forward pass (checked when the config loads, before the
         run directory is made; the table's own checks follow when the engine is built)."""
         plan = arm.estimator.build().plan
-        if plan.forward not in RUNS:
-            raise ValueError(f"{field}.estimator: pipeline: {plan.describe()} needs a "
-                             f"{plan.forward!r} forward pass, which the pipeline does not run "
-                             f"(it runs {RUNS}); run it in memory or data parallel")
+        plan.forward_pass.refuse_unless("pipeline", f"{field}.estimator: pipeline",
+                                        plan.describe())
 
 
 class PipelineState(NamedTuple):
@@ -97,7 +95,7 @@ def _schedule(cfg: PipelineEngineConfig, estimator: Any, micro_batches: int):
         return complete(m, n, range(n))
     if plan.exact == "none":
         return make_schedule("forward", m, cfg.micro_batches)
-    if plan.forward == "none":  # backprop over the k micro-batches a key selects
+    if plan.exact_subset:  # backprop over the k micro-batches a key selects
         return complete(m, plan.num_exact, range(plan.num_exact))
     if plan.nested:
         raise ValueError("estimator.exact_from: the pipeline's policy makes the per-layer "
@@ -124,8 +122,7 @@ class PipelineEngine:
         self.pipe = pipeline(stack, schedule, estimator)
         self.guess = self.pipe.along
         plan = estimator.plan
-        self.micro_batches = (micro_batches if plan.forward == "none" and plan.exact == "selected"
-                                 else schedule.micro_batches)
+        self.micro_batches = micro_batches if plan.exact_subset else schedule.micro_batches
         self._example = example_batch
         if (self.pipe.stale or self.guess) and example_batch is None:
             raise ValueError(f"engine.policy={cfg.policy!r}"

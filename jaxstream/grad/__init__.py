@@ -7,7 +7,7 @@ gradients of a subset; ``spsa(...)`` the zeroth-order two-point estimate (no jvp
 correction code a pipeline stage reuses.
 """
 
-from jaxstream.grad import corrections, tangents
+from jaxstream.grad import corrections, passes, tangents
 from jaxstream.grad.baselines import (
     BackpropRemat,
     ExactSubset,
@@ -49,6 +49,7 @@ __all__ = [
     "local_guess",
     "local_targets",
     "micro_batches_of",
+    "passes",
     "spsa",
     "stack_directional",
     "tangents",

@@ -52,8 +52,8 @@ class Hybrid:
             raise ValueError("hybrid: give exactly one of num_exact, exact_indices, exact_from")
         if self.num_exact is not None and (not isinstance(self.num_exact, int) or self.num_exact < 1):
             raise ValueError(f"num_exact must be an int >= 1, got {self.num_exact!r}")
-        if self.exact_indices is not None:
-            if len(self.exact_indices) == 0 or len(set(self.exact_indices)) != len(self.exact_indices):
+        if self.exact_indices is not None and (
+                len(self.exact_indices) == 0 or len(set(self.exact_indices)) != len(self.exact_indices)):
                 raise ValueError(f"exact_indices must be distinct and non-empty, got {self.exact_indices}")
 
     @property

@@ -18,14 +18,12 @@ from typing import Any, Literal
 
 import jax
 
+from jaxstream.grad import passes
 from jaxstream.grad.combine import Rule, get
+from jaxstream.grad.passes import ForwardPass
 from jaxstream.grad.tangents import TangentSpec
 
-ForwardPass = Literal["none", "weights", "activity", "local", "local_weights", "local_guess",
-                      "zeroth_order"]
 ExactPass = Literal["none", "all", "selected"]
-FORWARD_PASSES = ("none", "weights", "activity", "local", "local_weights", "local_guess",
-                  "zeroth_order")
 EXACT_PASSES = ("none", "all", "selected")
 
 
@@ -54,7 +52,7 @@ class Plan:
       nested: the selection gives per-layer nested groups (``exact_from``).
     """
 
-    forward: ForwardPass
+    forward: str
     exact: ExactPass
     combine: str | None = None
     spec: TangentSpec = TangentSpec()
@@ -68,12 +66,26 @@ class Plan:
     nested: bool = False
 
     def __post_init__(self):
-        if self.forward not in FORWARD_PASSES:
-            raise ValueError(f"plan.forward: {self.forward!r}; allowed: {FORWARD_PASSES}")
+        passes.get(self.forward)  # a registered forward pass (ValueError naming them)
         if self.exact not in EXACT_PASSES:
             raise ValueError(f"plan.exact: {self.exact!r}; allowed: {EXACT_PASSES}")
         if self.combine is not None:
             get(self.combine)
+
+    @property
+    def forward_pass(self) -> ForwardPass:
+        """The forward pass's declarations (:mod:`jaxstream.grad.passes`), which engines read."""
+        return passes.get(self.forward)
+
+    @property
+    def exact_subset(self) -> bool:
+        """Exact gradients of the selected micro-batches only (no forward pass)."""
+        return not self.forward_pass.runs and self.exact == "selected"
+
+    @property
+    def forward_only(self) -> bool:
+        """A forward estimate with no exact gradients."""
+        return self.forward_pass.runs and self.exact == "none"
 
     @property
     def rule(self) -> Rule | None:
@@ -83,18 +95,18 @@ class Plan:
     @property
     def mixes(self) -> bool:
         """A hybrid: forward estimates of every micro-batch mixed with selected exact ones."""
-        return self.forward != "none" and self.exact == "selected"
+        return self.forward_pass.runs and self.exact == "selected"
 
     @property
     def local_target(self) -> bool:
         """The estimate follows each segment's local loss (LG-FG-A, LG-FG-W, the local guess):
         unbiased for :func:`~jaxstream.grad.local_targets`, not for the global gradient."""
-        return self.forward in ("local", "local_weights", "local_guess")
+        return self.forward_pass.local_losses
 
     @property
     def local(self) -> bool:
         """Each block's estimate is formed by the forward pass itself (activity, local losses)."""
-        return self.forward in ("activity", "local", "local_weights")
+        return self.forward_pass.forms_block_estimates
 
     @property
     def family(self) -> str:
@@ -102,22 +114,22 @@ class Plan:
         compared within."""
         if self.mixes:
             return "hybrid"
-        if self.forward != "none":
+        if self.forward_pass.runs:
             return "forward"
         return "backprop" if self.exact == "all" else "exact_subset"
 
     def describe(self) -> str:
         """A short label for tables, e.g. ``hybrid(weighted, 2 exact, K=1)``."""
         k = f"K={self.spec.num}" + ("" if self.spec.rank is None else f", rank {self.spec.rank}")
-        if self.forward == "zeroth_order":
-            return f"spsa({k})"
+        fp = self.forward_pass
+        if fp.tangents is None and fp.runs:  # evaluations only
+            return f"{fp.label}({k})"
         if self.family == "backprop":
             return "backprop"
         if self.family == "exact_subset":
             return f"exact_subset({self.num_exact})"
         if not self.mixes:
-            what = {"weights": "weights", "activity": "activations", "local": "local activations",
-                    "local_weights": "local weights", "local_guess": "local guess"}[self.forward]
+            what = fp.label
             agg = "" if self.combine in (None, "mean") else f", {self.combine}"
             return f"forward({what}{agg}, {k})"
         sel = (f"{len(self.fixed)} fixed" if self.fixed is not None

@@ -34,6 +34,7 @@ from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.estimators import Aggregation, Perturb, forward
+from jaxstream.grad.hybrid import hybrid
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import Distribution, TangentSpec, micro_key
 from jaxstream.models.stack import Stack, loss_dtype
@@ -61,8 +62,6 @@ class PipelineCarry(NamedTuple):
     valid: jax.Array
 
 
-RUNS = ("none", "weights", "activity", "local", "local_weights",  # the forward passes it runs
-        "local_guess")
 
 def _param_specs():
     return {"embed": P(), "blocks": P(AXIS), "head": P()}
@@ -162,38 +161,30 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     if estimator is None:
-        if correction is None:  # the table decides: corrected where it has chains
-            low = lower(schedule)
-            correction = "control_variate" if (low.selected or low.prev_selected) else "none"
-        plan = _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic,
-                             perturb, local_losses, aggregation)
-    else:
-        plan = getattr(estimator, "plan", None)
-        if not isinstance(plan, Plan):
-            raise TypeError(f"estimator must be a jaxstream.grad estimator (one with a .plan), "
-                            f"got {type(estimator).__name__}")
+        estimator = _keyword_estimator(schedule, num_tangents, distribution, correction,
+                                       orthogonal, antithetic, perturb, local_losses, aggregation)
+    plan = getattr(estimator, "plan", None)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"estimator must be a jaxstream.grad estimator (one with a .plan), "
+                        f"got {type(estimator).__name__}")
     m = schedule.num_stages
     devices = list(jax.devices() if devices is None else devices)
     if m > len(devices):
         raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
                          f"available (one stage per device); on CPU set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={m} before JAX starts")
-    if plan.forward not in RUNS:
-        raise ValueError(f"pipeline: {plan.describe()} needs a {plan.forward!r} forward pass, which "
-                         f"the pipeline does not run (it runs {RUNS}); run it in memory or data "
-                         f"parallel")
-    check_local_losses(stack, plan.forward in ("local", "local_weights", "local_guess"),
-                       "pipeline")
+    plan.forward_pass.refuse_unless("pipeline", "pipeline", plan.describe())
+    check_local_losses(stack, plan.local_target, "pipeline")
     if stack.num_layers % m:
         raise ValueError(f"num_layers={stack.num_layers} does not split into num_stages={m} "
                          f"equal stages; for stages of unequal size pad them with "
                          f"jaxstream.pipeline.unequal_stages(stack, sizes)")
     lowered = lower(schedule)  # raises ScheduleError before anything is compiled
-    if plan.forward == "none" and plan.exact == "selected":
+    if plan.exact_subset:
         return _subset(stack, schedule, plan, lowered, devices)
     check_carries(plan, schedule, lowered)
     mesh = jax.sharding.Mesh(np.array(devices[:m]), (AXIS,))
-    if plan.forward == "local_guess":
+    if plan.forward_pass.guess:
         return LocalGuessPipeline(stack, schedule, plan, mesh, lowered)
     return Pipeline(stack, schedule, plan, mesh, lowered)
 
@@ -226,25 +217,27 @@ class LocalGuessPipeline(Pipeline):
                                                      "guess_norm2": norm2}
 
 
-def _keyword_plan(num_tangents, distribution, correction, orthogonal, antithetic, perturb,
-                  local_losses, aggregation) -> Plan:
-    """The plan of the keyword arguments (``correction="none"``: a forward estimate)."""
+def _keyword_estimator(schedule, num_tangents, distribution, correction, orthogonal, antithetic,
+                       perturb, local_losses, aggregation) -> Any:
+    """The estimator the keyword arguments name, built by :mod:`jaxstream.grad` (so they mean
+    what they mean there and are refused alike): ``correction="none"`` a forward estimate,
+    another correction a hybrid over the table's chains; ``None``: the table decides (corrected
+    where it has chains)."""
+    low = lower(schedule)
+    chains = low.prev_selected if low.stale else low.selected
+    if correction is None:
+        correction = "control_variate" if chains else "none"
     allowed = ("none", *cb.corrections())
     if correction not in allowed:
         raise ValueError(f"correction={correction!r}; allowed: {allowed}")
-    if perturb not in ("weights", "activations"):
-        raise ValueError(f"perturb={perturb!r}; allowed: ('weights', 'activations')")
-    if aggregation not in ("mean", "projection"):
-        raise ValueError(f"aggregation={aggregation!r}; allowed: ('mean', 'projection')")
-    spec = TangentSpec(num_tangents, distribution, orthogonal, antithetic)
-    if correction != "none":
-        if perturb != "weights" or aggregation != "mean" or local_losses:
-            raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} / local_losses="
-                             f"{local_losses} run with correction='none' (got {correction!r})")
-        return Plan("weights", "selected", correction, spec, micro_batches=True)
-    # jaxstream.grad's own builder: the keywords mean here what they mean there, refused alike
-    return forward(num_tangents, distribution, perturb, orthogonal, antithetic, aggregation,
-                   local_losses).plan
+    if correction == "none":
+        return forward(num_tangents, distribution, perturb, orthogonal, antithetic, aggregation,
+                       local_losses)
+    if perturb != "weights" or aggregation != "mean" or local_losses:
+        raise ValueError(f"perturb={perturb!r} / aggregation={aggregation!r} / local_losses="
+                         f"{local_losses} run with correction='none' (got {correction!r})")
+    return hybrid(len(chains) or None, correction, num_tangents, distribution,
+                  orthogonal=orthogonal, antithetic=antithetic)
 
 
 def check_carries(plan: Plan, schedule: Schedule, lowered: Lowered) -> None:
@@ -263,10 +256,11 @@ def check_carries(plan: Plan, schedule: Schedule, lowered: Lowered) -> None:
                              f"complete reverse chains; the table carries {tuple(chains)}"
                              f"{' (stale)' if lowered.stale else ''}; use gpipe_backprop(M, N)")
         return
-    if plan.forward not in ("weights",) or plan.rule is None or not plan.rule.exact:
+    scalars = plan.forward_pass.scalars
+    if not scalars or plan.rule is None or not plan.rule.exact:
         if plan.mixes:
             raise ValueError(f"{what}: the pipeline runs hybrids with weight tangents only")
-        if (plan.forward != "weights" or plan.combine != "mean") and lowered.backward:
+        if (not scalars or plan.combine != "mean") and lowered.backward:
             raise ValueError(f"{what}: this forward estimate must run on a forward-only table "
                              f"(gpipe_forward); the table has reverse chains")
         return
@@ -309,6 +303,7 @@ def _subset(stack: Stack, schedule: Schedule, plan: Plan, lowered: Lowered, devi
 
 def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direction=None):
     """One function per (kind, position, stale) used by the table; all return the same tuple."""
+    fp = pipe.plan.forward_pass
 
     def build(kind, pos, stale):
         def fn(x):
@@ -325,14 +320,14 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
                     out["h"], out["t"] = a, b
                 else:
                     out["loss"], out["d"] = a, b
-            elif kind == F and pipe.plan.forward == "local_guess":
+            elif kind == F and fp.guess:
                 h, out["g"] = ops.local_exact_forward(pos, params, inp, bj)
                 out["h" if pos in ("first", "mid") else "loss"] = h
-            elif kind == F and pipe.plan.forward in ("local", "local_weights"):
+            elif kind == F and fp.local_losses:
                 h, out["g"] = ops.local_forward(pos, params, inp, kj, bj,
-                                                weights=pipe.plan.forward == "local_weights")
+                                                weights=fp.tangents == "weights")
                 out["h" if pos in ("first", "mid") else "loss"] = h
-            elif kind == F and pipe.plan.forward == "activity":
+            elif kind == F and fp.tangents == "activations":
                 a, b = ops.activity_forward(pos, params, inp, t_in, kj, bj)
                 if pos in ("first", "mid"):
                     out["h"], out["t"] = a, b
@@ -504,8 +499,9 @@ def _build(pipe: Pipeline, along_pass: bool = False):
     low, sched, spec = pipe.lowered, pipe.schedule, pipe.spec
     m, n, kt = sched.num_stages, sched.micro_batches, spec.num
     per = pipe.stack.num_layers // m
-    activity = pipe.plan.forward == "activity"
-    local = pipe.plan.forward in ("local", "local_weights", "local_guess") and not along_pass
+    fp = pipe.plan.forward_pass
+    activity = fp.tangents == "activations" and not fp.local_losses
+    local = fp.local_losses and not along_pass
     guess = pipe.along or along_pass
     if guess:
         kt = 1  # one derivative per micro-batch, along the given direction

@@ -70,8 +70,6 @@ class StreamConfig:
             raise ValueError(f"stash_bytes must be None or an int >= 0, got {self.stash_bytes!r}")
 
 
-RUNS = ("none", "weights", "activity", "local", "local_weights",  # the forward passes it runs
-        "local_guess")  # (the local guess: on a placement that runs it, one device)
 
 def plan_of(estimator: Any, update: str = "eager", engine: str = "stream") -> Plan:
     """The estimator's plan, checked against what the streamed sweeps run; errors name it and
@@ -80,19 +78,17 @@ def plan_of(estimator: Any, update: str = "eager", engine: str = "stream") -> Pl
     if not isinstance(plan, Plan):
         raise TypeError(f"{engine}: estimator must be a jaxstream.grad estimator (one with a "
                         f".plan), got {type(estimator).__name__}")
-    if plan.forward not in RUNS:
-        raise ValueError(f"{engine}: {plan.describe()} needs a {plan.forward!r} forward pass, which "
-                         f"the streamed sweeps do not run (they run {RUNS}); run it in memory or "
-                         f"data parallel")
-    if plan.mixes and plan.forward != "weights":
+    fp = plan.forward_pass
+    fp.refuse_unless(engine, engine, plan.describe())
+    if plan.mixes and not fp.scalars:
         raise TypeError(f"{engine}: estimator must be one that mixes exact gradients with weight "
                         f"tangents; got "
                         f"{type(estimator).__name__}, {plan.describe()}, which mixes them with "
                         f"a {plan.forward!r} forward pass (run it in memory or data parallel)")
     # lazy: the forward estimate's and a hybrid's update wait for the layer's next read;
     # backprop and exact subsets update in their reverse sweep either way (nothing to defer)
-    if update == "lazy" and not (plan.forward == "none" or (
-            plan.forward == "weights" and (plan.exact == "none" or plan.mixes))):
+    if update == "lazy" and not (not fp.runs or (
+            fp.scalars and (plan.exact == "none" or plan.mixes))):
         raise ValueError(f"{engine}: update='lazy' needs the forward estimator with "
                          f"perturb='weights', a hybrid (an update described by keys, scalars "
                          f"and the hybrid's exact means) or backprop (updated in its reverse "

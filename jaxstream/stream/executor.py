@@ -25,7 +25,7 @@ from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import kernels as K
-from jaxstream.stream.config import DTYPES, RUNS, UPDATES, StreamConfig, plan_of
+from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
 from jaxstream.stream.host_queue import HostQueue, f32, new_clock
 from jaxstream.stream.pending import Pending
@@ -37,7 +37,7 @@ from jaxstream.stream.sweeps.forward import forward_sweep
 from jaxstream.stream.units import LayerKey, Unit
 from jaxstream.stream.values import host_value
 
-__all__ = ["DTYPES", "RUNS", "UPDATES", "StreamConfig", "StreamedExecutor", "plan_of"]
+__all__ = ["DTYPES", "UPDATES", "StreamConfig", "StreamedExecutor", "plan_of"]
 
 
 class StreamedExecutor(Driver):
@@ -67,7 +67,7 @@ class StreamedExecutor(Driver):
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
         self.plan = plan_of(estimator, config.update, self.engine)
-        check_local_losses(stack, self.plan.forward in ("local", "local_weights"), "stream")
+        check_local_losses(stack, self.plan.local_target, "stream")
         self.stack, self.estimator, self.store, self.cfg = stack, estimator, store, config
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.spec: TangentSpec = self.plan.spec
@@ -77,7 +77,7 @@ class StreamedExecutor(Driver):
                                                 device or jax.local_devices()[0],
                                                 config.stash_bytes)
         self.placement.agree(store)
-        if self.plan.forward == "local_guess" and not self.placement.runs_local_guess:
+        if self.plan.forward_pass.guess and not self.placement.runs_local_guess:
             raise ValueError(f"{type(self.placement).__name__}: the local guess's sweeps (exact "
                              "local gradients, then one jvp along them) run on one device "
                              "(the stream engine), not on this placement; run it there or in "
@@ -251,7 +251,7 @@ class StreamedExecutor(Driver):
     # ------------------------------------------------------------------ the sweeps
     def _run(self, batch, key, layers, sink, t0, commit_lazy=True):
         plan = self.plan
-        if plan.forward == "none" and plan.exact == "selected":  # backprop of the selection
+        if plan.exact_subset:  # backprop of the selection
             batch = jax.tree.map(lambda a: np.asarray(a)[self._selection(key, len(a))], batch)
         if self.placement.merge_micro_batches(self.plan):
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)

@@ -233,14 +233,14 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
     """Rows are written as they finish; a run killed in its second row keeps the first
     (rows.json, report and plot); --resume runs only the missing row and keeps the first
     byte for byte."""
-    from jaxstream_lab import forward_table as lib
     from jaxstream.experiment.runner import run_experiment
+    from jaxstream_lab import forward_table as lib
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1",
-            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
-            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
-            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
-            "{name: FG-W, estimator: {type: forward, num_tangents: 2}, lrs: [0.001]}]"]
+            ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
+            ("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
+            "{name: FG-W, estimator: {type: forward, num_tangents: 2}, lrs: [0.001]}]")]
     real, calls = lib.run_arm, []
 
     def killed_in_second_row(cfg, dcfg, arm, *a, **k):
@@ -274,9 +274,9 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
     and the pick is still flagged at the edge; the rates tried before keep the figures they
     had without the extension, and every rate keeps its per-seed finals."""
     over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=2",
-            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
             "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32, metric: loss, "
-            "target_loss: 9.0}]",
+            "target_loss: 9.0}]"),
             "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003, 0.0001]}]"]
     (grown,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over + ["extend_sweeps=0"]))
@@ -378,11 +378,11 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     from jaxstream_lab.table_report import markdown
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
-            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
-            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
-            "arms=[{name: LG-FG-A, estimator: {type: forward, perturb: activations, "
+            ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
+            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
+            ("arms=[{name: LG-FG-A, estimator: {type: forward, perturb: activations, "
             "local_losses: true}, lrs: [0.001]}, {name: LG-FG-A-Ren, estimator: {type: forward, "
-            "perturb: activations, local_losses: true}, local_heads: true, lrs: [0.001]}]"]
+            "perturb: activations, local_losses: true}, local_heads: true, lrs: [0.001]}]")]
     shared, own = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert (shared["local_heads"], own["local_heads"]) == ("shared", "own")
     # per segment (embed, 2 blocks, head): with the shared head the last block's and the
@@ -410,8 +410,8 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
             "16 patch groups × 4 channel groups (64 cells per block), Ren et al.'s feature "
             "aggregator") in text
     with pytest.raises(ValueError, match=r"arms\.0\.local_heads: only local losses read local heads"):
-        ft.load_table_config(ft.QUICK, ["arms=[{name: BP, estimator: {type: backprop}, "
-                                        "local_heads: true}]"])
+        ft.load_table_config(ft.QUICK, [("arms=[{name: BP, estimator: {type: backprop}, "
+                                        "local_heads: true}]")])
 
 
 def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
@@ -421,11 +421,11 @@ def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
     from jaxstream_lab.table_report import equivalents_plot
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
-            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
-            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
-            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
+            ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+            "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
+            ("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
             "{name: FG-W, estimator: {type: forward, num_tangents: 1}, lrs: [0.001]}, "
-            "{name: FG-W-K4, estimator: {type: forward, num_tangents: 4}, lrs: [0.001]}]"]
+            "{name: FG-W-K4, estimator: {type: forward, num_tangents: 4}, lrs: [0.001]}]")]
     bp, k1, k4 = ft.run_table(ft.load_table_config(ft.QUICK, over))
     layers = [(64, 8), (8, 8), (8, 10)]
     forward = sum(2 * 8 * a * b for a, b in layers)
@@ -444,10 +444,10 @@ def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
     """An arm with ``local_groups`` trains the data set's model with a head per block and per
     feature group (the row says how many); groups need own heads and activity perturbation."""
     over = ["seeds=1", "cosine_keys=2", "timing_steps=1", "baselines=false", "extend_sweeps=0",
-            "datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
-            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]",
-            "arms=[{name: LG-FG-A-Ren-G4, estimator: {type: forward, perturb: activations, "
-            "local_losses: true}, local_heads: true, local_groups: 4, lrs: [0.001]}]"]
+            ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
+            "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
+            ("arms=[{name: LG-FG-A-Ren-G4, estimator: {type: forward, perturb: activations, "
+            "local_losses: true}, local_heads: true, local_groups: 4, lrs: [0.001]}]")]
     (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert (row["local_heads"], row["local_groups"]) == ("own", 4)
     assert -1.0 <= row["cosine_mean"] <= 1.0 and np.isfinite(row["test_loss_mean"])
@@ -455,8 +455,8 @@ def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
         ft.load_table_config(ft.QUICK, [over[-1].replace("local_heads: true", "local_heads: false")])
     with pytest.raises(ValueError, match=r"arms\.0\.local_groups: grouped local losses need "
                                          r"activity perturbation"):
-        ft.load_table_config(ft.QUICK, ["arms=[{name: W, estimator: {type: local_forward_weights}"
-                                        ", local_heads: true, local_groups: 4}]"])
+        ft.load_table_config(ft.QUICK, [("arms=[{name: W, estimator: {type: local_forward_weights}"
+                                        ", local_heads: true, local_groups: 4}]")])
 
 
 def test_a_local_mixer_arm_with_aggregated_cells_runs_and_its_misuse_is_refused():
@@ -478,9 +478,9 @@ def test_a_local_mixer_arm_with_aggregated_cells_runs_and_its_misuse_is_refused(
     assert np.isfinite(row["test_loss_mean"])
     with pytest.raises(ValueError, match=r"arms\.0\.local_aggregate: the feature aggregator "
                                          r"needs cells"):
-        ft.load_table_config(ft.QUICK, [mixer, "arms=[{name: a, estimator: {type: forward, "
+        ft.load_table_config(ft.QUICK, [mixer, ("arms=[{name: a, estimator: {type: forward, "
                                         "perturb: activations, local_losses: true}, "
-                                        "local_heads: true, local_aggregate: true}]"])
+                                        "local_heads: true, local_aggregate: true}]")])
     with pytest.raises(ValueError, match=r"arms\.0\.local_patch_groups: local_over: "
                                          r"positions already splits"):
         ft.load_table_config(ft.QUICK, [mixer, arm.replace("local_aggregate: true",

@@ -98,7 +98,7 @@ def test_cost_model_counts():
     """Ticks and reads of both schedules, against a count by hand for C = 2 chunks of M = 4,
     N = 8, S = 2: chunked, a pass of N + M - 1 per chunk and sweep; circular, the forward sweep
     2 · 8 + 3 ticks (period N, one drain), the reverse 2 · 4 + 1 (period M, chains S)."""
-    kw = dict(layers=8, stages=4, micro_batches=8, selected=2)
+    kw = {"layers": 8, "stages": 4, "micro_batches": 8, "selected": 2}
     c = chunk_cost("hybrid_cv", schedule="chunked", **kw)
     assert c.ticks == 2 * (8 + 3) + 2 * (2 + 3) and c.layer_reads == 3 * 8 - 4
     assert c.bubble_fraction == pytest.approx(1 - (2 * 8 + 2 * 2) / c.ticks)

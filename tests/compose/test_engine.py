@@ -25,11 +25,11 @@ def test_shipped_config_parses():
 @pytest.mark.parametrize("overrides, match", [
     (["engine.stage=3"], r"engine.stage: 3 must divide model.depth = 8"),
     (["engine.data=0"], r"engine.data: must be >= 1, got 0"),
-    (["engine.schedule=looped"], r"engine.schedule: 'looped' is not allowed; choose one of "
-                                 r"'circular', 'chunked'"),
+    (["engine.schedule=looped"], (r"engine.schedule: 'looped' is not allowed; choose one of "
+                                 r"'circular', 'chunked'")),
     (["engine.prefetch=0"], r"engine.prefetch: the circular schedule .* must be >= 1, got 0"),
-    (["engine.prefetch=4"], r"engine.prefetch: 4 reads past the model's 4 units \(embed, 2 "
-                            r"chunks of 4 layers, head\); allowed: 0..3"),
+    (["engine.prefetch=4"], (r"engine.prefetch: 4 reads past the model's 4 units \(embed, 2 "
+                            r"chunks of 4 layers, head\); allowed: 0..3")),
 ])
 def test_bad_mesh_is_named_at_load(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -120,17 +120,17 @@ def test_cross_field_checks_name_the_field_before_anything_is_written(tmp_path):
 
     quick = ROOT / "experiments" / "quickstart.yaml"
     for overrides, match in [
-        (["batch_size=100000"], r"batch_size: 100000 exceeds the 1438 training examples of the "
-                                r"data set; allowed: 1..1438"),
+        (["batch_size=100000"], (r"batch_size: 100000 exceeds the 1438 training examples of the "
+                                r"data set; allowed: 1..1438")),
         (["steps=10", "max_steps=11"], r"max_steps: stops before steps = 10, so at most 10"),
         (["steps=10", "optimizer.warmup_steps=11"],
          r"optimizer.warmup_steps: the warm-up must end within steps = 10, got 11"),
-        (["data={type: mnist1d, num_samples: 100000000000}"], r"data: holds about .* GiB; this "
-                                                             r"machine has"),
+        (["data={type: mnist1d, num_samples: 100000000000}"], (r"data: holds about .* GiB; this "
+                                                             r"machine has")),
         (["data={type: chars, num_train: 16, seq_len: 8}", "batch_size=32",
           "model={type: char_transformer}"], r"batch_size: 32 exceeds the 16 training examples"),
-        (["arms.1.estimator.num_tangents=1000000000000"], r"model: needs about .* GiB .*"
-                                                          r"1000000000000 tangents"),
+        (["arms.1.estimator.num_tangents=1000000000000"], (r"model: needs about .* GiB .*"
+                                                          r"1000000000000 tangents")),
         (["model.depth=1000000000000", "engine={type: stream}",
           "arms=[{name: bp, estimator: {type: backprop}}]"],
          r"model: its layer store needs about .* GiB and .* free"),

@@ -48,9 +48,10 @@ def test_one_process_at_a_time_in_a_run_directory(tmp_path):
     out = tmp_path / "run"
     run_experiment(QUICKSTART, [*TINY, ONE_ARM, "max_steps=1"], out=out)
     config = (out / "config.yaml").read_bytes()
-    with run_lock(out):  # another process's lock: flock conflicts across open files
-        with pytest.raises(ConfigError, match=rf"in use by another process \(pid {os.getpid()}"):
-            run_experiment(QUICKSTART, [*TINY, ONE_ARM], out=out, resume=True)
+    # another process's lock: flock conflicts across open files
+    with run_lock(out), pytest.raises(ConfigError,
+                                      match=rf"in use by another process \(pid {os.getpid()}"):
+        run_experiment(QUICKSTART, [*TINY, ONE_ARM], out=out, resume=True)
     assert (out / "config.yaml").read_bytes() == config
     _, summary = run_experiment(QUICKSTART, [*TINY, ONE_ARM], out=out, resume=True)
     assert summary["finished"]  # the lock went with its holder

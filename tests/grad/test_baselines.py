@@ -84,9 +84,9 @@ def _local_reference(stack, params, batch, key, spec):
     ref_embed = proj(jax.grad(lambda p: head(stack.embed(p, batch["x"])))(params["embed"]), v["embed"])
     ref_blocks = []
     for l in range(2):
-        p_l = jax.tree.map(lambda a: a[l], params["blocks"])
-        g_l = jax.grad(lambda p: head(stack.block(p, h)))(p_l)
-        ref_blocks.append(proj(g_l, jax.tree.map(lambda a: a[:, l], v["blocks"])))
+        p_l = jax.tree.map(lambda a, l=l: a[l], params["blocks"])
+        g_l = jax.grad(lambda p, h=h: head(stack.block(p, h)))(p_l)
+        ref_blocks.append(proj(g_l, jax.tree.map(lambda a, l=l: a[:, l], v["blocks"])))
         h = stack.block(p_l, h)
     g_head = jax.grad(lambda p: jnp.mean(stack.example_loss(stack.head(p, h), batch)))(params["head"])
     return {"embed": ref_embed, "blocks": jax.tree.map(lambda *a: jnp.stack(a), *ref_blocks),
@@ -141,7 +141,7 @@ def _check_against(out, A, G, idx, n, k, shrinkage):
     for seg in ("embed", "blocks", "head"):
         al = alpha[seg]
         ref[seg] = jax.tree.map(
-            lambda hh, au: (k * hh + (n - k) * (hh + (al.reshape((-1,) + (1,) * (hh.ndim - 1))
+            lambda hh, au, al=al, seg=seg: (k * hh + (n - k) * (hh + (al.reshape((-1,) + (1,) * (hh.ndim - 1))
                                                       if seg == "blocks" else al) * (au - hh))) / n,
             h[seg], a_u[seg])
     np.testing.assert_allclose(flat(grads), flat(ref), rtol=2e-4, atol=1e-6)

@@ -18,7 +18,7 @@ def test_directional_derivatives_equal_grad_dot_tangent():
     loss, d = jax.jit(lambda p: jg.stack_directional(stack, spec, p, batch, key))(params)
     g = jax.jit(jax.grad(stack))(params, batch)
     v = jax.jit(lambda p: tangents(spec, key, p))(params)
-    expected = jnp.stack([jnp.vdot(flat(g), flat(jax.tree.map(lambda a: a[k], v))) for k in range(3)])
+    expected = jnp.stack([jnp.vdot(flat(g), flat(jax.tree.map(lambda a, k=k: a[k], v))) for k in range(3)])
     np.testing.assert_allclose(d, expected, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(loss, stack(params, batch), rtol=1e-6)
 
@@ -36,18 +36,18 @@ def test_layered_pass_equals_generic_pass(dist):
 
 
 def test_combine_and_project_match_materialised_tangents():
-    stack, params, _, _ = tiny_problem()
+    _, params, _, _ = tiny_problem()
     spec = TangentSpec(3, "rademacher")
     keys = jax.random.split(jax.random.key(2), 4)
     coeffs = jax.random.normal(jax.random.key(3), (4, 3))
     got = jax.jit(lambda p: combine(spec, keys, coeffs, p))(params)
     vs = jax.jit(jax.vmap(lambda k: tangents(spec, k, params)))(keys)
     vs = [jax.tree.map(lambda a, n=n: a[n], vs) for n in range(4)]
-    want = sum(coeffs[n, k] * flat(jax.tree.map(lambda a: a[k], vs[n])) for n in range(4) for k in range(3))
+    want = sum(coeffs[n, k] * flat(jax.tree.map(lambda a, k=k: a[k], vs[n])) for n in range(4) for k in range(3))
     np.testing.assert_allclose(flat(got), want, rtol=1e-5, atol=1e-6)
     h = jax.tree.map(lambda a: jnp.ones_like(a) * 0.5, params)
     proj = jax.jit(lambda t: project(spec, keys, t))(h)
-    want_p = np.array([[jnp.vdot(flat(h), flat(jax.tree.map(lambda a: a[k], vs[n]))) for k in range(3)] for n in range(4)])
+    want_p = np.array([[jnp.vdot(flat(h), flat(jax.tree.map(lambda a, k=k: a[k], vs[n]))) for k in range(3)] for n in range(4)])
     np.testing.assert_allclose(proj, want_p, rtol=1e-5)
 
 
@@ -127,7 +127,7 @@ def test_projection_aggregation_is_the_projection_onto_the_tangent_span():
     est = jg.forward(3, "gaussian", aggregation="projection")
     _, g_hat = jax.jit(lambda p: est(stack, p, batch, key))(params)
     v = jax.jit(lambda p: tangents(spec, key, p))(params)
-    V = np.stack([np.asarray(flat(jax.tree.map(lambda a: a[k], v)), np.float64) for k in range(3)], 1)
+    V = np.stack([np.asarray(flat(jax.tree.map(lambda a, k=k: a[k], v)), np.float64) for k in range(3)], 1)
     g = np.asarray(flat(jax.grad(stack)(params, batch)), np.float64)
     want = V @ np.linalg.solve(V.T @ V, V.T @ g)
     np.testing.assert_allclose(flat(g_hat), want, rtol=1e-4, atol=1e-6)
@@ -143,7 +143,7 @@ def test_local_losses_follow_each_blocks_local_gradient_in_expectation():
     def local_loss(blocks, l):
         h = stack.embed(params["embed"], batch["x"])
         for i in range(l):
-            h = jax.lax.stop_gradient(stack.block(jax.tree.map(lambda a: a[i], params["blocks"]), h))
+            h = jax.lax.stop_gradient(stack.block(jax.tree.map(lambda a, i=i: a[i], params["blocks"]), h))
         h = stack.block(jax.tree.map(lambda a: a[l], blocks), h)
         return jnp.mean(stack.example_loss(stack.head(params["head"], h), batch))
 

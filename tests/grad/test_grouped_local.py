@@ -44,7 +44,7 @@ def _local_objective(stack, grouped, p, batch):
     h = grouped.embed(p["embed"], batch["x"])
     total = local(p["embed"]["local_head"], h)
     for l in range(stack.num_layers):
-        one = jax.tree.map(lambda a: a[l], p["blocks"])
+        one = jax.tree.map(lambda a, l=l: a[l], p["blocks"])
         h = grouped.block(one, jax.lax.stop_gradient(h))
         total += local(one["local_head"], h)
     return total + jnp.mean(_ce(stack.head(p["head"], jax.lax.stop_gradient(h)), y))
@@ -102,7 +102,7 @@ def test_a_groups_tangent_reaches_only_its_own_loss():
     key = jax.random.key(3)
     out, g = sg.grouped_act_grad(fn, one["module"], spec, key, 0, losses)
     u = np.asarray(sg._u(spec, key, 0, out)[0], np.float64)  # (B, D)
-    grads = [np.asarray(jax.grad(lambda h: jnp.sum(losses(h)[gi]))(out), np.float64)
+    grads = [np.asarray(jax.grad(lambda h, gi=gi: jnp.sum(losses(h)[gi]))(out), np.float64)
              for gi in range(G)]
     width = u.shape[1] // G
     cot = np.zeros_like(u)
@@ -204,7 +204,7 @@ def test_a_patch_groups_tangent_reaches_only_its_own_loss():
     u = np.asarray(sg._u(spec, key, 0, out)[0], np.float64)  # (B, T, D)
     cot = np.zeros_like(u)
     for gi in range(4):
-        grad = np.asarray(jax.grad(lambda h: jnp.sum(losses(h)[gi]))(out), np.float64)
+        grad = np.asarray(jax.grad(lambda h, gi=gi: jnp.sum(losses(h)[gi]))(out), np.float64)
         rows = slice(gi * 4, (gi + 1) * 4)
         assert not np.any(np.delete(grad, np.s_[gi * 4:(gi + 1) * 4], axis=1))  # its own only
         d = np.sum(grad[:, rows] * u[:, rows], axis=(1, 2))

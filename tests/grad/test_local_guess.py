@@ -34,7 +34,7 @@ def guesses(embed, blocks, head, head_of):
     u_blocks = []
     for l in range(L):
         m = at(blocks, l)
-        u_blocks.append(jax.grad(lambda m: ce(head_of(l, STACK.block(m, h))))(m))
+        u_blocks.append(jax.grad(lambda m, h=h, l=l: ce(head_of(l, STACK.block(m, h))))(m))
         h = STACK.block(m, h)
     u_head = jax.grad(lambda q: ce(STACK.head(q, h)))(head)
     return {"embed": u_embed, "blocks": jax.tree.map(lambda *a: jnp.stack(a), *u_blocks),

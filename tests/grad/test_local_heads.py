@@ -39,7 +39,7 @@ def local_targets(params: dict) -> dict:
     g_blocks = []
     for l in range(L):
         m, q = at(blocks["module"], l), at(blocks["local_head"], l)
-        g_blocks.append(jax.grad(lambda m, q: ce(STACK.head(q, STACK.block(m, h))), (0, 1))(m, q))
+        g_blocks.append(jax.grad(lambda m, q, h=h: ce(STACK.head(q, STACK.block(m, h))), (0, 1))(m, q))
         h = STACK.block(m, h)
     g_head = jax.grad(lambda q: ce(STACK.head(q, h)))(params["head"])
     stacked = lambda i: jax.tree.map(lambda *a: jnp.stack(a), *[g[i] for g in g_blocks])

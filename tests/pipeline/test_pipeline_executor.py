@@ -79,7 +79,7 @@ def test_forward_variants_equal_the_per_micro_batch_estimator(est):
 
     @jax.jit
     def reference(params, batch):
-        out = [est(stack, params, jax.tree.map(lambda a: a[i], batch), micro_key(key, i))
+        out = [est(stack, params, jax.tree.map(lambda a, i=i: a[i], batch), micro_key(key, i))
                for i in range(n)]
         return (sum(o[0] for o in out) / n, jax.tree.map(lambda *g: sum(g) / n, *[o[1] for o in out]))
 
@@ -229,9 +229,9 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
         pipeline(stack, gpipe_forward(4, 4), perturb="weights", local_losses=True)
     for kw in ({}, {"perturb": "activations"}, {"perturb": "activations", "local_losses": True},
                {"aggregation": "projection", "num_tangents": 2}):
-        assert ex._keyword_plan(kw.get("num_tangents", 1), "rademacher", "none", False, False,
-                                kw.get("perturb", "weights"), kw.get("local_losses", False),
-                                kw.get("aggregation", "mean")) == jg.forward(**kw).plan
+        assert pipeline(stack, gpipe_forward(4, 4), **kw).plan == jg.forward(**kw).plan
+    assert pipeline(stack, complete(4, 4, (0, 2)), correction="weighted").plan == jg.hybrid(
+        2, "weighted").plan
     with pytest.raises(ValueError, match="pass carry"):
         pipeline(stack, delayed(4, 4, (0,)))(params, batch, jax.random.key(0))
 
@@ -249,8 +249,8 @@ def test_backprop_remat_runs_as_the_backprop_table():
 
 @pytest.mark.parametrize("sched, est, match", [
     (complete(4, 8, (0, 1)), jg.backprop_remat(),
-     r"estimator backprop on schedule 'complete': backprop needs every one of the N=8 "
-     r"micro-batches' complete reverse chains; the table carries \(0, 1\)"),
+     (r"estimator backprop on schedule 'complete': backprop needs every one of the N=8 "
+     r"micro-batches' complete reverse chains; the table carries \(0, 1\)")),
     (gpipe_forward(4, 8), jg.hybrid(exact_indices=(0, 1)),
      r"correction='control_variate' needs exact gradients; the table has no reverse chain"),
     (complete(4, 8, (0, 1)), jg.hybrid(exact_indices=(2, 3)),

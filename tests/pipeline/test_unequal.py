@@ -78,7 +78,7 @@ def test_unequal_pipeline_backprop_is_the_sequential_gradient(problem):
     assert padded.num_layers == 4 * max(SIZES)
     flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), micro)
     assert float(padded(pad(params), flat)) == pytest.approx(float(STACK(params, flat)), rel=1e-6)
-    loss, g = pipeline(padded, gpipe_backprop(4, 4), jg.backprop())(pad(params), micro,
+    _, g = pipeline(padded, gpipe_backprop(4, 4), jg.backprop())(pad(params), micro,
                                                                    jax.random.key(0))[:2]
     want = jax.grad(lambda p: jnp.mean(jax.vmap(lambda b: STACK(p, b))(micro)))(params)
     got = unpad(g)

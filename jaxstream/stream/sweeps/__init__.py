@@ -21,11 +21,12 @@ def sweeps_of(plan: Plan) -> Callable:
     from jaxstream.stream.sweeps.local_guess import run_local_guess
     from jaxstream.stream.sweeps.reverse import run_reverse
 
-    if plan.forward == "weights" and plan.exact == "none":
+    fp = plan.forward_pass
+    if fp.scalars and plan.exact == "none":
         return run_forward
     if plan.local:
         return lambda ex, b, k, ls, sink, t0, _: (run_activity(ex, b, k, ls, sink, t0), {})
-    if plan.forward == "local_guess":
+    if fp.guess:
         return lambda ex, b, k, ls, sink, t0, _: (run_local_guess(ex, b, ls, sink, t0), {})
     return run_reverse
 

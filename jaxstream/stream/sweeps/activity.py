@@ -28,7 +28,7 @@ def run_activity(ex: Any, batch: dict, key: Any, layers: list, sink: Callable,
         for u, g in finished:
             ex._each(u, g, hosts.pop(u), sink)
 
-    if ex.plan.forward in ("local", "local_weights"):
+    if ex.plan.forward_pass.local_losses:
         return _local(ex, x, key[None], layers, t0, keep, done)
     return _global(ex, x, key[None], layers, t0, keep, done)
 
@@ -37,7 +37,7 @@ def _local(ex: Any, x: dict, keys: Any, layers: list, t0: float, keep: Callable,
            done: Callable) -> float:
     """Local losses: each unit's estimate from its own output and the head, in one sweep."""
     z = np.int32(0)
-    weights = ex.plan.forward == "local_weights"
+    weights = ex.plan.forward_pass.tangents == "weights"
     head_dev = ex._to_device(ex.pending.apply("head", ex.store.read("head").result()))
     (out,) = ex._drive(
         layers, ex._load_both, t0, "forward",
