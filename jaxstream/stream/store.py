@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import threading
 from typing import Any
 
@@ -46,8 +44,6 @@ import tensorstore as ts
 
 from jaxstream.stream.direct_read import FileChunks
 from jaxstream.stream.errors import (
-    StoreCorruptError,
-    StoreDivergedError,
     StoreError,
     StoreNonFiniteError,
     StoreNotCommittedError,
@@ -55,28 +51,29 @@ from jaxstream.stream.errors import (
     StoreStaleError,
     StoreWriteError,
 )
-from jaxstream.stream.guard import guard_commit, guard_message, leaf_sq, sane_after_rollback
-from jaxstream.stream.io_bytes import PART_OF_MANIFEST, IOBytes
-from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore, write_group
-from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode, encode
+from jaxstream.stream.guard import leaf_sq
+from jaxstream.stream.io_bytes import IOBytes
+from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
+from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
+from jaxstream.stream.store_commit import Commits
 from jaxstream.stream.store_init import tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
     ReadInto,
     TreeFuture,
     Verified,
-    WriteFuture,
     check_config,
     digest,
     read_error,
-    write_manifest,
 )
+from jaxstream.stream.store_rollback import Rollbacks
+from jaxstream.stream.store_spaces import Spaces
 from jaxstream.stream.writer_lock import WriterLock, writer_of
 
 __all__ = ["FORMAT", "LayerStore", "TreeFuture"]
 Unit = str | int  # "embed", "head" or a layer index
 
 
-class LayerStore:
+class LayerStore(Spaces, Commits, Rollbacks):
     """Parameters and optimizer state of a model stack, read and written one layer at a time.
 
     Create with :meth:`create`, reopen with :meth:`open`. ``read(l)`` returns a future of
@@ -401,144 +398,6 @@ class LayerStore:
             self._check_fresh(used)
         return {"embed": embed, "blocks": blocks, "head": head}
 
-    # ------------------------------------------------------------------ scratch
-    def _scratch_array(self, part: str, i: int) -> ts.TensorStore:
-        key = ("scratch", part, i)
-        if key not in self._arrays:
-            self._arrays[key] = self._new_space_array(
-                "scratch", part, i, 0, "scratch (within a step; not committed)")
-        return self._arrays[key]
-
-    def _new_space_array(self, space: str, part: str, i: int, slots: int,
-                         kind: str) -> ts.TensorStore:
-        """Creates the array of params leaf ``i`` of ``part`` in a space beside the committed
-        state (``scratch``, ``carry``): the leaf's shape behind the layer axis (blocks) and
-        ``slots`` slots (0: none), one chunk per layer and slot; the space's zarr group nodes
-        are written with its first array."""
-        e = self._m["leaves"]["params"][part][i]
-        lead = ((self.num_layers,) if part == "blocks" else ()) + ((slots,) if slots else ())
-        if not any(k[0] == space for k in self._arrays if isinstance(k, tuple)):
-            write_group(self._root, space, {"jaxstream": {"kind": kind}})
-            for p in ("embed", "blocks", "head"):
-                write_group(self._root, f"{space}/{p}", {"jaxstream": {"part": p}})
-        return open_array(
-            self._root, f"{space}/{part}/{i}", self._ctx, create=True,
-            shape=lead + tuple(e["shape"]), chunk=(1,) * len(lead) + tuple(e["shape"]),
-            dtype=e["dtype"], attributes={"jaxstream": {"kind": space, "part": part,
-                                                        "leaf": e["name"]}})
-
-    def write_scratch(self, unit: Unit, tree: Any) -> list:
-        """Writes a params-shaped pytree (e.g. an exact gradient) to the unit's scratch space.
-
-        Scratch is not part of the committed state: it holds values that live within one step
-        (a crash simply redoes the step). Scratch writes count with the staged writes against
-        ``max_write_bytes``: past it, this waits for the oldest (host memory stays bounded
-        however slow the disk). Returns the write futures.
-        """
-        part, l = self._part(unit)
-        idx = () if l is None else (l,)
-        self._begin_write()
-        what = f"scratch of {part if l is None else f'layer {l}'} to the store at {self._where}"
-        futs = []
-        for i, x in enumerate(jax.tree_util.tree_leaves(tree)):
-            x = np.asarray(x, np.float32)
-            try:
-                fut = WriteFuture(self._scratch_array(part, i)[idx].write(x), what)
-            except Exception as err:
-                raise self._write_error(what, err) from err
-            with self._lock:  # counted with the staged writes: bounded by max_write_bytes
-                self._writes.append((f"scratch/{part}/{l}", fut, x.nbytes))
-            self.io.wrote("scratch", x.nbytes)
-            futs.append(fut)
-        self._throttle()
-        return futs
-
-    def read_scratch(self, unit: Unit) -> TreeFuture:
-        """Reads what :meth:`write_scratch` wrote for ``unit`` this step."""
-        part, l = self._part(unit)
-        idx = () if l is None else (l,)
-        n = len(self._m["leaves"]["params"][part])
-        names = [f"{self._where}: scratch leaf {i} of {part if l is None else f'layer {l}'}"
-                 for i in range(n)]
-        try:
-            futs = [self._scratch_array(part, i)[idx].read() for i in range(n)]
-        except Exception as err:
-            raise read_error(err, names[0]) from err
-        return TreeFuture(self._treedefs[part], futs, None, names,
-                          count=lambda n: self.io.read("scratch", n))
-
-    # ------------------------------------------------------------------ carry
-    def _carry_array(self, part: str, i: int, create: bool = False) -> ts.TensorStore:
-        """The carry array of a leaf: opened as it is (it holds committed records' values),
-        created only by the first write to a store that has none."""
-        key = ("carry", part, i)
-        if key not in self._arrays:
-            try:
-                self._arrays[key] = open_array(self._root, f"carry/{part}/{i}", self._ctx)
-                return self._arrays[key]
-            except Exception as err:  # noqa: BLE001 - absent: created below, or named on read
-                if not create:
-                    raise StoreCorruptError(f"{self._where}: carry array {part}/{i} is missing "
-                                            f"or unreadable ({err}); a pending update needs it")
-            self._arrays[key] = self._new_space_array(
-                "carry", part, i, 2, "carry (values a pending update needs; two slots, named "
-                                     "by the committed records that use them)")
-        return self._arrays[key]
-
-    def write_carry(self, unit: Unit, tree: Any, slot: int) -> tuple[list, list[int]]:
-        """Writes a params-shaped pytree that a pending update needs after this step (e.g. a
-        layer's exact mean gradient) into carry slot ``slot`` (0 or 1) of ``unit``.
-
-        The caller commits, with the step, a record naming the slot and the crc32c of each
-        leaf (returned); it writes the slot its unit's committed record does not name, so a
-        step that fails or is killed leaves the committed records' values intact (shadow
-        paging, as for the parameters). Counted against ``max_write_bytes``.
-
-        Returns:
-          ``(write futures, crc32c per leaf)``.
-        """
-        if slot not in (0, 1):
-            raise StoreError(f"carry slot must be 0 or 1, got {slot!r}")
-        part, l = self._part(unit)
-        idx = (slot,) if l is None else (l, slot)
-        self._check_sane()
-        self._begin_write()
-        what = f"carry of {part if l is None else f'layer {l}'} to the store at {self._where}"
-        futs, crcs = [], []
-        for i, x in enumerate(jax.tree_util.tree_leaves(tree)):
-            x = np.asarray(x, np.float32)
-            crcs.append(digest(x))
-            try:
-                fut = WriteFuture(self._carry_array(part, i, create=True)[idx].write(x), what)
-            except Exception as err:
-                raise self._write_error(what, err) from err
-            with self._lock:
-                self._writes.append((f"carry/{part}/{l}", fut, x.nbytes))
-            self.io.wrote("carry", x.nbytes)
-            futs.append(fut)
-        self._throttle()
-        return futs, crcs
-
-    def read_carry(self, unit: Unit, slot: int, crcs: list[int]) -> TreeFuture:
-        """Reads carry slot ``slot`` of ``unit``, checked against ``crcs`` (what
-        :meth:`write_carry` returned): values that are not those raise by name."""
-        part, l = self._part(unit)
-        idx = (slot,) if l is None else (l, slot)
-        n = len(self._m["leaves"]["params"][part])
-        if len(crcs) != n:
-            raise StoreError(f"carry record of {part if l is None else f'layer {l}'} names "
-                             f"{len(crcs)} leaves, the store has {n}")
-        self._wait_for_writes(f"carry/{part}/{l}")
-        names = [f"{self._where}: carry leaf {i} of {part if l is None else f'layer {l}'} "
-                 f"(slot {slot})" for i in range(n)]
-        try:
-            futs = [Verified(ReadInto(self._carry_array(part, i)[idx]), int(c), names[i])
-                    for i, c in enumerate(crcs)]
-        except Exception as err:
-            raise read_error(err, names[0]) from err
-        return TreeFuture(self._treedefs[part], futs, None, names,
-                          count=lambda n: self.io.read("carry", n))
-
     # ------------------------------------------------------------------ writes
     def write(self, unit: Unit, params: Any, opt_state: Any = None) -> None:
         """Stages new parameters (and optimizer state) of ``unit`` into its free slot.
@@ -669,217 +528,3 @@ class LayerStore:
     def close(self) -> None:
         """Drops uncommitted writes and releases the writer lock."""
         self.abort()
-
-    def commit(self, step: int, extra: dict | None = None, *, wait: bool = True) -> None:
-        """Waits for the staged writes, then atomically makes them the committed state.
-
-        Args:
-          step: the step number to record.
-          extra: JSON metadata committed together with the writes (replaces the old one).
-          wait: False returns once the writes are done and the manifest is built: this handle
-            reads the new step at once, while the manifest is written and fsynced on a thread
-            (off the caller's critical path). The next write, commit, abort or :meth:`settle`
-            waits for it first, so the next step's writes (to the slots this commit does not
-            name) never overtake it; a kill before it lands resumes at the step before.
-        Raises:
-          StoreWriteError: a staged write or the manifest write failed; the store is left
-            at its previous committed step.
-        """
-        self._begin_write()
-        with self._lock:
-            writes, self._writes = self._writes, []
-            staged = dict(self._staged)
-            digests = dict(self._staged_digests)
-            norms, self._staged_norms = self._staged_norms, {}
-        for key, f, _ in writes:
-            try:
-                f.result()
-            except Exception as err:
-                raise self._write_error(key, err) from err
-        m = json.loads(json.dumps(self._m))
-        if "digests" in m:  # what rollback() needs to return to this commit, and check it
-            m["previous"] = json.loads(json.dumps(
-                {k: m[k] for k in ("step", "slots", "digests", "extra")}))
-        for key, slot in staged.items():
-            if key.startswith("blocks/"):
-                m["slots"]["blocks"][int(key.split("/")[1])] = slot
-            else:
-                m["slots"][key] = slot
-        if "digests" in m:
-            for (kind, key), crcs in digests.items():
-                if key.startswith("blocks/"):
-                    m["digests"][kind]["blocks"][int(key.split("/")[1])] = crcs
-                else:
-                    m["digests"][kind][key] = crcs
-        m["step"], m["generation"] = int(step), int(m["generation"]) + 1
-        m["writer_pid"], m["writer_host"] = os.getpid(), socket.gethostname()
-        if extra is not None:
-            m["extra"] = extra
-        guard_commit(self, m, {k: n for k, (c, n) in norms.items()
-                               if digests.get(("params", k)) == c})
-        try:
-            self._count_manifest(m)
-        except StoreError:
-            self.abort()
-            raise
-        if not wait:
-            return self._land(m)
-        try:
-            write_manifest(self._root, m, self._where)
-        except StoreError:
-            self.abort()
-            raise
-        with self._lock:
-            self._m = m
-            self._staged.clear()
-            self._staged_digests.clear()
-        if self._writer is not None:
-            self._writer.release()
-
-    def _count_manifest(self, m: dict) -> None:
-        """Counts the bytes of the manifest ``m`` a commit writes, and of the deferred
-        updates' records inside it (refuses non-finite values, as its write would)."""
-        self.io.wrote("manifest", len(encode(m)))
-        pending = m.get("extra", {}).get(PART_OF_MANIFEST)
-        if pending is not None:
-            self.io.wrote(PART_OF_MANIFEST, len(json.dumps(pending, sort_keys=True).encode()))
-
-    _landing: tuple | None = None  # (manifest before, thread, [error]) of a commit landing
-    _lost: BaseException | None = None  # a landing's error that an abort swallowed
-
-    def _land(self, m: dict) -> None:
-        """Makes ``m`` this handle's state now and writes it (fsynced) on a thread; the writer
-        lock is released when it has landed."""
-        with self._lock:
-            old, self._m = self._m, m
-            self._staged.clear()
-            self._staged_digests.clear()
-        err: list = []
-
-        def land() -> None:
-            try:
-                write_manifest(self._root, m, self._where)
-            except BaseException as e:  # noqa: BLE001 - raised by settle() on the caller's thread
-                err.append(e)
-            finally:
-                if self._writer is not None:
-                    self._writer.release()
-
-        t = threading.Thread(target=land, name="jaxstream-commit", daemon=False)
-        t.start()
-        self._landing = (old, t, err)
-
-    def settle(self) -> None:
-        """Waits for a commit still landing (``commit(wait=False)``). Raises its error (the
-        store is then back at the step before it, in memory as on disk)."""
-        with self._begin_lock:
-            self._settle_locked()
-
-    def _settle_locked(self) -> None:
-        landing, self._landing = self._landing, None
-        lost, self._lost = self._lost, None
-        if lost is not None:
-            raise lost
-        if landing is None:
-            return
-        old, t, err = landing
-        t.join()
-        if err:
-            with self._lock:
-                self._m = old
-            raise err[0]
-
-    def rollback(self) -> int:
-        """Makes the commit before the last one current again and returns its step.
-
-        Every chunk of that commit that the last commit replaced is first checked against the
-        commit's own digests: a step's writes go to the slots the commit before last used, so
-        a step begun since (even one killed before its commit) may have overwritten them, and
-        then the rollback is refused by name and the store stays as it was. One step back
-        only: the store keeps two slots per unit.
-
-        Example::
-
-            store = LayerStore.open("/nvme/run/stores/hybrid")
-            store.rollback()   # then train on with a new run: engine.continue_store=true
-        """
-        prev = self._m.get("previous")
-        if prev is None:
-            raise StoreError(f"{self.manifest_file}: no earlier commit to roll back to (the store "
-                             f"was created, or rolled back, at step {self.step} and not "
-                             "committed since)")
-        return self._roll_back_to(prev)
-
-    @property
-    def sane_step(self) -> int:
-        """The step of the last commit that passed the guard (:mod:`jaxstream.stream.guard`):
-        the store's own step unless its last commit failed it."""
-        return int(self._m.get("sane", {}).get("step", self.step))
-
-    def rollback_to_sane(self) -> int:
-        """Makes the last sane commit current again (nothing to do when the last commit is
-        sane) and returns its step; its chunks are checked as :meth:`rollback` checks them.
-
-        Example::
-
-            store = LayerStore.open("/nvme/run/stores/bp")
-            store.rollback_to_sane()   # or: jaxstream run CONFIG --out RUN --rollback
-        """
-        target = self._m.get("sane", {})
-        if "slots" not in target:
-            return self.step
-        return self._roll_back_to(target)
-
-    def _check_sane(self) -> None:
-        """Refuses to stage writes past a commit that failed the guard: they would overwrite
-        the chunks of the last sane commit, the rollback target."""
-        failed = self._m.get("sane", {}).get("failed")
-        if failed is not None and "slots" in self._m["sane"]:
-            raise StoreDivergedError(guard_message(self._where, self._m["sane"]))
-
-    def _roll_back_to(self, prev: dict) -> int:
-        """Makes the commit ``prev`` (step, slots, digests, extra) current after checking every
-        chunk of it that the current commit replaced."""
-        self._begin_write()
-        try:
-            for kind in ("params", "opt"):
-                for part, l, slot in self._units(prev["slots"]):
-                    now = self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l]
-                    if now != slot:
-                        self._verify(kind, part, l, slot, prev["digests"][kind], prev["step"])
-            m = json.loads(json.dumps(self._m))
-            m.update({k: prev[k] for k in ("step", "slots", "digests", "extra")})
-            m.pop("previous", None)
-            for k, v in (("norms", prev.get("norms")), ("sane", sane_after_rollback(prev))):
-                if v is None:
-                    m.pop(k, None)
-                else:
-                    m[k] = v
-            m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
-            write_manifest(self._root, m, self._where)
-            self._m = m
-        finally:
-            if self._writer is not None:
-                self._writer.release()
-        return self.step
-
-    def _units(self, slots: dict) -> list[tuple[str, int | None, int]]:
-        return ([("embed", None, slots["embed"]), ("head", None, slots["head"])]
-                + [("blocks", l, s) for l, s in enumerate(slots["blocks"])])
-
-    def _verify(self, kind: str, part: str, l: int | None, slot: int, digests: dict,
-                step: int) -> None:
-        """Reads every leaf of a unit's ``slot`` and checks it against ``digests``."""
-        expect = digests[part] if l is None else digests["blocks"][l]
-        idx = (slot,) if l is None else (l, slot)
-        where = part if l is None else f"layer {l}"
-        for i, e in enumerate(self._m["leaves"][kind][part]):
-            name = f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})"
-            try:
-                self._leaf_read(kind, part, i, idx, name, expect[i]).result()
-            except StoreNotCommittedError as err:
-                raise StoreError(
-                    f"cannot roll back to step {step}: {name} was overwritten by a later write "
-                    f"(a step begun after it); the store stays at step {self.step}") from err
-            except Exception as err:
-                raise read_error(err, name) from err

@@ -179,7 +179,7 @@ def _die_in_manifest_write(commit: int) -> None:
     """Worker: SIGKILL itself while the ``commit``-th manifest write is in flight."""
     import threading
 
-    from jaxstream.stream import store as store_mod
+    from jaxstream.stream import store_commit as store_mod
 
     real, count = store_mod.write_manifest, [0]
 

@@ -86,7 +86,7 @@ def test_run_experiment_end_to_end(tmp_path, monkeypatch):
     config.write_text(yaml.safe_dump(data))
     # commits land on a thread (async_commit, the default), slowly here: each checkpoint must
     # still find its step on disk (the runner settles the store first)
-    import jaxstream.stream.store as store_mod
+    import jaxstream.stream.store_commit as store_mod
     from jaxstream.experiment.checkpoints import ArmCheckpointer
 
     write = store_mod.write_manifest

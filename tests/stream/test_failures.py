@@ -13,7 +13,7 @@ import pytest
 import jaxstream.grad as jg
 from jaxstream.models import mlp
 from jaxstream.stream import LayerStore
-from jaxstream.stream import store as store_mod
+from jaxstream.stream import store_commit as store_mod
 from jaxstream.stream.errors import StoreWriteError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 

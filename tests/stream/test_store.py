@@ -137,7 +137,7 @@ def test_full_disk_keeps_last_commit(tmp_path, late):
 
 
 def test_failed_manifest_write_keeps_last_commit(tmp_path, monkeypatch):
-    from jaxstream.stream import store as store_mod
+    from jaxstream.stream import store_commit as store_mod
 
     p = _params()
     store = LayerStore.create(tmp_path / "s", p)

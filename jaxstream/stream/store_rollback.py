@@ -1,0 +1,120 @@
+"""A store's way back: the commit before the last one, or the last sane one, made current
+again after every chunk of it is checked against its digests. A part of
+:class:`~jaxstream.stream.store.LayerStore`."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from jaxstream.stream.errors import (
+    StoreDivergedError,
+    StoreError,
+    StoreNotCommittedError,
+)
+from jaxstream.stream.guard import guard_message, sane_after_rollback
+from jaxstream.stream.store_parts import (
+    read_error,
+    write_manifest,
+)
+
+Unit = str | int  # "embed", "head" or a layer index
+
+
+class Rollbacks:
+    """Rollback of a :class:`~jaxstream.stream.store.LayerStore`."""
+
+    def rollback(self) -> int:
+        """Makes the commit before the last one current again and returns its step.
+
+        Every chunk of that commit that the last commit replaced is first checked against the
+        commit's own digests: a step's writes go to the slots the commit before last used, so
+        a step begun since (even one killed before its commit) may have overwritten them, and
+        then the rollback is refused by name and the store stays as it was. One step back
+        only: the store keeps two slots per unit.
+
+        Example::
+
+            store = LayerStore.open("/nvme/run/stores/hybrid")
+            store.rollback()   # then train on with a new run: engine.continue_store=true
+        """
+        prev = self._m.get("previous")
+        if prev is None:
+            raise StoreError(f"{self.manifest_file}: no earlier commit to roll back to (the store "
+                             f"was created, or rolled back, at step {self.step} and not "
+                             "committed since)")
+        return self._roll_back_to(prev)
+
+    @property
+    def sane_step(self) -> int:
+        """The step of the last commit that passed the guard (:mod:`jaxstream.stream.guard`):
+        the store's own step unless its last commit failed it."""
+        return int(self._m.get("sane", {}).get("step", self.step))
+
+    def rollback_to_sane(self) -> int:
+        """Makes the last sane commit current again (nothing to do when the last commit is
+        sane) and returns its step; its chunks are checked as :meth:`rollback` checks them.
+
+        Example::
+
+            store = LayerStore.open("/nvme/run/stores/bp")
+            store.rollback_to_sane()   # or: jaxstream run CONFIG --out RUN --rollback
+        """
+        target = self._m.get("sane", {})
+        if "slots" not in target:
+            return self.step
+        return self._roll_back_to(target)
+
+    def _check_sane(self) -> None:
+        """Refuses to stage writes past a commit that failed the guard: they would overwrite
+        the chunks of the last sane commit, the rollback target."""
+        failed = self._m.get("sane", {}).get("failed")
+        if failed is not None and "slots" in self._m["sane"]:
+            raise StoreDivergedError(guard_message(self._where, self._m["sane"]))
+
+    def _roll_back_to(self, prev: dict) -> int:
+        """Makes the commit ``prev`` (step, slots, digests, extra) current after checking every
+        chunk of it that the current commit replaced."""
+        self._begin_write()
+        try:
+            for kind in ("params", "opt"):
+                for part, l, slot in self._units(prev["slots"]):
+                    now = self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l]
+                    if now != slot:
+                        self._verify(kind, part, l, slot, prev["digests"][kind], prev["step"])
+            m = json.loads(json.dumps(self._m))
+            m.update({k: prev[k] for k in ("step", "slots", "digests", "extra")})
+            m.pop("previous", None)
+            for k, v in (("norms", prev.get("norms")), ("sane", sane_after_rollback(prev))):
+                if v is None:
+                    m.pop(k, None)
+                else:
+                    m[k] = v
+            m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
+            write_manifest(self._root, m, self._where)
+            self._m = m
+        finally:
+            if self._writer is not None:
+                self._writer.release()
+        return self.step
+
+    def _units(self, slots: dict) -> list[tuple[str, int | None, int]]:
+        return ([("embed", None, slots["embed"]), ("head", None, slots["head"])]
+                + [("blocks", l, s) for l, s in enumerate(slots["blocks"])])
+
+    def _verify(self, kind: str, part: str, l: int | None, slot: int, digests: dict,
+                step: int) -> None:
+        """Reads every leaf of a unit's ``slot`` and checks it against ``digests``."""
+        expect = digests[part] if l is None else digests["blocks"][l]
+        idx = (slot,) if l is None else (l, slot)
+        where = part if l is None else f"layer {l}"
+        for i, e in enumerate(self._m["leaves"][kind][part]):
+            name = f"{self._where}: {kind} leaf {e['name']!r} of {where} (slot {slot})"
+            try:
+                self._leaf_read(kind, part, i, idx, name, expect[i]).result()
+            except StoreNotCommittedError as err:
+                raise StoreError(
+                    f"cannot roll back to step {step}: {name} was overwritten by a later write "
+                    f"(a step begun after it); the store stays at step {self.step}") from err
+            except Exception as err:
+                raise read_error(err, name) from err
