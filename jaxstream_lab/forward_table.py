@@ -246,7 +246,7 @@ class ForwardTableConfig(Checked):
     def check_run(self, resume: bool) -> None:
         """Before anything is written: each data set's lanes (rates × seeds) fit in memory and
         its data set holds a batch."""
-        from jaxstream.experiment.train_config import check_memory, max_tangents
+        from jaxstream.experiment.train_config import check_memory, max_tangents, tangents_field
 
         tangents = max_tangents(a.estimator for a in self.arms)
         for i, d in enumerate(self.datasets):
@@ -254,6 +254,8 @@ class ForwardTableConfig(Checked):
                         and a.runs_on(d.name)]
             lanes = self.seeds * max([len(a.sweep(d.name)) for a in together] or [1])
             check_memory(d.model, d.batch_size, lanes=lanes, tangents=tangents,
+                         named={"tangents": tangents_field(self.arms),
+                                "lanes": "seeds × the arms' learning rates"},
                          streamed=all(a.engine.streams_layers for a in self.arms),
                          field=f"datasets.{i}.model")
             d.data.check_batch(d.batch_size, self.seed, f"datasets.{i}.batch_size")

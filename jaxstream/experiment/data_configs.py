@@ -38,15 +38,16 @@ class DataConfig(Checked):
         """Bytes the loaded data set holds, where the section alone says (None: unknown)."""
         return None
 
-    def check_batch(self, batch_size: int, seed: int, field: str = "batch_size") -> None:
+    def check_batch(self, batch_size: int, seed: int, field: str = "batch_size",
+                    section: str = "data") -> None:
         """Before any write: the data set fits in this machine's memory (where its size is
         known without loading it), and a batch fits in its train split (it would otherwise hold
-        some examples twice). Errors name ``field`` or the data section."""
+        some examples twice). Errors name ``field`` or the data ``section``."""
         from jaxstream.experiment.train_config import machine_memory
 
         need, have = self.nbytes(), machine_memory()
         if need is not None and need > have:
-            raise ValueError(f"data: holds about {need / 2**30:.3g} GiB; this machine has "
+            raise ValueError(f"{section}: holds about {need / 2**30:.3g} GiB; this machine has "
                              f"{have / 2**30:.3g} GiB of memory; make the data set smaller")
         n = self.train_size(seed)
         if batch_size > n:

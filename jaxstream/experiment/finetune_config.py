@@ -141,7 +141,7 @@ class FinetuneConfig(Checked):
                              "exist, so a source data section to write it from is required "
                              "(e.g. source: {type: text, corpus: b})")
         self.pretrain.data.check_batch(self.pretrain.batch_size, self.seed,
-                                       field="pretrain.batch_size")
+                                       field="pretrain.batch_size", section="pretrain.data")
         if self._store_exists():
             info = json.loads((Path(self.data_store) / INFO).read_text())
             n = int(info.get("num_train", self.batch_size))
@@ -149,7 +149,7 @@ class FinetuneConfig(Checked):
                 raise ValueError(f"batch_size: {self.batch_size} exceeds the {n} training "
                                  f"examples of the data store {self.data_store}; allowed: 1..{n}")
         else:
-            self.source.check_batch(self.batch_size, self.seed)
+            self.source.check_batch(self.batch_size, self.seed, section="source")
             info = self.source.dataset(self.seed).info
         pre = self.pretrain.data.dataset(self.seed).info
         for k in ("vocab_size", "seq_len", "num_classes", "in_dim"):

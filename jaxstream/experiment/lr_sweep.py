@@ -85,10 +85,11 @@ class LRSweepConfig(Checked):
 
     def check_run(self, resume: bool) -> None:
         """Before anything is written: the lanes fit in memory, the data set holds a batch."""
-        from jaxstream.experiment.train_config import check_memory, max_tangents
+        from jaxstream.experiment.train_config import check_memory, max_tangents, tangents_field
 
         check_memory(self.model, self.batch_size, lanes=len(self.lrs),
-                     tangents=max_tangents(a.estimator for a in self.arms))
+                     tangents=max_tangents(a.estimator for a in self.arms),
+                     named={"tangents": tangents_field(self.arms), "lanes": "lrs"})
         self.data.check_batch(self.batch_size, self.seed)
 
 

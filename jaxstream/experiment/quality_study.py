@@ -111,7 +111,9 @@ class GradQualityConfig(Checked):
         from jaxstream.experiment.train_config import check_memory
 
         check_memory(self.model, self.micro_batches * self.microbatch_size,
-                     tangents=max(self.tangent_counts + (self.num_tangents,)))
+                     tangents=max(self.tangent_counts + (self.num_tangents,)),
+                     named={"batch": "micro_batches × microbatch_size",
+                            "tangents": "num_tangents, tangent_counts"})
 
 
 def microbatches(

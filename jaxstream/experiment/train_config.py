@@ -121,7 +121,8 @@ class TrainConfig(Checked):
         estimate of the model against the machine's memory, and the engine's own checks
         (e.g. a new run must not reuse an existing layer store)."""
         check_memory(self.model, self.batch_size, streamed=self.engine.streams_layers,
-                     tangents=max_tangents(a.estimator for a in self.arms))
+                     tangents=max_tangents(a.estimator for a in self.arms),
+                     named={"tangents": tangents_field(self.arms)})
         if self.engine.streams_layers:
             check_disk(self.model, self.engine.location(self.arms[0].name))
         self.data.check_batch(self.batch_size, self.seed)
@@ -133,11 +134,13 @@ class TrainConfig(Checked):
 
 
 def check_memory(model: Any, batch_size: int, lanes: int = 1, streamed: bool = False,
-                 tangents: int = 1, field: str = "model") -> None:
+                 tangents: int = 1, field: str = "model", named: dict | None = None) -> None:
     """Refuse a model whose memory estimate (its parameters with optimizer state, or one
     streamed layer, plus activations of ``batch_size`` and the ``tangents`` a jvp holds;
-    ``lanes`` copies trained side by side) exceeds this machine's memory, naming ``field``,
-    before anything is written."""
+    ``lanes`` copies trained side by side) exceeds this machine's memory, naming ``field``
+    and, after each size, the config fields that set it (``named``: ``"batch"``,
+    ``"tangents"``, ``"lanes"`` → a field), before anything is written."""
+    named = {k: f" ({v})" for k, v in (named or {}).items() if v}
     estimate = getattr(model, "memory_estimate", None)
     if estimate is None:
         return
@@ -145,10 +148,12 @@ def check_memory(model: Any, batch_size: int, lanes: int = 1, streamed: bool = F
     have = machine_memory()
     if need > have:
         what = "one streamed layer" if streamed else "parameters"
-        extra = "".join([f", {tangents} tangents" if tangents > 1 else "",
-                         f", {lanes} lanes side by side" if lanes > 1 else ""])
+        extra = "".join([
+            f", {tangents} tangents{named.get('tangents', '')}" if tangents > 1 else "",
+            f", {lanes} lanes side by side{named.get('lanes', '')}" if lanes > 1 else ""])
         raise ValueError(f"{field}: needs about {need / 2**30:.3g} GiB ({what} with optimizer "
-                         f"state, plus activations of batch_size={batch_size}{extra}); this "
+                         f"state, plus activations of batch_size={batch_size}"
+                         f"{named.get('batch', '')}{extra}); this "
                          f"machine has {have / 2**30:.3g} GiB of memory; make the model smaller"
                          f"{', or use fewer lanes' if lanes > 1 else ''}"
                          f"{' or fewer tangents' if tangents > 1 else ''}")
@@ -175,6 +180,15 @@ def check_disk(model: Any, where: str | None, field: str = "model") -> None:
 def max_tangents(estimators: Any) -> int:
     """The most jvp tangents any of ``estimators`` (config sections) draws at once."""
     return max([getattr(e, "num_tangents", 1) for e in estimators] + [1])
+
+
+def tangents_field(arms: Any, prefix: str = "arms") -> str | None:
+    """The dotted field of the arm whose estimator draws the most tangents (None: none draws
+    more than one), for an error to name."""
+    counts = [getattr(a.estimator, "num_tangents", 1) for a in arms]
+    if not counts or max(counts) <= 1:
+        return None
+    return f"{prefix}.{counts.index(max(counts))}.estimator.num_tangents"
 
 
 def machine_memory() -> int:

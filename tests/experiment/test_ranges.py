@@ -130,7 +130,8 @@ def test_cross_field_checks_name_the_field_before_anything_is_written(tmp_path):
         (["data={type: chars, num_train: 16, seq_len: 8}", "batch_size=32",
           "model={type: char_transformer}"], r"batch_size: 32 exceeds the 16 training examples"),
         (["arms.1.estimator.num_tangents=1000000000000"], (r"model: needs about .* GiB .*"
-                                                          r"1000000000000 tangents")),
+                                                          r"1000000000000 tangents \(arms\.1\."
+                                                          r"estimator\.num_tangents\)")),
         (["model.depth=1000000000000", "engine={type: stream}",
           "arms=[{name: bp, estimator: {type: backprop}}]"],
          r"model: its layer store needs about .* GiB and .* free"),
@@ -173,7 +174,7 @@ def test_sweeps_check_their_lanes_against_memory(tmp_path):
     table = ROOT / "experiments" / "forward_table_quick.yaml"
     out = tmp_path / "run"
     with pytest.raises(ConfigError, match=r"datasets.0.model: needs about .* lanes side by "
-                                          r"side.*or use fewer lanes"):
+                                          r"side \(seeds × .*or use fewer lanes"):
         run_experiment(table, ["seeds=100000000000"], out=out)
     assert not out.exists()
     with pytest.raises(ConfigError, match=r"datasets.0.batch_size: 5000 exceeds the"):
