@@ -171,9 +171,10 @@ class Case:
 
     def __init__(self, name: str, width: int, workdir: Path, seed: int = 0, *,
                  micro: int = MICRO, micro_size: int = MICRO_SIZE, dtype: str = "float32",
-                 depth: int = DEPTH):
+                 depth: int = DEPTH, layers_per_unit: int = 1):
         """``dtype``: the compute dtype of both sides (the in-memory parameters are cast to
-        it; the store keeps fp32 masters and casts each layer as it is read)."""
+        it; the store keeps fp32 masters and casts each layer as it is read);
+        ``layers_per_unit``: the streamed sweeps' units (:class:`StreamConfig`)."""
         from jaxstream.stream import LayerStore
         from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
@@ -187,10 +188,11 @@ class Case:
         mem_params = jax.tree.map(lambda a: a.astype(self.dtype), params)
         self.params, self.opt_state = mem_params, self.mem_step.init(mem_params)
         self.micro_in_memory = micro_in_memory
-        self.path = workdir / f"{name}-{width}"
+        self.path = workdir / f"{name}-{width}-g{layers_per_unit}"
         store = LayerStore.create(str(self.path), jax.device_get(params), optimizer=opt,
                                   model_config={"name": self.stack.name, "width": width})
-        cfg = StreamConfig(prefetch=2, compute_dtype=dtype, update=update)
+        cfg = StreamConfig(prefetch=2, compute_dtype=dtype, update=update,
+                           layers_per_unit=layers_per_unit)
         self.executor = StreamedExecutor(self.stack, est, opt, store, cfg)
 
     def batches(self, step: int) -> tuple[dict, dict]:

@@ -53,6 +53,9 @@ class ComposedEngineConfig(StreamEngineConfig):
             raise ValueError("async_commit: the composed engine commits each step before the "
                              "next (its store copies must agree on the committed step); "
                              "allowed: false")
+        if self.layers_per_unit != 1:
+            raise ValueError(f"layers_per_unit: the composed engine's units are its chunks of "
+                             f"one layer per stage; allowed: 1, got {self.layers_per_unit}")
         if self.schedule == "circular" and self.prefetch < 1:
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while "
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "

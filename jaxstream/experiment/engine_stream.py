@@ -66,6 +66,9 @@ class StreamEngineConfig(EngineConfig):
         step computes (off the step's critical path; a kill before it lands resumes at the
         step before, and the runner waits for it before each checkpoint, so a checkpoint is
         never ahead of its store). false: every step returns committed.
+      layers_per_unit: G consecutive layers read and run on the device as one program (fewer
+        dispatches and waits at small widths); the forward estimator with weight tangents and
+        backprop only (:class:`~jaxstream.stream.placement.Grouped`).
       micro_batches: N for backprop/forward (a hybrid estimator brings its own N).
       depth: dynamic depth policy (kind: all | stochastic | progressive).
       file_io_concurrency: TensorStore's concurrent file operations.
@@ -78,6 +81,7 @@ class StreamEngineConfig(EngineConfig):
     update: Literal["eager", "lazy"] = "eager"
     rewrite_every: Count = 1
     async_commit: bool = True
+    layers_per_unit: Count = 1
     micro_batches: Count = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: Count = 64
@@ -95,7 +99,11 @@ class StreamEngineConfig(EngineConfig):
     def units(self, depth: int) -> tuple[int, str]:
         """How many units a step reads (what ``prefetch`` counts) for ``depth`` blocks, and
         what they are."""
-        return depth + 2, f"embed, {depth} blocks, head"
+        g = self.layers_per_unit
+        if g == 1:
+            return depth + 2, f"embed, {depth} blocks, head"
+        n = -(-depth // g)
+        return n + 2, f"embed, {n} units of up to {g} blocks, head"
 
     def check_model(self, model: Any) -> None:
         """Read-ahead within the model: at most its units after the computing one, when the
@@ -144,9 +152,11 @@ class StreamEngineConfig(EngineConfig):
         """The streamed executor runs the arm's estimator with this ``update`` (checked when
         the config is loaded, before any arm trains)."""
         from jaxstream.stream.executor import plan_of
+        from jaxstream.stream.placement import check_grouped
 
         try:
-            plan_of(arm.estimator.build(), self.update)
+            plan = plan_of(arm.estimator.build(), self.update)
+            check_grouped(plan, self.layers_per_unit, "stream")
         except (ValueError, TypeError) as err:
             raise ValueError(f"{field}.estimator: {err}") from None
 
@@ -231,7 +241,8 @@ class StreamEngine:
     def _new_executor(self, store: LayerStore) -> StreamedExecutor:
         scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
                             self.cfg.depth, rewrite_every=self.cfg.rewrite_every,
-                            async_commit=self.cfg.async_commit)
+                            async_commit=self.cfg.async_commit,
+                            layers_per_unit=self.cfg.layers_per_unit)
         return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:

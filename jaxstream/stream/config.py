@@ -40,6 +40,9 @@ class StreamConfig:
         them on average (1: every read writes). A hybrid's deferred combine is written at its
         next read either way (its carried means are not kept), and :meth:`flush` writes every
         layer (before an evaluation).
+      layers_per_unit: G consecutive layers read, put on the device and run together as one
+        scanned program (:class:`~jaxstream.stream.placement.Grouped`); the forward estimator
+        with weight tangents and backprop only. 1: one layer per unit.
     """
 
     prefetch: int = 2
@@ -50,6 +53,7 @@ class StreamConfig:
     stash_bytes: int | None = None
     async_commit: bool = False
     rewrite_every: int = 1
+    layers_per_unit: int = 1
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -61,6 +65,10 @@ class StreamConfig:
         if (not isinstance(self.rewrite_every, int) or isinstance(self.rewrite_every, bool)
                 or self.rewrite_every < 1):
             raise ValueError(f"rewrite_every must be an int >= 1, got {self.rewrite_every!r}")
+        if (not isinstance(self.layers_per_unit, int) or isinstance(self.layers_per_unit, bool)
+                or self.layers_per_unit < 1):
+            raise ValueError(f"layers_per_unit must be an int >= 1, got "
+                             f"{self.layers_per_unit!r}")
         if self.rewrite_every > 1 and self.update != "lazy":
             raise ValueError(f"rewrite_every={self.rewrite_every} needs update='lazy' (an eager "
                              f"update writes every layer it updates), got "

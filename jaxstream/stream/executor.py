@@ -29,7 +29,7 @@ from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
 from jaxstream.stream.host_queue import HostQueue, f32, new_clock
 from jaxstream.stream.pending import Pending
-from jaxstream.stream.placement import OneDevice, Placement
+from jaxstream.stream.placement import Grouped, OneDevice, Placement, check_grouped
 from jaxstream.stream.prefetch import Event
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.sweeps import sweeps_of
@@ -73,6 +73,14 @@ class StreamedExecutor(Driver):
         self.spec: TangentSpec = self.plan.spec
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
+        check_grouped(self.plan, config.layers_per_unit, self.engine)
+        if placement is not None and config.layers_per_unit > 1:
+            raise ValueError(f"{self.engine}: layers_per_unit={config.layers_per_unit} groups a "
+                             f"one-device sweep's layers; {type(placement).__name__} makes its "
+                             f"own units; allowed with it: 1")
+        if placement is None and config.layers_per_unit > 1:
+            placement = Grouped(stack, self.spec, self.dtype, device or jax.local_devices()[0],
+                                config.stash_bytes, config.layers_per_unit)
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
                                                 device or jax.local_devices()[0],
                                                 config.stash_bytes)

@@ -84,6 +84,36 @@ def block_vjp(stack: Stack, p: Any, h: jax.Array, ct: jax.Array):
     return gp, gh
 
 
+# ----------------------------------------------------------------------------- grouped units
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def blocks_unit_jvp(stack: Stack, spec: TangentSpec, p: Any, first: jax.Array, keys: jax.Array,
+                    h: jax.Array, dh: jax.Array):
+    """:func:`block_jvp` of G consecutive blocks (params stacked on a leading axis, the first
+    block's global index ``first``), one scan in one program."""
+    return jax.vmap(lambda hn, dhn, kn: sg.blocks_jvp(stack, spec, p, first, hn, dhn, kn))(
+        h, dh, keys)
+
+
+def _blocks(stack: Stack, p: Any, h: jax.Array) -> jax.Array:
+    """G stacked blocks applied in turn to every micro-batch."""
+    return jax.lax.scan(lambda hh, pl: (jax.vmap(lambda hn: stack.block(pl, hn))(hh), None),
+                        h, p)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def blocks_unit_apply(stack: Stack, p: Any, h: jax.Array) -> jax.Array:
+    """:func:`block_apply` of G stacked blocks, one scan in one program."""
+    return _blocks(stack, p, h)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def blocks_unit_vjp(stack: Stack, p: Any, h: jax.Array, ct: jax.Array):
+    """:func:`block_vjp` of G stacked blocks from the unit's input (each block's input
+    recomputed within the program): stacked parameter gradients and the input cotangent."""
+    out, pull = jax.vjp(lambda pp, hh: _blocks(stack, pp, hh), p, h)
+    return pull(ct.astype(out.dtype))
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def embed_vjp(stack: Stack, p: Any, x: jax.Array, ct: jax.Array):
     out, pull = jax.vjp(lambda pp: jax.vmap(lambda xn: stack.embed(pp, xn))(x), p)

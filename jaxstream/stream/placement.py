@@ -263,3 +263,58 @@ class OneDevice(Placement):
         (h,) = state
         stash[unit.key] = self.keep(h)
         return (K.block_apply(self.stack, dev, h),)
+
+
+class Grouped(OneDevice):
+    """G consecutive layers per unit on one device: each unit's parameters go to the device
+    together and its blocks run as one scanned program (at small widths a step is dispatches
+    and waits, one per unit). Runs the forward estimator with weight tangents and backprop
+    (a unit's reverse recomputes its blocks' inputs from the unit's stashed input); other
+    plans are refused by :func:`check_grouped`."""
+
+    def __init__(self, stack: Stack, spec: TangentSpec, dtype: Any, device: Any,
+                 stash_bytes: int | None = None, group: int = 2):
+        super().__init__(stack, spec, dtype, device, stash_bytes)
+        self.group = group
+
+    runs_local_guess = False
+
+    def chunks(self, layers: Sequence[int]) -> list[Unit]:
+        g = self.group
+        return [block(*layers[i:i + g]) for i in range(0, len(layers), g)]
+
+    def put(self, unit: Unit, hosts: list) -> Any:
+        return self.to_device(jax.tree.map(lambda *a: np.stack(a), *hosts))
+
+    def split(self, unit: Unit, g: Any, hosts: list | None, fn: Callable) -> None:
+        for i, l in enumerate(unit.layers):
+            fn(l, jax.tree.map(lambda a, i=i: a[i], g), None if hosts is None else hosts[i])
+
+    def jvp(self, dev, unit, keys, state, stash: dict, stash_idx):
+        if stash_idx is not None:
+            raise ValueError("layers_per_unit: a grouped unit stashes no per-block inputs for a "
+                             "hybrid's reverse sweep; allowed with a hybrid: 1")
+        return K.blocks_unit_jvp(self.stack, self.spec, dev, np.int32(unit.layers[0]), keys,
+                                 *state)
+
+    def apply(self, dev, unit, state, stash: dict):
+        (h,) = state
+        stash[unit] = self.keep(h)
+        return (K.blocks_unit_apply(self.stack, dev, h),)
+
+    def vjp(self, dev, unit, stash: dict, state, each: bool):
+        if each:
+            raise ValueError("layers_per_unit: per-micro-batch exact gradients (a hybrid) run "
+                             "one layer per unit; allowed with a hybrid: 1")
+        g, ct = K.blocks_unit_vjp(self.stack, dev, self.bring(stash[unit]), state[0])
+        return (ct,), [(unit, g)]
+
+
+def check_grouped(plan: Plan, group: int, who: str) -> None:
+    """Refuses, naming ``layers_per_unit``, a plan a grouped unit does not run: it runs the
+    forward estimator with weight tangents and backprop."""
+    fp = plan.forward_pass
+    if group > 1 and not ((fp.scalars and plan.exact == "none")
+                          or (not fp.runs and plan.exact == "all")):
+        raise ValueError(f"{who}: layers_per_unit={group} runs the forward estimator with "
+                         f"weight tangents and backprop, not {plan.describe()}; allowed for it: 1")
