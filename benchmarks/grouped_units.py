@@ -76,6 +76,16 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def portable(argv: list[str]) -> str:
+    """The command as a reader reruns it: file arguments by their names only."""
+    out, after = [], None
+    for a in argv:
+        out.append(Path(a).name if after in ("--json", "--doc", "--from-json") and "/" in a
+                   and not a.startswith("docs/") else a)
+        after = a
+    return " ".join(["python benchmarks/grouped_units.py", *out])
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", type=int, nargs="+", default=[256, 1024])
@@ -84,14 +94,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None, help="write the table into this doc's block")
+    p.add_argument("--from-json", default=None, help="render an earlier run's JSON (no "
+                   "measuring)")
     args = p.parse_args(argv)
     if min(args.widths + args.groups) < 1 or args.rounds < 1:
         p.error("--widths, --groups and --rounds must be positive")
-    rows = measure(args.widths, args.groups, args.estimators, args.rounds)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        rows, command = saved["rows"], saved["command"]
+    else:
+        rows = measure(args.widths, args.groups, args.estimators, args.rounds)
+        command = portable(argv if argv is not None else sys.argv[1:])
     table = markdown(rows)
     print(table)
-    command = "python benchmarks/grouped_units.py " + " ".join(argv or sys.argv[1:])
-    if args.json:
+    if args.json and not args.from_json:
         Path(args.json).write_text(json.dumps({"command": command, "rows": rows, "machine": (
             f"{platform.platform()}, {jax.devices()[0].platform}")}, indent=1))
     if args.doc:
