@@ -210,7 +210,9 @@ def control_variate(spec: TangentSpec, keys, d, h, c, like, first_layer: int = 0
     own buffer (:func:`~jaxstream.grad.tangents.combine`'s ``init``): no residual tree is
     materialised. ``stein`` needs ‖r‖², so its residual is formed first."""
     n = d.shape[0]
-    coeffs = (d - c) / (n * spec.num)
+    # the residual scalars in fp32 (d comes in the compute dtype, c as h's sums: bf16 compute
+    # would otherwise mix the two)
+    coeffs = (d.astype(jnp.float32) - c.astype(jnp.float32)) / (n * spec.num)
     if stein is None:
         if beta is not None:
             rows = _scaled_rows(rows, beta, n, like)
