@@ -38,7 +38,9 @@ class TrainStep:
     """
 
     def __init__(self, estimator: Callable, optimizer: optax.GradientTransformation,
-                 loss_fn: Callable):
+                 loss_fn: Callable, prepare: Callable[[Any], Any] | None = None):
+        """``prepare``: applied to each batch inside the step before the estimator sees it
+        (e.g. the experiment runner's cut into micro-batches)."""
         if not callable(estimator):
             raise TypeError(f"estimator: expected an estimator such as jaxstream.grad.forward(), "
                             f"got {type(estimator).__name__}")
@@ -46,7 +48,7 @@ class TrainStep:
             raise TypeError(f"optimizer: expected an optax GradientTransformation, got "
                             f"{type(optimizer).__name__}")
         check_loss_fn(loss_fn, "train_step")
-        self.estimator, self.loss_fn = estimator, loss_fn
+        self.estimator, self.loss_fn, self.prepare = estimator, loss_fn, prepare
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.stateful = isinstance(loss_fn, Sequential) and loss_fn.has_state
         self._step = jax.jit(self._update)
@@ -60,19 +62,27 @@ class TrainStep:
         """``(loss, grads)`` of the estimator; a sequential model gets its dropout key (the
         estimator runs activity perturbation on its own layered pass)."""
         model = self.loss_fn
+        if self.prepare is not None:
+            batch = self.prepare(batch)
         if isinstance(model, Sequential):
             model = model.with_rng(jax.random.fold_in(key, DROPOUT))
         out = self.estimator(model, params, batch, key)
         return out[0], out[1]
 
-    def _update(self, params, opt_state, batch, key):
+    def update(self, params: Any, opt_state: Any, batch: Any, key: jax.Array
+               ) -> tuple[Any, Any, jax.Array, Any]:
+        """One step, traceable (the engines jit it inside their own steps): ``(params,
+        opt_state, loss, grads)``."""
         loss, grads = self.gradients(params, batch, key)
         opt = opt_state.optimizer if self.stateful else opt_state
         updates, opt = self.optimizer.update(grads, opt, params)
         if self.stateful:
             model_state = self.loss_fn.update_state(params, opt_state.model, batch["x"])
             opt = WithModelState(opt, model_state)
-        return optax.apply_updates(params, updates), opt, loss
+        return optax.apply_updates(params, updates), opt, loss, grads
+
+    def _update(self, params, opt_state, batch, key):
+        return self.update(params, opt_state, batch, key)[:3]
 
     def __call__(self, params: Any, opt_state: Any, batch: Any,
                  key: jax.Array) -> tuple[Any, Any, jax.Array]:

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxstream.experiment.config import choices, register_choice
-from jaxstream.optim.promotion import standard_promotion
 from jaxstream.ranges import Checked
+from jaxstream.training import TrainStep
 
 Metrics = dict[str, Any]
 
@@ -176,7 +176,8 @@ class LocalState(NamedTuple):
 
 
 class LocalEngine:
-    """Single-device engine: ``step = jit(estimator -> optax update)``.
+    """Single-device engine: the library's one local step (:class:`jaxstream.training.TrainStep`)
+    with the run's state and metrics around it.
 
     For a hybrid estimator the batch is cut into ``micro_batches`` micro-batches inside the step.
     """
@@ -186,8 +187,10 @@ class LocalEngine:
         self.cfg = cfg
         self.stack = stack
         self.estimator = estimator
-        self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.micro_batches = micro_batches
+        self.train = TrainStep(estimator, optimizer, stack,
+                               prepare=lambda b: split_micro_batches(b, micro_batches))
+        self.optimizer = self.train.optimizer  # optax's arithmetic: optax's rules
         self.step = jax.jit(self._step)
         self.estimate = jax.jit(self._estimate, static_argnames="diagnostics")
 
@@ -206,9 +209,8 @@ class LocalEngine:
         return self.estimator(self.stack, state.params, batch, key)
 
     def _step(self, state: LocalState, batch: dict, key: jax.Array):
-        loss, grads = self._estimate(state, batch, key)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params, opt_state, loss, grads = self.train.update(state.params, state.opt_state, batch,
+                                                           key)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return LocalState(params, opt_state), metrics
 
