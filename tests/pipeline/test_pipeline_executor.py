@@ -28,7 +28,7 @@ from jaxstream.pipeline import (
     gpipe_forward,
     one_f_one_b,
 )
-from jaxstream.pipeline import executor as ex
+from jaxstream.pipeline import step as ex  # where the jitted step is built
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
 from tests.pipeline.tiny import tiny_setup
