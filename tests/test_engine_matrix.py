@@ -260,7 +260,10 @@ def run_engine(engine: str, name: str, problem, direction, store, key=None):
         ex = ComposedExecutor(stack, est, SGD, store, cfg, mesh=make_mesh(*COMPOSED_MESH))
     else:
         ex = StreamedExecutor(stack, est, SGD, store, cfg)
-    return ex.estimate(micro, key)
+    try:
+        return ex.estimate(micro, key)
+    finally:
+        ex.close()  # its host worker's thread ends here, not when the executor is collected
 
 
 @pytest.mark.parametrize("engine,name", PAIRS, ids=[f"{e}-{n}" for e, n in PAIRS])

@@ -248,6 +248,13 @@ class StreamedExecutor(Driver):
             self.store.abort()
         return losses, d
 
+    def close(self) -> None:
+        """Waits for the host updates in flight and ends the host worker's thread (the store
+        stays open: it is the caller's). A notebook or a sweep that builds many executors
+        closes each when done instead of leaving an idle thread per executor until it is
+        collected; a closed executor does not step again."""
+        self.queue.shutdown()
+
     def flush(self, step: int | None = None) -> None:
         """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""
         if not self.pending.apply_all():

@@ -83,6 +83,13 @@ class HostQueue:
         finally:
             self.clock["wait_update_s"] += time.perf_counter() - t0
 
+    def shutdown(self) -> None:
+        """Waits for the work in flight, then ends the worker's thread."""
+        try:
+            self.wait()
+        finally:
+            self._worker.shutdown(wait=True)
+
     def drop(self) -> None:
         """After a failure: lets the work in flight finish, ignoring its errors."""
         for f in self._inflight:
