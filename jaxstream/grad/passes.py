@@ -84,13 +84,13 @@ class ForwardPass:
 _PASSES: dict[str, ForwardPass] = {}
 
 
-def register(fp: ForwardPass, *, replace: bool = False) -> ForwardPass:
-    """Adds a forward pass; an engine runs it where it declares that engine (and the engine's
-    kernels for its declarations exist)."""
+def register(fp: ForwardPass) -> ForwardPass:
+    """Adds a forward pass (a name is taken once); an engine runs it where it declares that
+    engine (and the engine's kernels for its declarations exist)."""
     if not isinstance(fp, ForwardPass):
         raise TypeError(f"register: a ForwardPass, got {type(fp).__name__}")
-    if fp.name in _PASSES and not replace:
-        raise ValueError(f"forward pass {fp.name!r} is already registered; pass replace=True")
+    if fp.name in _PASSES:
+        raise ValueError(f"forward pass {fp.name!r} is already registered")
     _PASSES[fp.name] = fp
     return fp
 

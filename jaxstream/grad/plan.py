@@ -83,11 +83,6 @@ class Plan:
         return not self.forward_pass.runs and self.exact == "selected"
 
     @property
-    def forward_only(self) -> bool:
-        """A forward estimate with no exact gradients."""
-        return self.forward_pass.runs and self.exact == "none"
-
-    @property
     def rule(self) -> Rule | None:
         """The combine rule (None where the forward pass or the exact mean is the estimate)."""
         return None if self.combine is None else get(self.combine)
