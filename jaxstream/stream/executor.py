@@ -27,7 +27,7 @@ from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import kernels as K
 from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
-from jaxstream.stream.host_queue import HostQueue, f32, new_clock
+from jaxstream.stream.host_queue import HostQueue, new_clock, to_host
 from jaxstream.stream.pending import Pending
 from jaxstream.stream.placement import Grouped, OneDevice, Placement, check_grouped
 from jaxstream.stream.prefetch import Event
@@ -233,7 +233,7 @@ class StreamedExecutor(Driver):
             opt = self.store.read_opt(u).result()
             with jax.default_device(self.host):
                 zeros = jax.tree.map(lambda a: np.zeros(np.shape(a), np.float32), params)
-                jax.block_until_ready(K.optax_step(self.optimizer, f32(zeros, self.host), opt,
+                jax.block_until_ready(K.optax_step(self.optimizer, to_host(zeros, self.host), opt,
                                                    params))
 
     def forward(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -42,8 +42,19 @@ def _unit(key: str) -> str | int:
 
 
 def leaf_sq(x: np.ndarray) -> float:
-    """A host array's squared L2 norm, summed in float64 (what the guard adds up per unit)."""
-    return float(np.sum(np.square(x, dtype=np.float64)))
+    """A host array's squared L2 norm (what the guard adds up per unit): one BLAS dot in
+    float32 (float64 for float64 arrays), relative error about 1e-5 at 4 M entries against
+    the guard's factor of 10, and 20x cheaper than squaring into a float64 copy (the write
+    path runs it on every leaf of every update). Not finite iff some entry is not finite or
+    float64's range is exceeded (an overflow in float32 is summed again in float64)."""
+    v = np.ravel(x)
+    if v.dtype != np.float64:
+        v32 = v.astype(np.float32, copy=False)
+        s = float(np.dot(v32, v32))
+        if not math.isinf(s):
+            return s
+        v = v.astype(np.float64)
+    return float(np.dot(v, v))
 
 
 def _sq(tree: Any) -> float:

@@ -105,7 +105,7 @@ class HostQueue:
             opt = self.store.read_opt(unit, staged=True).result()
         t0 = time.perf_counter()
         with jax.default_device(self.host), jax.profiler.TraceAnnotation(f"host update {unit}"):
-            new_p, new_opt = K.optax_step(self.optimizer, f32(grads, self.host), opt, params)
+            new_p, new_opt = K.optax_step(self.optimizer, to_host(grads, self.host), opt, params)
             new = jax.tree.map(np.asarray, (new_p, new_opt))
         t1 = time.perf_counter()
         with jax.profiler.TraceAnnotation(f"write {unit}"):
@@ -131,7 +131,11 @@ def host32(tree: Any) -> Any:
     return jax.tree.map(lambda a: np.asarray(a, np.float32), host_value(tree))
 
 
-def f32(tree: Any, host: Any) -> Any:
-    """A gradient pytree as fp32 on the host (the optimizer's precision)."""
-    return jax.tree.map(lambda a: jax.device_put(np.asarray(host_value(a), np.float32), host),
-                        tree)
+def to_host(tree: Any, host: Any) -> Any:
+    """A gradient pytree on the host device in one batched transfer (a no-op for arrays
+    already there, as on a CPU backend); arrays spread over processes are gathered first.
+    :func:`kernels.optax_step` casts it to fp32 inside its program."""
+    if any(isinstance(a, jax.Array) and not a.is_fully_addressable
+           for a in jax.tree.leaves(tree)):
+        tree = host_value(tree)
+    return jax.device_put(tree, host)

@@ -141,8 +141,9 @@ def unit_gram(spec: TangentSpec, seg_key: jax.Array, like: Any) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def optax_step(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any):
-    """One fp32 optax update of one unit (the optimizer must act element-wise per leaf)."""
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    """One fp32 optax update of one unit (the optimizer must act element-wise per leaf); the
+    gradient's floating leaves are cast to fp32 here, in the same program."""
+    updates, opt_state = optimizer.update(to_f32(grads), opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
 

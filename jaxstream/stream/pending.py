@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxstream.stream import deferred, lazy
 from jaxstream.stream import kernels as K
-from jaxstream.stream.host_queue import f32
+from jaxstream.stream.host_queue import to_host
 from jaxstream.stream.sweeps.combine import combined, record
 from jaxstream.stream.units import LayerKey, parse_key
 
@@ -47,7 +47,7 @@ class Pending:
             for rec in recs:
                 if deferred.is_combine(rec):
                     h = ex.store.read_carry(unit, rec["slot"], rec["crc"]).result()
-                    g = f32(combined(ex, unit, params, h, record(ex, rec)), ex.host)
+                    g = to_host(combined(ex, unit, params, h, record(ex, rec)), ex.host)
                 else:
                     key, coeffs = lazy.decode(rec)
                     g = K.unit_estimate(ex.spec, K.step_seg_keys(key, unit), coeffs, params)

@@ -429,14 +429,16 @@ class LayerStore(Spaces, Commits, Rollbacks):
                 if list(x.shape) != e["shape"]:
                     raise StoreError(f"{kind} leaf {e['name']!r} of {key}: shape {list(x.shape)}, "
                                      f"the store has {e['shape']}")
-                if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
-                    self.abort()
-                    raise StoreNonFiniteError(
-                        f"{kind} leaf {e['name']!r} of {key} holds non-finite values; nothing of "
-                        f"this step is committed, the store stays at step {self.step}")
+                if np.issubdtype(x.dtype, np.inexact):
+                    x_sq = leaf_sq(x)  # a finite sum: every entry is finite (one pass, no mask)
+                    if not math.isfinite(x_sq) and not np.isfinite(x).all():
+                        self.abort()
+                        raise StoreNonFiniteError(
+                            f"{kind} leaf {e['name']!r} of {key} holds non-finite values; "
+                            f"nothing of this step is committed, the store stays at step "
+                            f"{self.step}")
+                    sq += x_sq if kind == "params" else 0.0
                 crcs.append(digest(x))
-                if kind == "params" and np.issubdtype(x.dtype, np.inexact):
-                    sq += leaf_sq(x)
                 try:
                     fut = self._arrays[(kind, part, i)][idx].write(x)
                 except Exception as err:
