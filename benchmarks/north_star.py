@@ -3,10 +3,13 @@
 The project trains models larger than device memory by streaming their layers from a store, at
 close to in-memory speed. This measures that ratio as a new user would meet it: the model
 ``mlp(64, W, 8, 10)`` (depth 8), 8 micro-batches × 16, SGD, the streamed executor on a local
-store (what ``engine: {type: stream}`` builds) against ``jaxstream.train_step`` in memory.
+store (what ``engine: {type: stream}`` builds: the commit on a thread, backprop's residuals
+kept) against ``jaxstream.train_step`` in memory.
 
-Estimators: backprop, forward (weights, K = 1), forward (activations, K = 1) and the
-control-variate hybrid (2 exact of 8) with the eager and the lazy update. Widths 256 / 1024 /
+Estimators: backprop, backprop with its reverse sweep recomputing each block's forward
+(``residuals="recompute"``, the streamed step before residuals were kept), forward (weights,
+K = 1), forward (activations, K = 1) and the control-variate hybrid (2 exact of 8) with the
+eager and the lazy update. Widths 256 / 1024 /
 2048. Page cache warm, and cold: before each cold step every file of the store is fsynced and
 dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; not timed).
 
@@ -62,7 +65,7 @@ import jaxstream.grad as jg
 DEPTH, IN_DIM, CLASSES, MICRO, MICRO_SIZE = 8, 64, 10, 8, 16
 LR = 1e-3
 WIDTHS = (256, 1024, 2048)
-ESTIMATORS = ("backprop", "forward_weights", "forward_activations", "hybrid_eager",
+ESTIMATORS = ("backprop", "backprop_recompute", "forward_weights", "forward_activations", "hybrid_eager",
               "hybrid_lazy")
 CACHES = ("warm", "cold")
 IGNORED = ("step_time_s", "host_update_s")  # the step itself; a total mostly overlapped
@@ -70,7 +73,7 @@ IGNORED = ("step_time_s", "host_update_s")  # the step itself; a total mostly ov
 
 def estimator(name: str) -> tuple[Any, str, bool]:
     """(estimator, the streamed update, whether the in-memory step takes micro-batches)."""
-    if name == "backprop":
+    if name in ("backprop", "backprop_recompute"):
         return jg.backprop(), "eager", False
     if name == "forward_weights":
         return jg.forward(num_tangents=1), "eager", False
@@ -191,8 +194,10 @@ class Case:
         self.path = workdir / f"{name}-{width}-g{layers_per_unit}"
         store = LayerStore.create(str(self.path), jax.device_get(params), optimizer=opt,
                                   model_config={"name": self.stack.name, "width": width})
+        # what engine: {type: stream} builds: the commit on a thread, residuals kept
         cfg = StreamConfig(prefetch=2, compute_dtype=dtype, update=update,
-                           layers_per_unit=layers_per_unit)
+                           layers_per_unit=layers_per_unit, async_commit=True,
+                           residuals="recompute" if name.endswith("_recompute") else "keep")
         self.executor = StreamedExecutor(self.stack, est, opt, store, cfg)
 
     def batches(self, step: int) -> tuple[dict, dict]:
@@ -324,7 +329,7 @@ def environment() -> dict:
             "jaxstream": str(Path(js.__file__).parent.parent),
             "backend": jax.default_backend(), "depth": DEPTH,
             "micro_batches": f"{MICRO} x {MICRO_SIZE}", "optimizer": f"sgd({LR})",
-            "compute_dtype": "float32", "prefetch": 2}
+            "compute_dtype": "float32", "prefetch": 2, "commit": "async"}
 
 
 # ----------------------------------------------------------------------------------- output
@@ -365,7 +370,9 @@ def markdown(doc: dict) -> str:
     load = ", ".join(f"{x:.1f}" for x in env["loadavg"])
     return (f"{table(doc['results'])}\n\n"
             f"Depth {env['depth']}, {env['micro_batches']} micro-batches, {env['optimizer']}, "
-            f"{env['compute_dtype']}, prefetch {env['prefetch']}; {doc['rounds']} interleaved "
+            f"{env['compute_dtype']}, prefetch {env['prefetch']}"
+            f"{', commit on a thread' if env.get('commit') == 'async' else ''}; "
+            f"{doc['rounds']} interleaved "
             f"rounds, medians (min–max of the per-step ratios); cold: every store file fsynced "
             f"and dropped from the page cache before the step; load average at the start "
             f"{load}.{overlap_note(doc['results'])}")

@@ -69,6 +69,9 @@ class StreamEngineConfig(EngineConfig):
       layers_per_unit: G consecutive layers read and run on the device as one program (fewer
         dispatches and waits at small widths); the forward estimator with weight tangents and
         backprop only (:class:`~jaxstream.stream.placement.Grouped`).
+      residuals: "keep" (backprop's reverse sweep runs each block's pullback from residuals
+        its forward sweep kept, no forward recompute) or "recompute" (inputs only: less
+        device memory, a third more FLOPs per dense block).
       micro_batches: N for backprop/forward (a hybrid estimator brings its own N).
       depth: dynamic depth policy (kind: all | stochastic | progressive).
       file_io_concurrency: TensorStore's concurrent file operations.
@@ -82,6 +85,7 @@ class StreamEngineConfig(EngineConfig):
     rewrite_every: Count = 1
     async_commit: bool = True
     layers_per_unit: Count = 1
+    residuals: Literal["keep", "recompute"] = "keep"
     micro_batches: Count = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: Count = 64
@@ -242,7 +246,8 @@ class StreamEngine:
         scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
                             self.cfg.depth, rewrite_every=self.cfg.rewrite_every,
                             async_commit=self.cfg.async_commit,
-                            layers_per_unit=self.cfg.layers_per_unit)
+                            layers_per_unit=self.cfg.layers_per_unit,
+                            residuals=self.cfg.residuals)
         return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:

@@ -10,6 +10,7 @@ from jaxstream.stream.depth import DepthPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 UPDATES = ("eager", "lazy")
+RESIDUALS = ("keep", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,11 @@ class StreamConfig:
       layers_per_unit: G consecutive layers read, put on the device and run together as one
         scanned program (:class:`~jaxstream.stream.placement.Grouped`); the forward estimator
         with weight tangents and backprop only. 1: one layer per unit.
+      residuals: "keep": backprop's forward sweep keeps each block's vjp residuals beside
+        its stashed input (at most 4x the input more; counted in ``stash_bytes``), so the
+        reverse sweep does not run the block's forward again (a dense block: 2 matmuls
+        instead of 3; :mod:`jaxstream.stream.residuals`); a block whose residuals hold
+        more than per-example arrays is recomputed. "recompute": stash the inputs only.
     """
 
     prefetch: int = 2
@@ -54,6 +60,7 @@ class StreamConfig:
     async_commit: bool = False
     rewrite_every: int = 1
     layers_per_unit: int = 1
+    residuals: str = "keep"
 
     def __post_init__(self):
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -62,6 +69,8 @@ class StreamConfig:
             raise ValueError(f"compute_dtype must be one of {DTYPES}, got {self.compute_dtype!r}")
         if self.update not in UPDATES:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+        if self.residuals not in RESIDUALS:
+            raise ValueError(f"residuals must be one of {RESIDUALS}, got {self.residuals!r}")
         if (not isinstance(self.rewrite_every, int) or isinstance(self.rewrite_every, bool)
                 or self.rewrite_every < 1):
             raise ValueError(f"rewrite_every must be an int >= 1, got {self.rewrite_every!r}")

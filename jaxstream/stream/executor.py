@@ -83,7 +83,7 @@ class StreamedExecutor(Driver):
                                 config.stash_bytes, config.layers_per_unit)
         self.placement = placement or OneDevice(stack, self.spec, self.dtype,
                                                 device or jax.local_devices()[0],
-                                                config.stash_bytes)
+                                                config.stash_bytes, config.residuals)
         self.placement.agree(store)
         if self.plan.forward_pass.guess and not self.placement.runs_local_guess:
             raise ValueError(f"{type(self.placement).__name__}: the local guess's sweeps (exact "

@@ -50,7 +50,8 @@ def leaf_sq(x: np.ndarray) -> float:
     v = np.ravel(x)
     if v.dtype != np.float64:
         v32 = v.astype(np.float32, copy=False)
-        s = float(np.dot(v32, v32))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow goes to float64
+            s = float(np.dot(v32, v32))
         if not math.isinf(s):
             return s
         v = v.astype(np.float64)

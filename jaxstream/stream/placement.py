@@ -27,6 +27,7 @@ from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.stream import kernels as K
+from jaxstream.stream import residuals as R
 from jaxstream.stream.prefetch import to_device
 from jaxstream.stream.units import LayerKey, Unit, block
 from jaxstream.stream.values import host_value
@@ -181,9 +182,9 @@ class OneDevice(Placement):
     them."""
 
     def __init__(self, stack: Stack, spec: TangentSpec, dtype: Any, device: Any,
-                 stash_bytes: int | None = None):
+                 stash_bytes: int | None = None, residuals: str = "keep"):
         self.stack, self.spec, self.dtype, self.device = stack, spec, jnp.dtype(dtype), device
-        self.stash_bytes = stash_bytes
+        self.stash_bytes, self.residuals = stash_bytes, residuals
         self.host = jax.local_devices(backend="cpu")[0]
         self._stashed = 0  # device bytes stashed this step
         self.spilled = 0  # bytes spilled to the host this step
@@ -252,8 +253,12 @@ class OneDevice(Placement):
         return (h,), [(unit, g)]
 
     def vjp(self, dev, unit, stash: dict, state, each: bool):
-        vjp = K.block_vjp_each if each else K.block_vjp
-        g, ct = vjp(self.stack, dev, self.bring(stash[unit.key]), state[0])
+        kept = self.bring(stash[unit.key])
+        if isinstance(kept, R.Kept):
+            g, ct = R.vjp_kept(self.stack, kept.layout, dev, kept.h, kept.res, state[0])
+        else:
+            vjp = K.block_vjp_each if each else K.block_vjp
+            g, ct = vjp(self.stack, dev, kept, state[0])
         return (ct,), [(unit, g)]
 
     def along(self, dev, unit, v, state):
@@ -261,8 +266,13 @@ class OneDevice(Placement):
 
     def apply(self, dev, unit, state, stash: dict):
         (h,) = state
-        stash[unit.key] = self.keep(h)
-        return (K.block_apply(self.stack, dev, h),)
+        lay = R.layout(self.stack, dev, h) if self.residuals == "keep" else None
+        if lay is None:
+            stash[unit.key] = self.keep(h)
+            return (K.block_apply(self.stack, dev, h),)
+        out, res = R.apply_keep(self.stack, lay, dev, h)
+        stash[unit.key] = self.keep(R.Kept(h, res, lay))
+        return (out,)
 
 
 class Grouped(OneDevice):
