@@ -160,7 +160,10 @@ def evict(directory: Path) -> None:
     """fsync and drop from the page cache every file under ``directory``."""
     for root, _, files in os.walk(directory):
         for f in files:
-            fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            try:
+                fd = os.open(os.path.join(root, f), os.O_RDONLY)
+            except FileNotFoundError:  # a commit landing on its thread renamed it
+                continue
             try:
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
