@@ -50,20 +50,34 @@ def test_cpu_per_thread_name_and_ended_threads():
     assert sum(th.values()) == pytest.approx(r["cpu_s"], rel=1e-6, abs=1e-6)
 
 
-def test_table_and_doc_from_json(tmp_path):
+def test_floors_and_the_doc_from_json(tmp_path):
     side = lambda wall, cpu, ts: {"wall_s": wall, "cpu_s": cpu,
                                   "threads_s": {"tf_XLAEigen": cpu - ts, "ts_pool_worker": ts}}
+    mem, st = side(0.010, 0.018, 0.0), side(0.030, 0.050, 0.020)
+    st.update(bytes_read=2 * 2**20, bytes_written=2**20)
+    io = {"write_s_per_byte": 1e-3 / 2**20, "read_s_per_byte": 0.5e-3 / 2**20}
+    f = sc.floor(mem, st, io, 2)
+    assert f["io_cpu_s"] == pytest.approx(2e-3)  # 1 MiB written at 1 ms, 2 MiB read at 0.5
+    assert f["this_implementation"] == pytest.approx(0.050 / 2 / 0.010)
+    assert f["any_implementation"] == pytest.approx((0.018 + 0.002) / 2 / 0.010)
     doc = {"command": "python benchmarks/step_cpu.py --widths 8", "estimator": "backprop",
            "steps": 1, "environment": {"machine": "a test machine"},
-           "results": {"8": {"memory": side(0.010, 0.018, 0.0),
-                             "streamed": side(0.030, 0.050, 0.020)}}}
-    row = sc.table(doc["results"], "backprop").splitlines()[-1]
+           "results": {"8": {"memory": mem, "streamed": st, "io": io, "floor": f}}}
+    text = sc.table(doc["results"], "backprop")
+    row = text.splitlines()[3]
     assert row.startswith("| 8 | streamed (backprop) | 30.0 | 50.0 | 1.67 | 30.0 |")
-    assert row.endswith("| 20.0 | 0.0 | 2.50 |")  # 0.050 s / 2 cores / 0.010 s in memory
+    assert row.endswith("| 2.0 / 1.0 | **2.50** | **1.00** |")
+    assert "write 1.00, read 0.50" in text
     src, page = tmp_path / "cpu.json", tmp_path / "page.md"
     src.write_text(json.dumps(doc))
     page.write_text("x\n<!-- generated: step_cpu.py table -->\n<!-- end generated -->\n")
     sc.main(["--from-json", str(src), "--doc", str(page)])
-    text = page.read_text()
-    assert row in text and "Written by `python benchmarks/step_cpu.py --widths 8`" in text
-    assert "a test machine" in text
+    out = page.read_text()
+    assert row in out and "Written by `python benchmarks/step_cpu.py --widths 8`" in out
+    assert "a test machine" in out
+
+
+def test_io_costs_are_positive(tmp_path):
+    io = sc.io_costs(1 << 16, tmp_path, repeat=2)
+    assert io["write_s_per_byte"] > 0 and io["read_s_per_byte"] >= 0
+    assert not list(tmp_path.iterdir())  # its files are removed
