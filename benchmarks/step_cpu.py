@@ -107,17 +107,18 @@ def run(widths: list[int], estimator: str, steps: int) -> dict:
         work = Path(tempfile.mkdtemp(prefix="step_cpu_"))
         case = ns.Case(estimator, width, work)
         counter = ns.BlockingCounter()
-        last: dict = {}
+        moved: list = []  # each step's bytes (a lazy step writes a layer on some steps only)
         try:
             for i in range(2):
                 case.memory(10_000 + i)
                 case.streamed(10_000 + i, False, counter)
             mem = measure(case.memory, steps)
-            st = measure(lambda i, c=case, n=counter, m=last: m.update(c.streamed(i, False, n)),
+            st = measure(lambda i, c=case, n=counter, m=moved: m.append(c.streamed(i, False, n)),
                          steps)
         finally:
             case.close()
-        st["bytes_read"], st["bytes_written"] = last["bytes_read"], last["bytes_written"]
+        for k in ("bytes_read", "bytes_written"):
+            st[k] = sum(m[k] for m in moved) / len(moved)
         io = io_costs(4 * width * width, work)
         out[str(width)] = {"memory": mem, "streamed": st, "io": io,
                            "floor": floor(mem, st, io, cores())}
@@ -142,7 +143,7 @@ def floor(mem: dict, st: dict, io: dict, n: int) -> dict:
 
 def table(results: dict, estimator: str) -> str:
     lines = [("| width | side | wall ms | CPU ms | CPU / wall | XLA pool | Python threads | "
-              "TensorStore pool | ended threads (prefetch readers) | read / written MiB | "
+              "TensorStore pool | ended threads (prefetch readers) | read / written MiB (mean) | "
               "floor: this step's CPU / cores | floor: in-memory CPU + its I/O's CPU, / cores |"),
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for width, r in results.items():
