@@ -245,6 +245,12 @@ def head_verdict(rows: list[dict], dataset: str) -> list[str]:
             f"{BASE_DESIGN} (heads of their own) {_show(r[BASE_DESIGN])} ({_stat(t, loss)})")]
 
 
+HYBRID_WHY = ("Whether a hybrid can beat both its ingredients at this scale: "
+              "docs/hybrid_variance.md — the hybrids' variance model, checked against Monte Carlo "
+              "of these estimators, and its answer at equal compute (where the exact subset alone "
+              "covers the batch, and what correlation a forward part would need below that).")
+
+
 def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
     """Each hybrid against both its ingredients, the exact subset and the best forward arm
     (by mean), from the verdicts of the paired comparisons (:func:`comparisons`): BEATS BOTH
@@ -675,6 +681,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         "",
         VERDICT_RULES.format(alpha=ALPHA, pp=100 * MARGIN_ERROR, nats=MARGIN_LOSS,
                              five=MIN_SEEDS_EQUIVALENT, three=MIN_SEEDS),
+        "",
+        HYBRID_WHY,
     ]
     for ds in datasets:
         r0 = next(r for r in rows if r["dataset"] == ds)
