@@ -73,19 +73,22 @@ CACHES = ("warm", "cold")
 IGNORED = ("step_time_s", "host_update_s")  # the step itself; a total mostly overlapped
 
 
-def estimator(name: str) -> tuple[Any, str, bool]:
-    """(estimator, the streamed update, whether the in-memory step takes micro-batches)."""
-    if name in ("backprop", "backprop_recompute"):
-        return jg.backprop(), "eager", False
+def estimator(name: str) -> tuple[Any, dict, bool]:
+    """(estimator, its :class:`StreamConfig` options beside the common ones, whether the
+    in-memory step takes micro-batches)."""
+    if name == "backprop":
+        return jg.backprop(), {}, False
+    if name == "backprop_recompute":  # the reverse sweep before residuals were kept
+        return jg.backprop(), {"residuals": "recompute"}, False
     if name == "forward_weights":
-        return jg.forward(num_tangents=1), "eager", False
+        return jg.forward(num_tangents=1), {}, False
     if name == "forward_lazy_k4":  # the I/O-optimal forward step: one read, 1/4 of the writes
-        return jg.forward(num_tangents=1), "lazy", False
+        return jg.forward(num_tangents=1), {"update": "lazy", "rewrite_every": 4}, False
     if name == "forward_activations":
-        return jg.forward(num_tangents=1, perturb="activations"), "eager", False
+        return jg.forward(num_tangents=1, perturb="activations"), {}, False
     if name in ("hybrid_eager", "hybrid_lazy"):
         est = jg.hybrid(num_exact=2, correction="control_variate")
-        return est, name.split("_")[1], True
+        return est, {"update": name.split("_")[1]}, True
     raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(ESTIMATORS)}")
 
 
@@ -189,7 +192,7 @@ class Case:
         from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
         self.name, self.width, self.micro, self.micro_size = name, width, micro, micro_size
-        est, update, micro_in_memory = estimator(name)
+        est, options, micro_in_memory = estimator(name)
         self.stack = js.models.mlp(IN_DIM, width, depth, CLASSES)
         params = self.stack.init(jax.random.key(seed))
         opt = optax.sgd(LR)
@@ -202,10 +205,8 @@ class Case:
         store = LayerStore.create(str(self.path), jax.device_get(params), optimizer=opt,
                                   model_config={"name": self.stack.name, "width": width})
         # what engine: {type: stream} builds: the commit on a thread, residuals kept
-        cfg = StreamConfig(prefetch=2, compute_dtype=dtype, update=update,
-                           rewrite_every=4 if name.endswith("_k4") else 1,
-                           layers_per_unit=layers_per_unit, async_commit=True,
-                           residuals="recompute" if name.endswith("_recompute") else "keep")
+        cfg = StreamConfig(**{"prefetch": 2, "compute_dtype": dtype, "async_commit": True,
+                              "layers_per_unit": layers_per_unit, **options})
         self.executor = StreamedExecutor(self.stack, est, opt, store, cfg)
 
     def batches(self, step: int) -> tuple[dict, dict]:

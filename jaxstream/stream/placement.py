@@ -253,12 +253,13 @@ class OneDevice(Placement):
         return (h,), [(unit, g)]
 
     def vjp(self, dev, unit, stash: dict, state, each: bool):
-        kept = self.bring(stash[unit.key])
-        if isinstance(kept, R.Kept):
-            g, ct = R.vjp_kept(self.stack, kept.layout, dev, kept.h, kept.res, state[0])
+        stashed = self.bring(stash[unit.key])
+        if isinstance(stashed, R.Kept):  # the input and the forward's residuals
+            g, ct = R.vjp_kept(self.stack, stashed.layout, dev, stashed.h, stashed.res,
+                               state[0])
         else:
             vjp = K.block_vjp_each if each else K.block_vjp
-            g, ct = vjp(self.stack, dev, kept, state[0])
+            g, ct = vjp(self.stack, dev, stashed, state[0])
         return (ct,), [(unit, g)]
 
     def along(self, dev, unit, v, state):
