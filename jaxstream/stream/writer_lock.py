@@ -21,8 +21,15 @@ from typing import Any
 from jaxstream.pidlock import PidLock
 from jaxstream.stream.errors import StoreLockedError, StoreWriteError
 from jaxstream.stream.layout import kvstore_spec
+from jaxstream.stream.manifest import MANIFEST
 
 LOCK_FILE = "writer.lock"
+# TensorStore's ``file`` kvstore writes a key through ``<key>.__lock`` (written, fsynced, renamed
+# over the key). A writer killed before the rename leaves that file behind, and the next write
+# of the key reuses it without truncating it (tensorstore 0.1.86): a shorter manifest then keeps
+# the dead writer's tail and the store's commit record is damaged. Layer chunks have a fixed
+# size, so only the manifest's is at risk.
+STALE_MANIFEST = MANIFEST + ".__lock"
 
 
 def local_dir(location: Any) -> str | None:
@@ -59,6 +66,20 @@ class WriterLock:
             raise StoreLockedError(f"another writer is active on the store at {self.dir} "
                                    f"({holder} holds {self._lock.path}); one writer per store: "
                                    "stop that run, or point this one at another store")
+        self._drop_stale_manifest()
+
+    def _drop_stale_manifest(self) -> None:
+        """Removes a manifest write a dead writer left unfinished: with this lock held no
+        other process writes the store, and this one acquires it only with its own last
+        commit landed, so no manifest write is in flight."""
+        try:
+            os.remove(os.path.join(self.dir, STALE_MANIFEST))
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            self.release()
+            raise StoreWriteError(f"cannot remove {STALE_MANIFEST}, an unfinished manifest write "
+                                  f"a killed writer left in {self.dir}: {err}") from err
 
     def holder(self) -> str | None:
         """``pid N on HOST`` of another process that holds the lock now, else None."""

@@ -291,3 +291,20 @@ def test_rollback_over_a_step_that_began_since_is_refused(store_path):
                                          r"overwritten.*stays at step 2"):
         _open(store_path).rollback()
     np.testing.assert_array_equal(_open(store_path).read(0).result()["w"], _layer(2.0)["w"])
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_manifest_write_a_killed_writer_left_is_not_reused(store_path, wait):
+    """A writer killed inside its manifest write leaves TensorStore's ``manifest.json.__lock``
+    (the value written, not yet renamed over the manifest). The next commit, shorter than it,
+    must still leave a manifest that is exactly its own: resumable, at the committed step."""
+    stale = os.path.join(store_path, "manifest.json.__lock")
+    Path(stale).write_bytes(Path(store_path, "manifest.json").read_bytes() + b" " + b"x" * 50_000)
+    store = _open(store_path)
+    store.write(0, _layer(1.0))
+    store.commit(1, wait=wait)
+    store.settle()
+    again = _open(store_path)
+    assert again.step == 1 and not os.path.exists(stale)
+    np.testing.assert_array_equal(again.read(0).result()["w"], _layer(1.0)["w"])
+    json.loads(Path(store_path, "manifest.json").read_bytes())  # nothing after the manifest
