@@ -40,13 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from engine_cases import ENGINES, SEL, B, M, N, cases, models, suffix
 
-import jaxstream.grad as jg
 from jaxstream.comm import data_parallel
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.experiment.docblock import machine, write_tables
 from jaxstream.grad.tangents import micro_key
-from jaxstream.models import mlp, with_local_heads
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.lowering import exact_from
@@ -54,39 +53,12 @@ from jaxstream.quality.metrics import gradient_error
 from jaxstream.stream import LayerStore
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
-M, N, B = 4, 4, 4  # stages / devices, micro-batches, examples per micro-batch
-SEL = (0, 1)  # the hybrids' exact micro-batches (static: a pipeline table fixes them)
-
 
 def estimators(num_layers: int) -> dict:
-    """The estimators of the matrix: name -> (estimator, layout of its batch)."""
-    nested = truncated(M, N, SEL)
-    return {
-        "backprop": (jg.backprop(), "flat"),
-        "fwd-w-gauss": (jg.forward(2, "gaussian"), "flat"),
-        "fwd-w-rad": (jg.forward(2, "rademacher"), "flat"),
-        "fwd-w-orth": (jg.forward(2, "gaussian", orthogonal=True), "flat"),
-        "fwd-w-proj": (jg.forward(2, "gaussian", aggregation="projection"), "flat"),
-        "fwd-act": (jg.forward(2, perturb="activations"), "flat"),
-        "fwd-act-local": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
-        "fwd-w-local": (jg.local_forward_weights(2, "gaussian"), "flat"),  # LG-FG-W
-        # Ren et al.'s designs: a local head per block (-own), per feature group (-grouped)
-        "fwd-act-own": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
-        "fwd-w-local-own": (jg.local_forward_weights(2, "gaussian"), "flat"),
-        "fwd-act-grouped": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
-        # ... and their feature aggregator: one head per block, a loss per cell of features
-        "fwd-act-aggregated": (jg.forward(2, perturb="activations", local_losses=True), "flat"),
-        "local-guess": (jg.local_guess(), "flat"),  # Fournier et al.
-        "local-guess-own": (jg.local_guess(), "flat"),
-        "exact-subset": (jg.exact_subset(len(SEL)), "micro"),
-        "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=2), "micro"),
-        "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=2), "micro"),
-        "hyb-weighted": (jg.hybrid(exact_indices=SEL, correction="weighted", num_tangents=2), "micro"),
-        "hyb-stein": (jg.hybrid(exact_indices=SEL, correction="stein", num_tangents=2), "micro"),
-        "hyb-guess": (jg.hybrid(exact_indices=SEL, correction="guess", num_tangents=2), "micro"),
-        "hyb-cv-nested": (jg.hybrid(exact_from=exact_from(nested, num_layers),
-                                    correction="control_variate", num_tangents=2), "micro"),
-    }
+    """The estimators of the matrix (benchmarks/engine_cases.py): name -> (estimator, layout
+    of its batch), the nested hybrid's groups from the library's ``exact_from``."""
+    return {name: (c.estimator, c.layout)
+            for name, c in cases(exact_from(truncated(M, N, SEL), num_layers)).items()}
 
 
 def _flat(tree) -> np.ndarray:
@@ -156,20 +128,18 @@ def main(argv=None) -> dict:
                     help="rewrite this Markdown file's <!-- benchmark: engines.py matrix --> block")
     args = ap.parse_args(argv)
 
-    plain = mlp(in_dim=6, width=8, depth=M, num_classes=3)
+    by_suffix = models()
+    plain = by_suffix[""]
     rng = np.random.default_rng(0)
     micro = {"x": jnp.asarray(rng.standard_normal((N, B, 6)), jnp.float32),
              "y": jnp.asarray(rng.integers(0, 3, (N, B)), jnp.int32)}
     flat = jax.tree.map(lambda a: a.reshape(N * B, *a.shape[2:]), micro)
     key = jax.random.key(7)
-    models = {"": plain, "-own": with_local_heads(plain),
-              "-grouped": with_local_heads(plain, groups=2, x=flat["x"]),
-              "-aggregated": with_local_heads(plain, groups=2, x=flat["x"], aggregate=True)}
     mesh = jax.make_mesh((M,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="jaxstream-engines-"))
     for i, (name, (est, layout)) in enumerate(estimators(plain.num_layers).items()):
-        stack = models[next((s for s in models if s and name.endswith(s)), "")]
+        stack = by_suffix[suffix(name)]
         params = stack.init(jax.random.key(0))
         exact = jax.grad(stack)(params, flat)
         data = flat if layout == "flat" else micro
@@ -185,7 +155,8 @@ def main(argv=None) -> dict:
             "composed": lambda est=est, i=i, params=params, stack=stack: (run_composed(est, stack, params, micro, key, tmp / f"c{i}"),
                                  None),
         }
-        for engine, fn in runs.items():
+        for engine in ("memory", *ENGINES):
+            fn = runs[engine]
             row = {"engine": engine, "estimator": name}
             try:
                 grads, own_ref = fn()

@@ -28,6 +28,8 @@ engine; each engine compiles once per estimator.
 from __future__ import annotations
 
 import functools
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +42,6 @@ import jaxstream.grad as jg
 from jaxstream.comm import data_parallel
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.grad import combine
-from jaxstream.models import mlp, with_local_heads
 from jaxstream.pipeline import complete, gpipe_backprop, gpipe_forward, truncated
 from jaxstream.pipeline.executor import pipeline
 from jaxstream.pipeline.table import GRAD_OPS
@@ -49,15 +50,11 @@ from jaxstream.stream import LayerStore
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 from tests.trees import max_rel_err
 
-M, N, B, K = 4, 4, 4, 2  # stages / devices, micro-batches, examples per micro-batch, tangents
-SEL = (0, 1)  # the hybrids' exact micro-batches (static: a pipeline table fixes them)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import engine_cases  # the rows, shared with benchmarks/engines.py
+from engine_cases import ENGINES, SEL, B, K, M, N
+
 TOL = 1e-5
-STACK = mlp(in_dim=6, width=8, depth=M, num_classes=3)
-OWN = with_local_heads(STACK)  # Ren et al.'s design: a local head per block (rows "-own")
-# Ren et al.'s grouped local losses (M/1/G): 2 groups of 4 features, a head and loss each
-GROUPED = with_local_heads(STACK, groups=2, x=np.zeros((1, 6), np.float32))
-# Ren et al.'s feature aggregator: one head per block on its whole output, 2 cells of features
-AGGREGATED = with_local_heads(STACK, groups=2, x=np.zeros((1, 6), np.float32), aggregate=True)
 SGD = optax.sgd(0.1)
 NESTED = truncated(M, N, SEL)
 
@@ -85,41 +82,23 @@ def _halfway(stats, totals):
 HALFWAY = combine.register(combine.Rule("halfway", _halfway, combine.CONTROL_VARIATE.partials,
                                         cross=True, stale_ok=True, doc="test rule"))
 
-# name -> (estimator, batch layout of the in-memory reference)
-ESTIMATORS = {
-    "backprop": (jg.backprop(), "flat"),
-    "fwd-w-gauss": (jg.forward(K, "gaussian"), "flat"),
-    "fwd-w-rad": (jg.forward(K, "rademacher"), "flat"),
-    "fwd-w-orth": (jg.forward(K, "gaussian", orthogonal=True), "flat"),
-    "fwd-w-proj": (jg.forward(K, "gaussian", aggregation="projection"), "flat"),
-    "fwd-act": (jg.forward(K, perturb="activations"), "flat"),
-    "fwd-act-local": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
-    "fwd-w-local": (jg.local_forward_weights(K, "gaussian"), "flat"),  # LG-FG-W
-    "fwd-act-own": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
-    "fwd-w-local-own": (jg.local_forward_weights(K, "gaussian"), "flat"),
-    "fwd-act-grouped": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
-    "fwd-act-aggregated": (jg.forward(K, perturb="activations", local_losses=True), "flat"),
-    "hyb-replace": (jg.hybrid(exact_indices=SEL, correction="replace", num_tangents=K), "micro"),
-    "hyb-cv": (jg.hybrid(exact_indices=SEL, correction="control_variate", num_tangents=K),
-               "micro"),
-    "hyb-weighted": (jg.hybrid(exact_indices=SEL, correction="weighted", num_tangents=K), "micro"),
-    "hyb-stein": (jg.hybrid(exact_indices=SEL, correction="stein", num_tangents=K), "micro"),
-    "hyb-guess": (jg.hybrid(exact_indices=SEL, correction="guess", num_tangents=K), "micro"),
-    "hyb-cv-nested": (jg.hybrid(exact_from=table_exact_from(NESTED, M),
-                                correction="control_variate", num_tangents=K), "micro"),
-    "hyb-new-rule": (jg.hybrid(exact_indices=SEL, correction="halfway", num_tangents=K),
-                     "micro"),
-}
-ENGINES = ("dataparallel", "pipeline", "stream", "composed")
+# the shared rows (benchmarks/engine_cases.py), and a rule registered only here
+CASES = {**engine_cases.cases(table_exact_from(NESTED, M)),
+         "hyb-new-rule": engine_cases.Case(
+             jg.hybrid(exact_indices=SEL, correction="halfway", num_tangents=K), "micro")}
+ESTIMATORS = {name: (c.estimator, c.layout) for name, c in CASES.items()}
+MODELS = engine_cases.models()
+STACK = MODELS[""]
 COMPOSED_MESH = (2, 2)  # data × stage: 2 replicas beside 2 stages of 2 streamed layers each
-PAIRS = [(engine, name) for name in ESTIMATORS for engine in ENGINES]
+PAIRS = [(engine, name) for name in CASES for engine in ENGINES
+         if engine not in dict(CASES[name].refused)]
+REFUSALS = [(engine, name, pattern) for name in CASES for engine, pattern in CASES[name].refused]
 
 
 def stack_of(name: str):
     """The model of row ``name``: with its own local heads for the "-own" rows, grouped ones
     for the "-grouped" row, Ren et al.'s aggregated cells for the "-aggregated" row."""
-    return {"own": OWN, "grouped": GROUPED, "aggregated": AGGREGATED}.get(
-        name.rsplit("-", 1)[-1], STACK)
+    return MODELS[engine_cases.suffix(name)]
 
 
 def _data(seed: int):
@@ -133,7 +112,7 @@ def _data(seed: int):
 @pytest.fixture(scope="module")
 def problem():
     """(params by model, micro-batched batch, flat batch, key)."""
-    params = {m: m.init(jax.random.key(0)) for m in (STACK, OWN, GROUPED, AGGREGATED)}
+    params = {m: m.init(jax.random.key(0)) for m in MODELS.values()}
     micro, flat = _data(0)
     return params, micro, flat, jax.random.key(7)
 
@@ -227,7 +206,9 @@ def pipeline_for(name: str):
     est, _ = ESTIMATORS[name]
     if isinstance(est, jg.Backprop):
         sched = gpipe_backprop(M, N)
-    elif isinstance(est, (jg.Forward, jg.LocalForwardWeights)):
+    elif isinstance(est, jg.ExactSubset):  # GPipe backprop over the selected micro-batches
+        sched = gpipe_backprop(M, est.num_exact)
+    elif isinstance(est, (jg.Forward, jg.LocalForwardWeights, jg.LocalGuess)):
         sched = gpipe_forward(M, N)
     else:
         sched = NESTED if est.exact_from is not None else complete(M, N, SEL)
@@ -274,6 +255,16 @@ def test_engine_equals_in_memory_estimator(engine, name, problem, guess_directio
     print(f"{engine} {name} ({variant}): whole {e.whole:.2e}, worst leaf {e.leaf:.2e} {e.worst}")
     assert e.max <= TOL, f"{engine} x {name} ({variant}): {e} > {TOL:g}"
     assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
+
+
+@pytest.mark.parametrize("engine,name,pattern", REFUSALS,
+                         ids=[f"{e}-{n}" for e, n, _ in REFUSALS])
+def test_an_engine_refuses_what_it_cannot_carry_by_name(engine, name, pattern, problem,
+                                                         guess_direction, store):
+    """A pair the matrix marks refused is refused before any compute, with an error that
+    names what the engine cannot carry — never run approximately."""
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        run_engine(engine, name, problem, guess_direction, store)
 
 
 @pytest.mark.parametrize("engine,name", [("pipeline", "fwd-w-gauss"), ("stream", "hyb-cv"),
