@@ -27,7 +27,8 @@ from pathlib import Path
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
 from jaxstream.experiment.docblock import machine
 from jaxstream_lab.forward_table import ROW_KEYS, load_table_config, run_table
-from jaxstream_lab.table_report import equivalents_plot, frontier_plot, markdown
+from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
+from jaxstream_lab.table_report import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ROOT / "experiments" / "forward_table_quick.yaml"

@@ -47,7 +47,7 @@ import jaxstream.grad as jg
 from jaxstream.experiment.docblock import machine
 from jaxstream.models import mlp
 from jaxstream.quality.flops import matmul_flops
-from jaxstream_lab.table_report import time_floor
+from jaxstream_lab.table_cost import time_floor
 
 MODES = ("inference", "backprop", "backprop_remat", "forward", "hybrid")
 NUM_MICRO, NUM_EXACT = 16, 2
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_rows(rows))
     cmd = "python benchmarks/memory_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.parts:
-        from jaxstream_lab.table_report import memory_parts_table
+        from jaxstream_lab.table_cost import memory_parts_table
 
         print()
         print(memory_parts_table(rows))

@@ -79,7 +79,8 @@ from jaxstream.grad import local_targets
 from jaxstream.models import to_stack, with_local_heads
 from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
 from jaxstream_lab.table_baselines import baselines
-from jaxstream_lab.table_report import equivalents_plot, frontier_plot, markdown
+from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
+from jaxstream_lab.table_report import markdown
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
 BASELINE_NAMES = (BASELINES, "chance", "logistic regression", "unigram", "bigram")

@@ -128,7 +128,7 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
     of calling a tie."""
     from scipy import stats
 
-    from jaxstream_lab.table_report import hybrid_verdict, paired
+    from jaxstream_lab.table_verdicts import hybrid_verdict, paired
 
     a, b = _row("A", 0.030, sd=0.004, seeds=5), _row("B", 0.034, sd=0.004, seeds=5)
     got = paired(a, b)
@@ -155,7 +155,8 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
 
 
 def test_report_checks_follow_the_rows():
-    from jaxstream_lab.table_report import hybrid_verdict, markdown, ordering
+    from jaxstream_lab.table_report import markdown
+    from jaxstream_lab.table_verdicts import hybrid_verdict, ordering
 
     def answers(rows):
         return [line.split(":")[1].split()[0] for line in ordering(rows, "d")]
@@ -190,7 +191,7 @@ def test_report_checks_follow_the_rows():
 
 
 def test_report_judges_loss_data_sets_by_test_loss():
-    from jaxstream_lab.table_report import hybrid_verdict, ordering
+    from jaxstream_lab.table_verdicts import hybrid_verdict, ordering
 
     def row(arm, loss, err):  # token errors ordered the other way, so a wrong key shows
         by_seed = [x - err + loss for x in _row(arm, err, seeds=5)["test_error_by_seed"]]
@@ -356,7 +357,8 @@ def test_baselines_match_hand_counts():
 
 
 def test_a_report_shows_baselines_beside_the_arms(tmp_path):
-    from jaxstream_lab.table_report import frontier_plot, markdown
+    from jaxstream_lab.table_plots import frontier_plot
+    from jaxstream_lab.table_report import markdown
 
     base = {"dataset": "d", "kind": "baseline", "metric": "error", "train_error_mean": 0.02,
             "test_loss_mean": 0.2, "train_loss_mean": 0.1, "how": "h"}
@@ -418,7 +420,7 @@ def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
     """Backprop's step on an MLP 64 → 8 → 8 → 10, batch 8, costs its forward pass, the weight
     cotangents of every layer and the input cotangents of all but the first (hand count); K
     tangents cost more than one; the cost plot draws the counted rows."""
-    from jaxstream_lab.table_report import equivalents_plot
+    from jaxstream_lab.table_plots import equivalents_plot
 
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
@@ -541,7 +543,7 @@ def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
     df and p equal to SciPy's paired t-test; an arm of another family is left out."""
     from scipy import stats
 
-    from jaxstream_lab.table_report import design_verdicts
+    from jaxstream_lab.table_verdicts import design_verdicts
 
     def row(arm, errs):
         return {"dataset": "d", "arm": arm, "test_error_by_seed": errs,
@@ -571,7 +573,7 @@ def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_fami
     design = 5); a row set without both arms has no such line; seeds below 5 are named."""
     from scipy import stats
 
-    from jaxstream_lab.table_report import comparisons, family_size, head_verdict, seeds_note
+    from jaxstream_lab.table_verdicts import comparisons, family_size, head_verdict, seeds_note
     from jaxstream_lab.verdicts import holm
 
     def row(arm, errs):

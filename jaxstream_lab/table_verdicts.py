@@ -1,0 +1,221 @@
+"""The forward table's verdicts: paired by-seed comparisons of the judged figure with their 95 %
+intervals, Holm-adjusted tests and equivalence tests (:mod:`jaxstream_lab.verdicts`), and the
+sentences the report prints from them (ordering, shared head, hybrids, local-loss designs)."""
+
+from __future__ import annotations
+
+from jaxstream_lab import verdicts
+from jaxstream_lab.table_rows import FORWARD_ARMS, REN, _by, _d, _is_loss, _m, _show, is_baseline
+
+ALPHA = verdicts.ALPHA  # level of every test
+MIN_SEEDS = verdicts.MIN_SEEDS_TEST  # paired seeds any test needs
+MIN_SEEDS_EQUIVALENT = verdicts.MIN_SEEDS_EQUIVALENT  # paired seeds an "≈" needs
+MARGIN_ERROR = 0.005  # equivalence margin of test error: 0.5 percentage points
+MARGIN_LOSS = 0.01  # equivalence margin of test loss: 0.01 nats per character
+#: A paired comparison's words, by :func:`jaxstream_lab.verdicts.verdict` of ``a − b``.
+VERDICT = {"better": "better than", "worse": "worse than", "≈": "≈",
+           "inconclusive": "inconclusive against"}
+BASE_DESIGN = "LG-FG-A" + REN  # the local-loss design the others are judged against
+VERDICT_RULES = (
+    "Verdicts: each comparison is the paired by-seed difference a − b of the judged figure "
+    "(seed i of one arm against seed i of the other: same initial key and batches), printed "
+    "with its 95 % interval (Student's t, df = n − 1). **better** / **worse**: the two-sided "
+    "paired t-test (scipy.stats.ttest_rel) rejects a − b = 0 at level {alpha} after Holm's "
+    "adjustment over every paired comparison of the data set's table (the family; its size is "
+    "stated per table). **≈**: the difference is inside the equivalence margin, ±{pp:.1f} pp of "
+    "test error (±{nats:.2f} nats of test loss), by two one-sided tests (TOST: the larger "
+    "one-sided p, Holm-adjusted over the same family, below {alpha}), and only with at least "
+    "{five} paired seeds; a difference inside the margin is ≈ even where it is also "
+    "significant. **inconclusive**: neither. Rule for fewer than {five} paired seeds: no ≈ "
+    "(the verdict is inconclusive unless the Holm-adjusted test already excludes zero, then "
+    "better / worse); fewer than {three}, or every seed differing by the same amount (no "
+    "spread: t undefined): no test, inconclusive.")
+
+
+def margin(loss: bool) -> float:
+    """The equivalence margin of the judged figure (a loss, or an error rate)."""
+    return MARGIN_LOSS if loss else MARGIN_ERROR
+
+
+def paired(a: dict, b: dict) -> dict:
+    """Paired by-seed difference of the judged figure, ``a − b``:
+    :func:`jaxstream_lab.verdicts.paired_difference` of the rows' by-seed test errors
+    (test losses for ``metric: loss``) against :func:`margin` (``{"n", "mean", "lo", "hi",
+    "t", "df", "p", "p_tost", ...}``; only ``{"n"}`` below :data:`MIN_SEEDS` paired seeds,
+    ``{"n", "mean", "constant"}`` where every seed differs by the same nonzero amount)."""
+    loss = _is_loss(a)
+    key = "test_loss_by_seed" if loss else "test_error_by_seed"
+    return verdicts.paired_difference(a.get(key) or [], b.get(key) or [], margin(loss))
+
+
+def _lg(r: dict) -> str:
+    return "LG-FG-A" + REN if "LG-FG-A" + REN in r else "LG-FG-A"  # Ren's design where it ran
+
+
+def _best_forward(r: dict) -> dict | None:
+    fwd = [r[a] for a in FORWARD_ARMS if a in r]
+    return min(fwd, key=lambda x: _m(x)[0]) if fwd else None
+
+
+def _pairs(rows: list[dict], dataset: str) -> list[tuple[str, str]]:
+    """Every paired comparison the report makes on one data set, as ``(a, b)`` arm names."""
+    r = _by(rows, dataset)
+    lg, pairs = _lg(r), []
+    if all(a in r for a in ("FG-W", "FG-A", lg, "BP")):
+        pairs += [("FG-W", "FG-A"), ("FG-A", lg), (lg, "BP")]
+    if "LG-FG-A" in r and BASE_DESIGN in r:
+        pairs.append(("LG-FG-A", BASE_DESIGN))  # shared head against heads of their own
+    best = _best_forward(r)
+    if "exact-subset" in r and best:
+        for name in (n for n in r if n.startswith("hybrid")):
+            pairs += [(name, "exact-subset"), (name, best["arm"])]
+    if BASE_DESIGN in r:
+        pairs += [(n, BASE_DESIGN) for n in r if n.startswith(BASE_DESIGN + "-")]
+    return list(dict.fromkeys(pairs))
+
+
+def comparisons(rows: list[dict], dataset: str) -> dict[tuple[str, str], dict]:
+    """Every paired comparison of the data set's table (:func:`paired`), Holm-adjusted as one
+    family (:func:`jaxstream_lab.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
+    ``verdict``), by ``(a, b)``."""
+    r = _by(rows, dataset)
+    pairs = _pairs(rows, dataset)
+    return dict(zip(pairs, verdicts.family([paired(r[a], r[b]) for a, b in pairs])))
+
+
+def family_size(rows: list[dict], dataset: str) -> int:
+    """How many paired tests the data set's table makes (Holm's m)."""
+    return sum("p" in t for t in comparisons(rows, dataset).values())
+
+
+def _ci(test: dict, loss: bool) -> str:
+    if loss:
+        return f"95 % CI [{test['lo']:+.3f}, {test['hi']:+.3f}]"
+    return f"95 % CI [{100 * test['lo']:+.2f}, {100 * test['hi']:+.2f}] pp"
+
+
+def _stat(test: dict, loss: bool) -> str:
+    if test.get("constant"):
+        return (f"no test: all {test['n']} paired differences are {_d(test['mean'], loss)}, "
+                "no spread, so Student's t is undefined (a discrete test set can do this)")
+    if "p" not in test:
+        return f"no test: {test['n']} paired seeds, {MIN_SEEDS} needed"
+    few = (f" (fewer than {MIN_SEEDS_EQUIVALENT}: no ≈)"
+           if test["n"] < MIN_SEEDS_EQUIVALENT else "")
+    band = f"±{test['margin']:.2f} nats" if loss else f"±{100 * test['margin']:.1f} pp"
+    return (f"{_d(test['mean'], loss)}, {_ci(test, loss)}; t = {test['t']:.2f}, "
+            f"df = {test['df']}, p = {test['p']:.3f}, Holm p = {test['p_holm']:.3f} "
+            f"(of {test['m']}); TOST at {band}: Holm p = {test['p_tost_holm']:.3f}; "
+            f"{test['n']} paired seeds{few}")
+
+
+def ordering(rows: list[dict], dataset: str) -> list[str]:
+    """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in test error, or test loss for ``metric: loss``) on
+    one data set, plus BP best and FG-W worst of these four (by means, untested); one line
+    per relation, each answered yes / no / inconclusive from the verdict of its paired
+    comparison (:func:`comparisons`)."""
+    r = _by(rows, dataset)
+    lg = _lg(r)
+    need = ("FG-W", "FG-A", lg, "BP")
+    if any(a not in r for a in need):
+        return [f"(ordering not checked: arms {[a for a in need if a not in r]} missing)"]
+    loss = _is_loss(r["BP"])
+    tests = comparisons(rows, dataset)
+    # the relation's answer by the comparison's verdict (inconclusive: inconclusive)
+    relations = (("FG-W", "FG-A", "FG-W worse than FG-A", {"worse"}, {"better", "≈"}),
+                 ("FG-A", lg, f"FG-A no better than {lg}", {"worse", "≈"}, {"better"}),
+                 (lg, "BP", f"{lg} ≈ BP (equivalent within the margin)", {"≈"},
+                  {"better", "worse"}))
+    out = []
+    for a, b, said, yes, no in relations:
+        t = tests[(a, b)]
+        answer = "yes" if t["verdict"] in yes else "no" if t["verdict"] in no else "inconclusive"
+        out.append(f"{said}: {answer} ({_stat(t, loss)})")
+    means = {a: _m(r[a])[0] for a in need}
+    best, worst = min(means, key=means.get), max(means, key=means.get)
+    out.append(f"BP best and FG-W worst of these four: "
+               f"{'yes' if best == 'BP' and worst == 'FG-W' else 'no'}"
+               f" (best {best}, worst {worst}; means, not a test)")
+    return out
+
+
+def head_verdict(rows: list[dict], dataset: str) -> list[str]:
+    """LG-FG-A (the model's final head shared by every block) against LG-FG-A-Ren (a head of
+    its own per block, as Ren et al.), paired by seed; [] without both arms."""
+    r = _by(rows, dataset)
+    if "LG-FG-A" not in r or BASE_DESIGN not in r:
+        return []
+    loss = _is_loss(r[BASE_DESIGN])
+    t = comparisons(rows, dataset)[("LG-FG-A", BASE_DESIGN)]
+    return [(f"LG-FG-A (shared head) {_show(r['LG-FG-A'])} — {VERDICT[t['verdict']]} "
+            f"{BASE_DESIGN} (heads of their own) {_show(r[BASE_DESIGN])} ({_stat(t, loss)})")]
+
+
+HYBRID_WHY = ("Whether a hybrid can beat both its ingredients at this scale: "
+              "docs/hybrid_variance.md — the hybrids' variance model, checked against Monte Carlo "
+              "of these estimators, and its answer at equal compute (where the exact subset alone "
+              "covers the batch, and what correlation a forward part would need below that).")
+
+
+def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
+    """Each hybrid against both its ingredients, the exact subset and the best forward arm
+    (by mean), from the verdicts of the paired comparisons (:func:`comparisons`): BEATS BOTH
+    where better than both, does not beat both where worse than or ≈ either, else
+    inconclusive."""
+    r = _by(rows, dataset)
+    best_fwd = _best_forward(r)
+    if "exact-subset" not in r or not best_fwd:
+        return ["(verdict not computed: exact-subset or forward arms missing)"]
+    sub = r["exact-subset"]
+    loss = _is_loss(sub)
+    tests = comparisons(rows, dataset)
+    out = [(f"ingredients: exact-subset {_show(sub)}, best forward arm {best_fwd['arm']} "
+           f"{_show(best_fwd)}")]
+    for name, h in r.items():
+        if not name.startswith("hybrid"):
+            continue
+        said, words = [], []
+        for other in (sub, best_fwd):
+            t = tests[(name, other["arm"])]
+            words.append(t["verdict"])
+            said.append(f"{VERDICT[t['verdict']]} {other['arm']} ({_stat(t, loss)})")
+        end = ("BEATS BOTH" if words == ["better", "better"] else
+               "does not beat both" if {"worse", "≈"} & set(words) else "inconclusive")
+        out.append(f"{name}: {_show(h)} — {'; '.join(said)} → {end}")
+    return out
+
+
+def design_verdicts(rows: list[dict], dataset: str) -> list[str]:
+    """Each other local-loss design with activity tangents and heads of its own (an
+    ``LG-FG-A-Ren-*`` arm: groups, patch groups, cells, the feature aggregator) against
+    LG-FG-A-Ren (one loss per block), from the verdicts of the paired comparisons
+    (:func:`comparisons`); [] where the data set has no such arm."""
+    r = _by(rows, dataset)
+    base = BASE_DESIGN
+    others = [x for name, x in r.items() if name.startswith(base + "-")]
+    if base not in r or not others:
+        return []
+    loss = _is_loss(r[base])
+    tests = comparisons(rows, dataset)
+    out = []
+    for x in others:
+        t = tests[(x["arm"], base)]
+        out.append(f"{x['arm']}: {_show(x)} — {VERDICT[t['verdict']]} {base} {_show(r[base])} "
+                   f"({_stat(t, loss)})")
+    return out
+
+
+def seeds_note(rows: list[dict], dataset: str) -> str:
+    """A sentence naming the data set's rows with fewer than :data:`MIN_SEEDS_EQUIVALENT`
+    seeds ("" where none)."""
+    mine = [r for r in rows if r["dataset"] == dataset and not is_baseline(r)]
+    few = [r for r in mine if r.get("seeds", 0) < MIN_SEEDS_EQUIVALENT]
+    if not few:
+        return ""
+    counts = " or ".join(str(n) for n in sorted({r.get("seeds", 0) for r in few}))
+    which = (f"every row ({len(few)} arms) has {counts}"
+             if len(few) == len(mine) else
+             ", ".join(f"{r['arm']} ({r.get('seeds', 0)})" for r in few) + " have")
+    return (f"**Fewer than {MIN_SEEDS_EQUIVALENT} seeds**: {which} seeds, so no comparison "
+            "here can be ≈; each is better / worse where its Holm-adjusted test excludes zero, "
+            "else inconclusive.")
