@@ -26,7 +26,8 @@ from pathlib import Path
 
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
 from jaxstream.experiment.docblock import machine
-from jaxstream_lab.forward_table import ROW_KEYS, load_table_config, run_table
+from jaxstream_lab.forward_table import run_table
+from jaxstream_lab.table_config import ROW_KEYS, load_table_config
 from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
 from jaxstream_lab.table_report import markdown
 

@@ -46,4 +46,4 @@ def test_the_cli_finds_the_lab_as_a_plugin_and_the_core_runs_without_it():
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "jaxstream_lab.forward_table"
+    assert out.stdout.strip() == "jaxstream_lab.table_config"  # the lab's, not the core's
