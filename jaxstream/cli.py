@@ -91,7 +91,7 @@ def check_run_args(args: argparse.Namespace) -> None:
         raise UserError(f"config file {args.config} {what}")
     import yaml
 
-    from jaxstream.experiment.config import check_file
+    from jaxstream.experiment.config_yaml import check_file
 
     check_file(path)
     with path.open() as fh:  # a stream, so YAML errors carry the file name and line
