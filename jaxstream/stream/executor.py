@@ -25,6 +25,7 @@ from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import kernels as K
+from jaxstream.stream import lazy
 from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
 from jaxstream.stream.host_queue import HostQueue, new_clock, to_host
@@ -93,7 +94,7 @@ class StreamedExecutor(Driver):
         self.events: list[Event] = []
         self.queue = HostQueue(store, self.optimizer, self.host, config.overlap_update,
                                latest=lambda: self._latest)
-        self.pending = Pending(self, store.extra.get("pending", {}))
+        self.pending = Pending(self, lazy.waiting(store.extra))
         self._resident: tuple | None = None  # (unit, hosts, device params) kept for the reverse
         self._reused = 0  # layers the reverse sweep took from the forward sweep (no read)
 
@@ -173,7 +174,7 @@ class StreamedExecutor(Driver):
             self.queue.drop()
             self.store.abort()  # a failed step leaves no trace: a retry redoes it exactly
             self.pending = Pending(self, pending if self.store.step == at  # else the step
-                                   else self.store.extra.get("pending", {}))  # before is lost
+                                   else lazy.waiting(self.store.extra))  # before is lost
             self.placement.end_step(e)
             raise
         self.placement.agree(self.store)  # the copies committed the same step, or this raises
@@ -272,7 +273,8 @@ class StreamedExecutor(Driver):
             batch = jax.tree.map(lambda a: jnp.reshape(a, (1, -1) + tuple(a.shape[2:])), batch)
         self.pending.applied, self._reused, self._resident = set(), 0, None
         loss, new = sweeps_of(plan)(self, batch, key, list(layers), sink, t0, commit_lazy)
-        return loss, {"pending": self.pending.merge(new) if commit_lazy else self.pending.records}
+        records = self.pending.merge(new) if commit_lazy else self.pending.records
+        return loss, {"pending": lazy.pack(records)}
 
     def _keeping_last(self, layers: Sequence[int]) -> Callable:
         """:meth:`_load` that keeps the sweep's last block unit (host and device params) for

@@ -5,11 +5,14 @@ coefficients of its tangents, so instead of a second sweep that re-reads every l
 the step, the (key, coefficients) record is committed with the step and applied when the
 layer is next read (then written back with that step). :func:`encode`/:func:`decode` turn
 records into JSON committed in the store's manifest, so pending updates survive a crash
-together with the parameters they belong to.
+together with the parameters they belong to; :func:`pack` commits each step's record once,
+with the layers waiting for it naming it by index (a record waits for every layer the step
+did not rewrite, so repeating it per layer grew the manifest with depth × records waiting).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -46,3 +49,35 @@ def add(pending: dict, units: list, key: jax.Array, coeffs: np.ndarray,
 def take(pending: dict, unit: Any) -> list[dict]:
     """Records waiting for ``unit`` (in order)."""
     return list(pending.get(str(unit), []))
+
+
+def pack(pending: dict) -> dict:
+    """The committed form of ``pending`` ({unit: [records]}): ``{"records": [each distinct
+    record once, in first-seen order], "waiting": {unit: [indices]}}``; ``{}`` when nothing
+    waits. Records are told apart by their JSON, so a record read back from an earlier commit
+    and the same record of this step are one."""
+    records: list[dict] = []
+    index: dict[str, int] = {}
+    waiting: dict[str, list[int]] = {}
+    for unit, recs in pending.items():
+        for rec in recs:
+            text = json.dumps(rec, sort_keys=True)
+            if text not in index:
+                index[text] = len(records)
+                records.append(rec)
+            waiting.setdefault(str(unit), []).append(index[text])
+    return {"records": records, "waiting": waiting} if waiting else {}
+
+
+def unpack(committed: dict) -> dict:
+    """Inverse of :func:`pack`: {unit: [records]}. A manifest written before records were
+    shared (``{unit: [records]}``) is read as it is."""
+    if "records" in committed and "waiting" in committed:
+        recs = committed["records"]
+        return {unit: [recs[i] for i in idx] for unit, idx in committed["waiting"].items()}
+    return {unit: list(v) for unit, v in committed.items()}
+
+
+def waiting(extra: dict) -> dict:
+    """The records waiting per unit in a store's committed ``extra`` (its ``"pending"``)."""
+    return unpack(extra.get("pending", {}))

@@ -100,13 +100,14 @@ def _committed_params(path: str, mode: str = "lazy") -> list[np.ndarray]:
     """The committed parameters with pending lazy updates applied (without writing)."""
     import jax
 
+    from jaxstream.stream import lazy
     from jaxstream.stream.executor import StreamConfig, StreamedExecutor
     from jaxstream.stream.store import LayerStore
 
     stack, _, est, opt = _setup(mode)
     store = LayerStore.open(path, optimizer=opt)  # adam: only the pending records
     params = store.read_params()
-    if any(store.extra.get("pending", {}).values()):
+    if any(lazy.waiting(store.extra).values()):
         ex = StreamedExecutor(stack, est, opt, store, StreamConfig(compute_dtype="float32", update="lazy"))
         for l in range(store.num_layers):
             layer = ex.pending.apply(l, store.read(l).result())

@@ -14,7 +14,7 @@ import pytest
 
 import jaxstream.grad as jg
 from jaxstream.models import mlp
-from jaxstream.stream import LayerStore
+from jaxstream.stream import LayerStore, lazy
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import StoreError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
@@ -35,7 +35,7 @@ def _train(path, est, update, steps=3, depth=None):
     cfg = StreamConfig(compute_dtype="float32", update=update, depth=depth or DepthPolicy())
     ex = StreamedExecutor(STACK, est, ADAM, store, cfg)
     reads = [ex.step(_batch(t), jax.random.key(10 + t))["layers_read"] for t in range(steps)]
-    pending = LayerStore.open(path).extra.get("pending", {})
+    pending = lazy.waiting(LayerStore.open(path).extra)
     ex.flush()
     return LayerStore.open(path).read_params(), reads, pending
 
@@ -103,7 +103,7 @@ def test_records_of_another_rule_and_damaged_carry_are_refused(tmp_path):
     with pytest.raises(ValueError, match="combine rule 'control_variate'.*'stein'.*flush"):
         ex2.step(_batch(1), jax.random.key(11))
     # a carry chunk holding other values than its record's: refused by name, store unchanged
-    rec = store.extra["pending"]["1"][0]
+    rec = lazy.waiting(store.extra)["1"][0]
     arr = store._carry_array("blocks", 0)
     arr[1, rec["slot"]].write(np.full(arr.shape[2:], 7.0, np.float32)).result()
     ex3 = StreamedExecutor(STACK, est, ADAM, LayerStore.open(tmp_path / "p", optimizer=ADAM),

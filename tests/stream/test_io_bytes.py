@@ -28,7 +28,7 @@ import pytest
 import jaxstream.grad as jg
 from jaxstream.compose import ComposedExecutor, make_mesh
 from jaxstream.models import mlp
-from jaxstream.stream import LayerStore
+from jaxstream.stream import LayerStore, lazy
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
 STACK = mlp(6, 8, 4, 3)
@@ -150,6 +150,6 @@ def test_replayed_updates_write_a_layer_every_k_steps(tmp_path):
         _check(m, {"read_params": P_ALL, "read_opt": O_ALL,  # the replay needs Adam's state
                    "written_params": P_ALL if rewrite else P_ENDS,
                    "written_opt": O_ALL if rewrite else o_ends}, path, before)
-        waiting = {len(v) for k, v in store.extra["pending"].items()}
+        waiting = {len(v) for k, v in lazy.waiting(store.extra).items()}
         assert waiting == {1 if rewrite else t % 3 + 1}
     assert sum(writes) - 6 * P_ENDS == 2 * L * P_B  # 1/3 of the block writes

@@ -11,7 +11,7 @@ import pytest
 
 import jaxstream.grad as jg
 from jaxstream.models import mlp
-from jaxstream.stream import LayerStore
+from jaxstream.stream import LayerStore, lazy
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
 STACK = mlp(5, 7, 3, 4)
@@ -35,9 +35,9 @@ def _streamed(path, **cfg) -> tuple[list, dict]:
     ex = StreamedExecutor(STACK, EST, OPT, store, StreamConfig(compute_dtype="float32", **cfg))
     for t in range(STEPS):
         ex.step(_batch(t), _key(t))
-    pending = {k: len(v) for k, v in store.extra.get("pending", {}).items()}
+    pending = {k: len(v) for k, v in lazy.waiting(store.extra).items()}
     ex.flush()
-    assert not any(store.extra.get("pending", {}).values())
+    assert not any(lazy.waiting(store.extra).values())
     return jax.tree.leaves(store.read_params()), pending
 
 
@@ -76,3 +76,43 @@ def test_replayed_updates_equal_the_eager_path_bitwise(tmp_path, k):
 def test_bad_rewrite_every_is_refused_by_name(cfg, field):
     with pytest.raises(ValueError, match=field):
         StreamConfig(**cfg)
+
+
+def test_each_record_is_committed_once_and_old_manifests_still_resume(tmp_path):
+    """A step's record waits for every layer the step did not rewrite: the manifest holds it
+    once, the layers name it by index. A store committed with the records spelled per layer
+    (as manifests were written before) resumes to the same parameters, bitwise."""
+    import json
+    import shutil
+
+    path = tmp_path / "a"
+    store = LayerStore.create(path, STACK.init(jax.random.key(0)), optimizer=OPT)
+    cfg = StreamConfig(compute_dtype="float32", update="lazy", rewrite_every=5)
+    ex = StreamedExecutor(STACK, EST, OPT, store, cfg)
+    for t in range(3):
+        ex.step(_batch(t), _key(t))
+    ex.close()
+    store.settle()
+    committed = store.extra["pending"]
+    per_layer = lazy.waiting(store.extra)
+    units = sorted(per_layer)
+    assert len(units) == STACK.num_layers and all(len(per_layer[u]) == 3 for u in units)
+    assert len(committed["records"]) == 3  # one per step, not one per layer and step
+    spelled = json.dumps(per_layer, sort_keys=True)
+    assert len(json.dumps(committed, sort_keys=True)) < len(spelled) / 2
+    # the same store with the per-layer spelling committed at the same step
+    shutil.copytree(path, tmp_path / "b")
+    old = LayerStore.open(tmp_path / "b", optimizer=OPT)
+    old.commit(old.step, extra={**old.extra, "pending": per_layer})
+    assert LayerStore.open(tmp_path / "b").extra["pending"] == json.loads(spelled)
+    leaves = []
+    for p in (path, tmp_path / "b"):
+        s = LayerStore.open(p, optimizer=OPT)
+        ex = StreamedExecutor(STACK, EST, OPT, s, cfg)
+        for t in range(3, 6):
+            ex.step(_batch(t), _key(t))
+        ex.flush()
+        ex.close()
+        leaves.append(jax.tree.leaves(s.read_params()))
+    for a, b in zip(*leaves):
+        np.testing.assert_array_equal(a, b)
