@@ -51,21 +51,30 @@ def take(pending: dict, unit: Any) -> list[dict]:
     return list(pending.get(str(unit), []))
 
 
+# Fields of a record that belong to one unit (a deferred combine's carry slot and its crc32c);
+# the rest of the record is the step's, the same for every unit waiting for it.
+PER_UNIT = ("slot", "crc")
+
+
 def pack(pending: dict) -> dict:
     """The committed form of ``pending`` ({unit: [records]}): ``{"records": [each distinct
-    record once, in first-seen order], "waiting": {unit: [indices]}}``; ``{}`` when nothing
-    waits. Records are told apart by their JSON, so a record read back from an earlier commit
-    and the same record of this step are one."""
+    step's part of a record once, in first-seen order], "waiting": {unit: [entries]}}``, an
+    entry the index of its record, or ``[index, {its own fields}]`` for a record with fields
+    of its unit (:data:`PER_UNIT`); ``{}`` when nothing waits. Records are told apart by their
+    JSON, so a record read back from an earlier commit and the same record of this step are
+    one."""
     records: list[dict] = []
     index: dict[str, int] = {}
-    waiting: dict[str, list[int]] = {}
+    waiting: dict[str, list] = {}
     for unit, recs in pending.items():
         for rec in recs:
-            text = json.dumps(rec, sort_keys=True)
+            body = {k: v for k, v in rec.items() if k not in PER_UNIT}
+            own = {k: rec[k] for k in PER_UNIT if k in rec}
+            text = json.dumps(body, sort_keys=True)
             if text not in index:
                 index[text] = len(records)
-                records.append(rec)
-            waiting.setdefault(str(unit), []).append(index[text])
+                records.append(body)
+            waiting.setdefault(str(unit), []).append([index[text], own] if own else index[text])
     return {"records": records, "waiting": waiting} if waiting else {}
 
 
@@ -74,7 +83,8 @@ def unpack(committed: dict) -> dict:
     shared (``{unit: [records]}``) is read as it is."""
     if "records" in committed and "waiting" in committed:
         recs = committed["records"]
-        return {unit: [recs[i] for i in idx] for unit, idx in committed["waiting"].items()}
+        entry = lambda e: {**recs[e[0]], **e[1]} if isinstance(e, list) else recs[e]
+        return {unit: [entry(e) for e in es] for unit, es in committed["waiting"].items()}
     return {unit: list(v) for unit, v in committed.items()}
 
 

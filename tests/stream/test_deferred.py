@@ -127,3 +127,25 @@ def test_backprop_with_lazy_is_backprop(tmp_path):
     got, lazy, pending = _train(tmp_path / "lazy", jg.backprop(), "lazy", steps=2)
     _equal(got, want)
     assert reads == lazy == [2 * L - 1] * 2 and not any(pending.values())
+
+
+def test_a_deferred_combine_is_committed_once_with_each_units_carry(tmp_path):
+    """A step's deferred combine is the same record for every unit but its carry slot and
+    crc32c: the manifest holds the step's part once and each unit's own fields beside its
+    index, and reading it back gives every unit its whole record."""
+    est = jg.hybrid(num_exact=2, num_tangents=2, correction="control_variate")
+    _, _, pending = _train(tmp_path / "p", est, "lazy", steps=2)
+    store = LayerStore.create(tmp_path / "q", STACK.init(jax.random.key(0)), optimizer=ADAM)
+    ex = StreamedExecutor(STACK, est, ADAM, store,
+                          StreamConfig(compute_dtype="float32", update="lazy"))
+    ex.step(_batch(0), jax.random.key(10))
+    ex.close()
+    committed = store.extra["pending"]
+    assert len(committed["records"]) == 1
+    assert all(set(e[1]) == {"slot", "crc"} for es in committed["waiting"].values() for e in es)
+    back = lazy.waiting(store.extra)
+    assert sorted(back) == sorted(["embed", "head", *map(str, range(L))])
+    assert len({r[0]["slot"] for r in back.values()}) == 1  # every unit's first carry slot
+    assert len({tuple(r[0]["crc"]) for r in back.values()}) == len(back)  # each its own h_u
+    assert all(r[0]["combine"] == "control_variate" for r in back.values())
+    assert all(len(r) == 1 for r in pending.values())
