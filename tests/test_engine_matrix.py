@@ -19,7 +19,9 @@ The composed engine (streamed stages over a ``data × stage`` mesh) is a column 
 and needs no variant. A combine rule registered only here (``halfway``) is a row: a new rule
 runs on every engine once it is registered in ``jaxstream.grad.combine``.
 
-The in-memory column of the matrix is the reference itself, so it has no test here. Sizes:
+The rows are ``benchmarks/engine_cases.py``'s, the table ``benchmarks/engines.py`` prints; a
+row an engine refuses is a test that the refusal says what its case names. The in-memory
+column of the matrix is the reference itself, so it has no test here. Sizes:
 an MLP of depth 4 (one block per stage), 4 micro-batches of 4 examples, 4 devices (from the
 8 simulated CPU devices of tests/conftest.py). Each reference compiles once and serves every
 engine; each engine compiles once per estimator.
