@@ -121,7 +121,7 @@ class TableDataset(Checked):
 @dataclasses.dataclass(frozen=True)
 class ForwardTableConfig(Checked):
     """The whole table: data sets x arms, ``seeds`` seeds each; ``extend_sweeps``: rates a
-    sweep may add past its edge (:func:`run_arm`); ``baselines``: add each data set's baseline
+    sweep may add past its edge (:func:`jaxstream_lab.forward_table.run_arm`); ``baselines``: add each data set's baseline
     rows (:mod:`.table_baselines`); ``optimizer``: every arm's (unless it brings its own; the
     rate is the arm's swept one)."""
 

@@ -14,7 +14,7 @@ REN_SETTINGS = tuple(_PUBLISHED["settings"])
 REN_MNIST = _PUBLISHED["mnist_test_error_percent"]
 REN = "-Ren"  # suffix of the arms that run Ren et al.'s local losses (a head per block)
 FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "LG-FG-W" + REN, "LG-FG-A" + REN)
-#: The arms :func:`equivalents_plot` draws where a table has them (the rest: the table).
+#: The arms :func:`jaxstream_lab.table_plots.equivalents_plot` draws where a table has them (the rest: the table).
 MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN,
              "LG-FG-A" + REN + "-P16G4-agg", "local-guess",
              "exact-subset", "hybrid-control_variate", "hybrid-weighted", "hybrid-activity")
