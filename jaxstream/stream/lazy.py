@@ -65,16 +65,19 @@ def pack(pending: dict) -> dict:
     one."""
     records: list[dict] = []
     index: dict[str, int] = {}
+    by_id: dict[int, int] = {}  # a record object shared by units (one step's) is read once
     waiting: dict[str, list] = {}
     for unit, recs in pending.items():
         for rec in recs:
-            body = {k: v for k, v in rec.items() if k not in PER_UNIT}
+            i = by_id.get(id(rec))
+            if i is None:
+                body = {k: v for k, v in rec.items() if k not in PER_UNIT}
+                i = index.setdefault(json.dumps(body, sort_keys=True), len(records))
+                if i == len(records):
+                    records.append(body)
+                by_id[id(rec)] = i
             own = {k: rec[k] for k in PER_UNIT if k in rec}
-            text = json.dumps(body, sort_keys=True)
-            if text not in index:
-                index[text] = len(records)
-                records.append(body)
-            waiting.setdefault(str(unit), []).append([index[text], own] if own else index[text])
+            waiting.setdefault(str(unit), []).append([i, own] if own else i)
     return {"records": records, "waiting": waiting} if waiting else {}
 
 
