@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
@@ -208,16 +209,29 @@ class Liveness:
         self.me, self.others = st.process_id, [p for p in range(st.num_processes)
                                                if p != st.process_id]
         self._heard: dict[int, tuple[str, float]] = {}
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxstream-liveness",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.close)
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stops the watch and waits (up to ``wait_s``) for a call to the service it is in.
+
+        Registered to run at exit: a daemon thread still inside a call into the service when
+        the interpreter finalises is ended by a forced unwind through C++ frames that catch it,
+        and the process aborts (``FATAL: exception not rethrown``, exit status -6) after its
+        work is done."""
+        self._closed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
     def _run(self) -> None:
         from jax._src import distributed
 
         for n in itertools.count():
             client = distributed.global_state.client
-            if client is None:  # shut down: the run is over
+            if client is None or self._closed.is_set():  # shut down: the run is over
                 return
             try:
                 client.key_value_set(f"{self.PREFIX}{self.me}", str(n), allow_overwrite=True)
@@ -233,12 +247,13 @@ class Liveness:
                 if value is not None and (last is None or last[0] != value):
                     self._heard[p] = (value, now)
                 elif last is not None and now - last[1] > self.timeout_s:
-                    if distributed.global_state.client is None:
+                    if distributed.global_state.client is None or self._closed.is_set():
                         return  # shut down meanwhile
                     _stop(f"process {p} gave no sign of life for {now - last[1]:.0f} s "
                           f"(peer_timeout_s={self.timeout_s:g}): it is lost; the store keeps "
                           "its last commit; restart every process to resume")
-            time.sleep(self.interval_s)
+            if self._closed.wait(self.interval_s):
+                return
 
 
 _LIVENESS: Liveness | None = None

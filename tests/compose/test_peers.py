@@ -120,3 +120,33 @@ def test_only_copies_one_step_ahead_of_the_commit_the_others_hold_roll_back():
     assert ahead_by_one(rows([3, a, 2, b], [1, b, 0, c])) is None  # two steps apart
     assert ahead_by_one(rows([2, a, 1, b], [1, b, 0, c], [1, d, 0, c])) is None  # behind differ
     assert ahead_by_one(rows([2, a, none, 0], [1, b, 0, c])) is None
+
+
+# A coordination-service client whose calls take 0.5 s, then say so: the process exits while
+# the watch's thread is inside one. A daemon thread still in such a call when the interpreter
+# finalises is ended by a forced unwind (with jaxlib's client: an abort, status -6, after the
+# run's work was done); the watch lets its call return and stops first.
+EXITING = """
+import sys, time
+from jax._src import distributed
+from jaxstream.compose import peers
+
+class Client:
+    def key_value_set(self, key, value, allow_overwrite=False):
+        time.sleep(0.5); print("set returned", flush=True)
+    def key_value_try_get(self, key):
+        return None
+
+distributed.global_state.client = Client()
+distributed.global_state.process_id, distributed.global_state.num_processes = 0, 2
+peers.watch_peers(30.0)
+time.sleep(0.1)  # the watch is inside its first call
+print("done", flush=True)
+"""
+
+
+def test_the_liveness_watch_leaves_no_call_behind_at_exit():
+    out = subprocess.run([sys.executable, "-c", EXITING], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["done", "set", "returned"], out.stdout
