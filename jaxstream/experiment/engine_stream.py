@@ -239,6 +239,7 @@ class StreamEngine:
                 store = LayerStore.create(self.location, jax.device_get(self._init_params),
                                           optimizer=self.optimizer, model_config=self.model_config,
                                           file_io_concurrency=self.cfg.file_io_concurrency)
+            self._init_params = None  # the store holds them now: not kept for the run
             self.executor = self._new_executor(store)
         return self.executor
 

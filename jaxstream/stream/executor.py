@@ -226,8 +226,15 @@ class StreamedExecutor(Driver):
         """Compiles what :meth:`step` runs, writing nothing: the step's sweeps (as
         :meth:`estimate`, whose staged writes are dropped) and the host optimizer update of each
         unit shape (on zero gradients, result discarded). So a run's first step is timed
-        without compilation (a lazy update's first application still compiles then)."""
-        self.estimate(batch, key, step)
+        without compilation (a lazy update's first application still compiles then). Each
+        unit's gradient is dropped once computed: the warm-up holds no whole-model gradient
+        (unlike :meth:`estimate`), so a model near the host's memory warms up as it trains."""
+        try:
+            self._run(batch, key, self.layers(step),
+                      lambda u, g, *a, **k: jax.block_until_ready(g), time.perf_counter(),
+                      commit_lazy=False)
+        finally:
+            self.store.abort()
         layers = self.layers(step)
         for u in ["embed", "head", *layers[:1]]:
             params = self.store.read(u).result()
