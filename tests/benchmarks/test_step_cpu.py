@@ -23,12 +23,14 @@ def test_cpu_per_thread_name_and_ended_threads():
     """Live threads are counted by their OS name (Python threads all share the process's);
     a thread that ends inside the window (a third of the work here) is in "ended"; together
     they make up the process's CPU."""
-    a = np.random.default_rng(0).standard_normal((300, 300))
+    # elementwise NumPy (runs on the calling thread; a matmul may run on BLAS's own threads,
+    # which are live threads, so the ended thread's share would land there)
+    a = np.random.default_rng(0).standard_normal(200_000)
     release = threading.Event()
 
     def busy():
         for _ in range(30):
-            a @ a
+            np.exp(np.sin(a))
 
     live = threading.Thread(target=lambda: (busy(), release.wait()), name="side")
 
