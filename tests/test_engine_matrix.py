@@ -140,11 +140,6 @@ def store(tmp_path_factory, problem):
 
 
 # ------------------------------------------------------------------ compiling
-# Compiled with XLA's default options: compiling with LLVM's optimisations off
-# (``xla_backend_optimization_level=0``) crashed the test process twice on one machine, inside
-# XLA's CPU compiler (a segfault in ``backend_compile_and_load``).
-
-
 class Compiled:
     """``fn`` jitted and compiled, once, for the arguments of its first call."""
 

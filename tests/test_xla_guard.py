@@ -18,7 +18,10 @@ def test_this_process_computes_the_reproducer_right():
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # XLA's default options, as a user's process has them (the suite compiles with most
+    # optimisations off: tests/conftest.py)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")}
     return subprocess.run([sys.executable, "-c", code], env={**env, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=300, check=False)
 
