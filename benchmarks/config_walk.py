@@ -24,6 +24,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def numeric_paths(cfg: Any, prefix: str = "") -> dict[str, Any]:
         elif numeric(tp) and name != "options":
             if isinstance(value, (tuple, list)):
                 out.update({f"{path}.{i}": rng for i in range(len(value))})
-            elif isinstance(value, dict):
+            elif isinstance(value, Mapping):
                 out.update({f"{path}.{k}.0": rng for k in value})
             else:
                 out[path] = rng

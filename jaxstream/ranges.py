@@ -23,6 +23,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 
@@ -68,11 +69,39 @@ Every = Annotated[int, Range(0)]  # a period, 0: never
 Seed = Annotated[int, Range(0, 2**32 - 1)]  # what JAX keys and NumPy generators take
 
 
+class FrozenMap(Mapping):
+    """A config's mapping field: read-only and hashable (so that a config keys a
+    ``functools.lru_cache``), equal to the dict it holds and printed as it."""
+
+    def __init__(self, items: Mapping | None = None):
+        self._items = dict(items or {})
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self._items.items()))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
+
+
 class Checked:
-    """Base of a config dataclass: ``__post_init__`` checks every declared range
+    """Base of a config dataclass: ``__post_init__`` makes every dict field a
+    :class:`FrozenMap` (a frozen config is then hashable), checks every declared range
     (:func:`check_fields`), then the class's own checks across fields (:meth:`check`)."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                object.__setattr__(self, f.name, FrozenMap(value))
         check_fields(self)
         self.check()
 
@@ -135,7 +164,7 @@ def _check(name: str, value: Any, rng: Range, null: str = "") -> None:
     if isinstance(value, (tuple, list)):
         for i, v in enumerate(value):
             _check(f"{name}.{i}", v, rng)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         for k, v in value.items():
             _check(f"{name}.{k}", v, rng)
     elif isinstance(value, (int, float)) and value not in rng:

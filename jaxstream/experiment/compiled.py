@@ -1,12 +1,15 @@
 """Per-process cache of built models, local engines and their jitted functions.
 
 Runs with the same model / estimator / optimizer in one process (a sweep, a notebook, a resumed
-run, a test) then reuse compiled steps instead of recompiling. Only engines whose state lives
-wholly in the state pytree (``local``) are cached; engines holding host state are rebuilt.
+run, a test) then reuse compiled steps instead of recompiling. The caches are
+``functools.lru_cache``, keyed by the configs themselves (frozen dataclasses, hashable) and by
+the built objects (by identity). Only engines whose state lives wholly in the state pytree
+(``local``) are cached; engines holding host state are rebuilt.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -24,64 +27,53 @@ from jaxstream.grad import local_targets
 from jaxstream.models import to_stack
 from jaxstream.models.stack import is_stack_params
 
-_CACHE: dict[tuple, Any] = {}
-_MAX_ENTRIES = 64
-
-
-def _cached(key: tuple, make: Callable[[], Any]) -> Any:
-    if key not in _CACHE:
-        if len(_CACHE) >= _MAX_ENTRIES:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = make()
-    return _CACHE[key]
+_ENTRIES = 64  # per cache
 
 
 def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
     """The model of ``cfg.model`` for data ``info`` (same object for equal configs). For an
     engine that places or streams blocks (``places_blocks``) a sequential model becomes a stack
     (:func:`jaxstream.models.to_stack`; ``x``, a few training inputs, fixes a padded stack's
-    shapes)."""
-    staged = cfg.engine.places_blocks
-
-    def make():
-        model = cfg.model.build(info)
-        if getattr(model, "has_state", False):
-            raise ConfigError(f"model: {type(cfg.model).__name__} builds a model with batch "
-                              "statistics (BatchNorm); the runner's engines do not carry running "
-                              "averages, so its evaluations would use the initial ones: remove "
-                              "BatchNorm, or train it with js.train_step in your own loop")
-        dropped = [l for l, layer in enumerate(getattr(model, "layers", ()))
-                   if getattr(layer, "has_dropout", False)]
-        if dropped:  # without a step key its masks would be off: trained without, silently
-            raise ConfigError(
-                f"model: layer {dropped[0]} holds nnx.Dropout, which the runner's engines do not "
-                "drive (they bind no step key, so it would train with dropout silently off): "
-                "remove the dropout, or train the model with js.train_step, which binds the "
-                "step key")
-        try:  # a layer the engines cannot drive (its own RNG streams), a model not stackable
-            if x is not None and hasattr(model, "check_layers"):
-                model.check_layers(x)
-            return to_stack(model, x) if staged else model
-        except ValueError as e:
-            raise ConfigError(str(e) if str(e).startswith("model") else f"model: {e}") from None
-
-    shape = None if x is None else (tuple(np.shape(x)), str(np.asarray(x).dtype))
-    return _cached(("model", repr(cfg.model), tuple(sorted(info.items())), staged, shape), make)
+    shapes: only its shape and dtype are read)."""
+    spec = None if x is None else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+    return _model(cfg.model, tuple(sorted(info.items())), cfg.engine.places_blocks, spec)
 
 
+@functools.lru_cache(maxsize=_ENTRIES)
+def _model(model_cfg: Any, info: tuple, staged: bool, x: jax.ShapeDtypeStruct | None) -> Any:
+    model = model_cfg.build(dict(info))
+    if getattr(model, "has_state", False):
+        raise ConfigError(f"model: {type(model_cfg).__name__} builds a model with batch "
+                          "statistics (BatchNorm); the runner's engines do not carry running "
+                          "averages, so its evaluations would use the initial ones: remove "
+                          "BatchNorm, or train it with js.train_step in your own loop")
+    dropped = [l for l, layer in enumerate(getattr(model, "layers", ()))
+               if getattr(layer, "has_dropout", False)]
+    if dropped:  # without a step key its masks would be off: trained without, silently
+        raise ConfigError(
+            f"model: layer {dropped[0]} holds nnx.Dropout, which the runner's engines do not "
+            "drive (they bind no step key, so it would train with dropout silently off): "
+            "remove the dropout, or train the model with js.train_step, which binds the "
+            "step key")
+    try:  # a layer the engines cannot drive (its own RNG streams), a model not stackable
+        if x is not None and hasattr(model, "check_layers"):
+            model.check_layers(x)
+        return to_stack(model, x) if staged else model
+    except ValueError as e:
+        raise ConfigError(str(e) if str(e).startswith("model") else f"model: {e}") from None
+
+
+@functools.lru_cache(maxsize=_ENTRIES)
 def evaluator_for(stack: Any) -> Callable:
     """``jit((params, batch) -> (mean loss, accuracy))`` for ``stack``."""
 
-    def make():
-        def evaluate(params, batch):
-            logits = stack.apply(params, batch["x"])
-            loss = jnp.mean(stack.example_loss(logits, batch))
-            acc = jnp.mean(jnp.argmax(logits, axis=-1) == batch["y"])
-            return loss, acc
+    def evaluate(params, batch):
+        logits = stack.apply(params, batch["x"])
+        loss = jnp.mean(stack.example_loss(logits, batch))
+        acc = jnp.mean(jnp.argmax(logits, axis=-1) == batch["y"])
+        return loss, acc
 
-        return jax.jit(evaluate)
-
-    return _cached(("eval", id(stack)), make)
+    return jax.jit(evaluate)
 
 
 def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any, example_batch: dict | None = None
@@ -91,20 +83,24 @@ def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any, example_batch: dict
     data, which an engine never loads itself)."""
     opt_cfg = cfg.arm_optimizer(arm)
     n_micro = getattr(arm.estimator, "micro_batches", 1)
+    if type(cfg.engine) is LocalEngineConfig:  # its step reads none of the other arguments
+        needs_steps = opt_cfg.schedule != "constant" or opt_cfg.warmup_steps
+        return _local_engine(cfg.engine, stack, arm.estimator, opt_cfg, arm.lr,
+                             cfg.steps if needs_steps else None, n_micro)
+    tx = build_optimizer(opt_cfg, arm.lr, cfg.steps)
+    return build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(),
+                        optimizer=tx, optimizer_config=opt_cfg, learning_rate=arm.lr,
+                        total_steps=cfg.steps, model=cfg.model, arm=arm.name,
+                        micro_batches=n_micro, example_batch=example_batch)
 
-    def make():
-        tx = build_optimizer(opt_cfg, arm.lr, cfg.steps)
-        return build_engine(cfg.engine, stack=stack, estimator=arm.estimator.build(),
-                            optimizer=tx, optimizer_config=opt_cfg, learning_rate=arm.lr,
-                            total_steps=cfg.steps, model=cfg.model, arm=arm.name,
-                            micro_batches=n_micro, example_batch=example_batch)
 
-    if type(cfg.engine) is not LocalEngineConfig:
-        return make()
-    needs_steps = opt_cfg.schedule != "constant" or opt_cfg.warmup_steps
-    key = ("engine", id(stack), repr(arm.estimator), repr(opt_cfg), arm.lr,
-           cfg.steps if needs_steps else None, repr(cfg.engine))
-    return _cached(key, make)
+@functools.lru_cache(maxsize=_ENTRIES)
+def _local_engine(engine_cfg: LocalEngineConfig, stack: Any, estimator_cfg: Any, opt_cfg: Any,
+                  lr: float, steps: int | None, n_micro: int) -> Any:
+    tx = build_optimizer(opt_cfg, lr, steps)
+    return build_engine(engine_cfg, stack=stack, estimator=estimator_cfg.build(), optimizer=tx,
+                        optimizer_config=opt_cfg, learning_rate=lr, total_steps=steps,
+                        micro_batches=n_micro)
 
 
 def diagnostics_for(engine: Any, stack: Any, local: bool = False) -> Callable | None:
@@ -115,38 +111,37 @@ def diagnostics_for(engine: Any, stack: Any, local: bool = False) -> Callable | 
     ``cosine_head``; with ``local`` (an estimator that follows local losses) the same against
     the local target (:func:`jaxstream.grad.local_targets`) as ``local_cosine_*``: noise and
     the local losses' bias, told apart layer by layer."""
-    estimate = getattr(engine, "estimate", None)
-    if estimate is None:
-        return None
+    return _diagnostics(engine, stack, local) if hasattr(engine, "estimate") else None
 
+
+@functools.lru_cache(maxsize=_ENTRIES)
+def _diagnostics(engine: Any, stack: Any, local: bool) -> Callable:
+    estimate = engine.estimate
     try:
         with_diag = "diagnostics" in inspect.signature(estimate).parameters
     except (TypeError, ValueError):
         with_diag = False
 
-    def make():
-        def diag(state, batch, key):
-            extra = {}
-            if with_diag:
-                _, g, info = estimate(state, batch, key, diagnostics=True)
-                extra = _scalar_diagnostics(info)
-            else:
-                _, g = estimate(state, batch, key)
-            params = engine.params(state)
-            ge = jax.grad(stack)(params, batch)
-            ratio = optax.tree.norm(g) / (optax.tree.norm(ge) + 1e-30)
-            out = {"cosine": tree_cosine(g, ge), "norm_ratio": ratio, **extra}
-            if is_stack_params(params):
-                out.update(segment_cosines("cosine", g, ge))
-                if local:
-                    out.update(segment_cosines("local_cosine", g,
-                                               local_targets(stack, params, batch)))
-            return out
+    def diag(state, batch, key):
+        extra = {}
+        if with_diag:
+            _, g, info = estimate(state, batch, key, diagnostics=True)
+            extra = _scalar_diagnostics(info)
+        else:
+            _, g = estimate(state, batch, key)
+        params = engine.params(state)
+        ge = jax.grad(stack)(params, batch)
+        ratio = optax.tree.norm(g) / (optax.tree.norm(ge) + 1e-30)
+        out = {"cosine": tree_cosine(g, ge), "norm_ratio": ratio, **extra}
+        if is_stack_params(params):
+            out.update(segment_cosines("cosine", g, ge))
+            if local:
+                out.update(segment_cosines("local_cosine", g,
+                                           local_targets(stack, params, batch)))
+        return out
 
-        jitted = jax.jit(diag)
-        return lambda *a: _host_record(jax.device_get(jitted(*a)))
-
-    return _cached(("diag", id(engine), local), make)
+    jitted = jax.jit(diag)
+    return lambda *a: _host_record(jax.device_get(jitted(*a)))
 
 
 def segment_cosines(name: str, a: Any, b: Any) -> dict[str, jax.Array]:

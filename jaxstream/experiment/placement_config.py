@@ -24,6 +24,7 @@ Example (YAML):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Literal
 
 import numpy as np
@@ -71,7 +72,7 @@ class PlacementConfig(Checked):
             raise ValueError(f"speeds: by_speed needs a list, one speed per stage; got "
                              f"{self.speeds!r}")
         if self.kind == "by_type":
-            if not isinstance(self.speeds, dict):
+            if not isinstance(self.speeds, Mapping):
                 raise ValueError(f"speeds: by_type needs a mapping {{device kind: speed}}; got "
                                  f"{self.speeds!r}")
             for t, k in self.types.items():

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import sys
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -108,7 +109,7 @@ def _value(cfg, dotted: str):
     for part in dotted.split("."):
         if isinstance(node, (tuple, list)):
             node = node[int(part)]
-        elif isinstance(node, dict):
+        elif isinstance(node, Mapping):
             node = node.get(part, 0.5)  # an option the config leaves unset: a float
         else:
             node = getattr(node, part)
