@@ -15,8 +15,8 @@ The run (see :class:`~jaxstream.experiment.finetune_config.FinetuneConfig`):
 
 Peak RSS (Linux): the kernel's high-water mark (``VmHWM``), reset after the arm's step-0
 evaluation (which reads the whole model: the runner's evaluator runs in memory) and read before
-the first step (``rss_warm_up``: the compilation, whose warm-up estimate holds a gradient of the
-whole model), then reset again (``rss_start``) and read after each step before its evaluation
+the first step (``rss_warm_up``: the compilation; a streamed warm-up holds one unit's gradient
+at a time), then reset again (``rss_start``) and read after each step before its evaluation
 (``rss_peak``: the steps alone). ``rss_constant`` is the process's resident memory once JAX has
 started, before any data or model.
 """
