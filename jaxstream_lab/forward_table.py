@@ -9,7 +9,9 @@ the data set is loaded once, with ``seed``), on the arm's ``engine`` (``local`` 
 every lane in one ``vmap``-ed program; ``pipeline``, ``stream``, ``dataparallel``,
 ``composed``: lane after lane through that engine's step) with the table's ``optimizer`` (Adam
 by default; an arm may bring its own). The learning rate is picked by the lowest mean final *train*
-error over seeds, ties broken by the train loss (the test set never chooses). Reported at that
+error over seeds, ties broken by the train loss (the test set never chooses), or, for a data set
+with ``validation: <share>``, by the same figures on that share of the training set, held out
+(:func:`table_data`; the arms train on the rest). Reported at that
 rate: test and train error (mean ± sd over seeds), steps and seconds to the target test
 accuracy, peak temporary memory of one compiled step (XLA's ``temp_size_in_bytes``; local engine
 only), step time, and the cosine and relative squared error
@@ -50,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -101,15 +103,43 @@ def _agreement(tree: Any, exact_tree: Any, target: Any) -> tuple:
     return cos, rel, segment_cosines("c", tree, exact_tree), local
 
 
-def _evaluator(stack: Any, ds: Any, train_eval_size: int):
-    """One jitted ``params (lanes) -> (lanes, 4)``: test error, train error, test loss, train
-    loss; shared by the arms of a data set (one compile per lane count)."""
+class TableData(NamedTuple):
+    """A data set as the table trains on it: ``train`` (without the validation rows), ``test``,
+    ``info``, and ``validation`` (the held-out training rows, or None)."""
+
+    train: dict
+    test: dict
+    info: dict
+    validation: dict | None = None
+
+
+def table_data(dcfg: TableDataset, seed: int) -> TableData:
+    """The data set of ``dcfg`` loaded with ``seed``, a ``dcfg.validation`` share of its
+    training set held out (rows of a permutation keyed by ``seed``; at least one each side)."""
+    ds = dcfg.data.dataset(seed)
+    if dcfg.validation is None:
+        return TableData(ds.train, ds.test, ds.info)
+    n = len(next(iter(ds.train.values())))
+    held = min(n - 1, max(1, round(dcfg.validation * n)))
+    order = np.random.default_rng(seed).permutation(n)
+    part = lambda idx: {k: np.asarray(v)[np.sort(idx)] for k, v in ds.train.items()}
+    return TableData(part(order[held:]), ds.test, ds.info, part(order[:held]))
+
+
+def _evaluator(stack: Any, ds: TableData, train_eval_size: int):
+    """One jitted ``params (lanes) -> (lanes, M)``: test error, train error, test loss, train
+    loss, and with a validation split validation error and loss (M = 6; else 4); shared by the
+    arms of a data set (one compile per lane count)."""
     test = {k: jnp.asarray(v) for k, v in ds.test.items()}
     sub = {k: jnp.asarray(v[:train_eval_size]) for k, v in ds.train.items()}
+    val = None if ds.validation is None else {k: jnp.asarray(v) for k, v in ds.validation.items()}
 
     def metrics(params):
         err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)
-        return jnp.stack([err(test), err(sub), stack(params, test), stack(params, sub)])
+        out = [err(test), err(sub), stack(params, test), stack(params, sub)]
+        if val is not None:
+            out += [err(val), stack(params, val)]
+        return jnp.stack(out)
 
     return jax.jit(jax.vmap(metrics))
 
@@ -125,11 +155,13 @@ def extension(lrs: tuple[float, ...], side: str) -> float:
     return float(f"{(hi * step if side == 'largest' else lo / step):.3g}")
 
 
-def pick_lr(final: np.ndarray, metric: str) -> int:
+def pick_lr(final: np.ndarray, metric: str, validation: bool = False) -> int:
     """Index of the picked rate in ``final`` (lr, seed, metric): lowest mean final train error,
     ties (e.g. all zero) broken by the mean final train loss (metric "loss": the other way
-    round). Diverged lanes (NaN) sort last."""
-    by_err, by_loss = final[:, :, 1].mean(axis=1), final[:, :, 3].mean(axis=1)
+    round); with ``validation``, the same on the validation columns (4: error, 5: loss).
+    Diverged lanes (NaN) sort last."""
+    err, loss = (4, 5) if validation else (1, 3)
+    by_err, by_loss = final[:, :, err].mean(axis=1), final[:, :, loss].mean(axis=1)
     keys = (by_err, by_loss) if metric == "loss" else (by_loss, by_err)
     return int(np.lexsort(keys)[0])
 
@@ -165,6 +197,7 @@ class _Arm:
                                      aggregate=arm.local_aggregate)
             evaluate = None  # its parameters carry the local heads
         self.stack = stack
+        self.validation = ds.validation is not None
         self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
         self.lanes = Lanes(stack, arm.estimator, cfg.arm_optimizer(arm), arm.engine,
                            train=ds.train, batch_size=dcfg.batch_size, steps=dcfg.steps,
@@ -183,14 +216,14 @@ class _Arm:
             for i, lr in enumerate(rates):
                 self.step_ms[lr] = float(np.median(out.step_ms[i * self.cfg.seeds:
                                                                (i + 1) * self.cfg.seeds]))
-        return out.curve.reshape(len(rates), self.cfg.seeds, -1, 4)
+        return out.curve.reshape(len(rates), self.cfg.seeds, -1, 6 if self.validation else 4)
 
     def sweep(self, rates: tuple[float, ...]) -> tuple[tuple, np.ndarray, list, int]:
         """``(rates tried, curve, rates added, pick)``: the sweep, extended past the edge its
         pick sits at, up to ``extend_sweeps`` times (a single rate: both neighbours)."""
         lrs = tuple(sorted(rates))
         curve = self.curve(lrs)
-        pick, added = pick_lr(curve[:, :, -1], self.dcfg.metric), []
+        pick, added = pick_lr(curve[:, :, -1], self.dcfg.metric, self.validation), []
         while len(added) < self.cfg.extend_sweeps and pick in (0, len(lrs) - 1):
             sides = ("smallest", "largest") if len(lrs) == 1 else (
                 ("largest",) if pick == len(lrs) - 1 else ("smallest",))
@@ -200,7 +233,7 @@ class _Arm:
             lrs = tuple(np.asarray(lrs + new)[order].tolist())
             curve = np.concatenate([curve, more])[order]
             added += list(new)
-            pick = pick_lr(curve[:, :, -1], self.dcfg.metric)
+            pick = pick_lr(curve[:, :, -1], self.dcfg.metric, self.validation)
         return lrs, curve, added, pick
 
     def _cosines(self, estimate: Any, state: Any, batch: dict, exact_tree: Any,
@@ -321,6 +354,9 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "train_error_by_lr_seed": final[:, :, 1].tolist(),
         "test_loss_by_lr_seed": final[:, :, 2].tolist(),
         "train_loss_by_lr_seed": final[:, :, 3].tolist(),
+        "picked_on": "validation" if runner.validation else "train",
+        **({"validation_error_by_lr_seed": final[:, :, 4].tolist(),
+            "validation_loss_by_lr_seed": final[:, :, 5].tolist()} if runner.validation else {}),
         "curve_test_error_mean": [float(x) for x in cur[:, :, 0].mean(axis=0)],
         "curve_test_loss_mean": [float(x) for x in cur[:, :, 2].mean(axis=0)],
         "eval_every": dcfg.eval_every,
@@ -360,7 +396,7 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
         if all((dcfg.name, a) in kept for a in names) and (base or not with_baselines):
             rows += (base if with_baselines else []) + [kept[(dcfg.name, a)] for a in names]
             continue
-        ds = dcfg.data.dataset(cfg.seed)
+        ds = table_data(dcfg, cfg.seed)
         if with_baselines:
             rows += base or baselines(dcfg.name, ds, dcfg.metric)
         stack = dcfg.model.build(ds.info)

@@ -13,7 +13,7 @@ from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.optimizers import OptimizerConfig, check_optimizer
-from jaxstream.ranges import Checked, Count, Positive, Probability, Range, Seed
+from jaxstream.ranges import Checked, Count, Fraction, Positive, Probability, Range, Seed
 
 BASELINES = "baselines"  # the --arms name of the baseline rows (table_baselines)
 BASELINE_NAMES = (BASELINES, "chance", "logistic regression", "unigram", "bigram")
@@ -96,7 +96,12 @@ class TableArm(Checked):
 
 @dataclasses.dataclass(frozen=True)
 class TableDataset(Checked):
-    """A data set, the model trained on it and the training length."""
+    """A data set, the model trained on it and the training length.
+
+    ``validation``: the share of the training set held out (a permutation keyed by the table's
+    seed) to pick each arm's learning rate on: the lowest mean final validation error (loss for
+    ``metric: loss``), ties broken by the validation loss; the arms train on the rest. None:
+    picked on the final train error, every training example trained on."""
 
     name: str = "digits"
     data: DataConfig = dataclasses.field(default_factory=DigitsDataConfig)
@@ -108,6 +113,7 @@ class TableDataset(Checked):
     train_eval_size: Count = 1000
     metric: Literal["error", "loss"] = "error"
     target_loss: Positive | None = None
+    validation: Fraction | None = None
 
     def check(self) -> None:
         if self.metric == "loss" and self.target_loss is None:

@@ -318,7 +318,11 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
     parts += [
         "",
         ("Test and train error are at the end of training, mean ± sd over seeds, at the learning "
-        "rate with the lowest mean final train error among the arm's sweep. Steps to target: "
+        "rate with the lowest mean final train error among the arm's sweep"
+        + (" (on the data sets that hold out a validation split, the lowest mean final "
+           "validation error: the arms train on the rest of the training set)"
+           if any(r.get("picked_on") == "validation" for r in rows) else "")
+        + ". Steps to target: "
         "mean over the seeds that reached the data set's target test accuracy (first evaluation "
         "at or above it). Seconds to target: those steps times the median step time of one lane "
         "alone. Peak temp: XLA's temporary buffers of one compiled training step. Cosine: "

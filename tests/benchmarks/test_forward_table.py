@@ -601,3 +601,60 @@ def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_fami
     assert seeds_note(rows, "d") == ""
     rows[5] = row("LG-FG-A-Ren-G4", [0.20, 0.21, 0.26])
     assert seeds_note(rows, "d").startswith("**Fewer than 5 seeds**: LG-FG-A-Ren-G4 (3) have")
+
+
+def test_a_validation_split_is_a_seeded_share_of_the_training_set():
+    """``validation: 0.2``: a fifth of the training rows held out, disjoint from the rest,
+    together the whole training set; the same rows for the same seed, others for another;
+    the test set untouched."""
+    from jaxstream_lab.forward_table import table_data
+    from jaxstream_lab.table_config import TableDataset
+
+    plain = TableDataset().data.dataset(0)
+    held = table_data(TableDataset(validation=0.2), 0)
+    n = len(plain.train["y"])
+    assert len(held.validation["y"]) == round(0.2 * n)
+    assert len(held.train["y"]) + len(held.validation["y"]) == n
+    rows = lambda d: {r.tobytes() + bytes([int(y)]) for r, y in zip(d["x"], d["y"])}
+    assert rows(held.train) | rows(held.validation) == rows(plain.train)
+    assert not rows(held.train) & rows(held.validation)
+    np.testing.assert_array_equal(held.test["x"], plain.test["x"])
+    again, other = table_data(TableDataset(validation=0.2), 0), table_data(TableDataset(validation=0.2), 1)
+    np.testing.assert_array_equal(again.validation["x"], held.validation["x"])
+    assert rows(other.validation) != rows(held.validation)
+    assert table_data(TableDataset(), 0).validation is None
+
+
+def test_the_pick_reads_the_validation_columns_when_there_are_some():
+    from jaxstream_lab.forward_table import pick_lr
+
+    final = np.zeros((2, 3, 6))
+    final[:, :, 1] = [[0.0] * 3, [0.1] * 3]  # train error: rate 0 lower
+    final[:, :, 4] = [[0.3] * 3, [0.2] * 3]  # validation error: rate 1 lower
+    assert pick_lr(final, "error") == 0 and pick_lr(final, "error", validation=True) == 1
+    final[:, :, 4] = 0.2  # a tie on validation error: the validation loss breaks it
+    final[:, :, 5] = [[0.7] * 3, [0.9] * 3]
+    assert pick_lr(final, "error", validation=True) == 0
+
+
+def test_a_table_with_a_validation_split_picks_on_it_and_says_so():
+    over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=0",
+            ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
+             "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32, validation: 0.25}]"),
+            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0001, 0.001, 0.01]}]"]
+    (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
+    assert row["picked_on"] == "validation"
+    err = np.asarray(row["validation_error_by_lr_seed"])
+    loss = np.asarray(row["validation_loss_by_lr_seed"])
+    assert err.shape == loss.shape == (3, 2)
+    # the pick, recomputed from the stored figures: lowest mean validation error, then loss
+    want = min(range(3), key=lambda i: (err[i].mean(), loss[i].mean()))
+    assert row["lr"] == row["lrs"][want]
+    from jaxstream_lab.table_report import markdown
+
+    text = markdown({"rows": [row], "command": "c", "machine": "m"})
+    assert "lowest mean final validation error" in text
+    (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over[:-2] + [
+        over[-2].replace(", validation: 0.25", ""), over[-1]]))
+    assert plain["picked_on"] == "train" and "validation_error_by_lr_seed" not in plain
+    assert "validation error" not in markdown({"rows": [plain], "command": "c", "machine": "m"})
