@@ -11,7 +11,7 @@ every lane in one ``vmap``-ed program; ``pipeline``, ``stream``, ``dataparallel`
 by default; an arm may bring its own). The learning rate is picked by the lowest mean final *train*
 error over seeds, ties broken by the train loss (the test set never chooses), or, for a data set
 with ``validation: <share>``, by the same figures on that share of the training set, held out
-(:func:`table_data`; the arms train on the rest). Reported at that
+(:func:`jaxstream_lab.table_data.table_data`; the arms train on the rest). Reported at that
 rate: test and train error (mean ± sd over seeds), steps and seconds to the target test
 accuracy, peak temporary memory of one compiled step (XLA's ``temp_size_in_bytes``; local engine
 only), step time, and the cosine and relative squared error
@@ -52,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +77,7 @@ from jaxstream_lab.table_config import (
     TableArm,
     TableDataset,
 )
+from jaxstream_lab.table_data import _evaluator, table_data
 from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
 from jaxstream_lab.table_report import markdown
 
@@ -101,47 +102,6 @@ def _agreement(tree: Any, exact_tree: Any, target: Any) -> tuple:
     rel = jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)
     local = None if target is None else segment_cosines("c", tree, target)
     return cos, rel, segment_cosines("c", tree, exact_tree), local
-
-
-class TableData(NamedTuple):
-    """A data set as the table trains on it: ``train`` (without the validation rows), ``test``,
-    ``info``, and ``validation`` (the held-out training rows, or None)."""
-
-    train: dict
-    test: dict
-    info: dict
-    validation: dict | None = None
-
-
-def table_data(dcfg: TableDataset, seed: int) -> TableData:
-    """The data set of ``dcfg`` loaded with ``seed``, a ``dcfg.validation`` share of its
-    training set held out (rows of a permutation keyed by ``seed``; at least one each side)."""
-    ds = dcfg.data.dataset(seed)
-    if dcfg.validation is None:
-        return TableData(ds.train, ds.test, ds.info)
-    n = len(next(iter(ds.train.values())))
-    held = min(n - 1, max(1, round(dcfg.validation * n)))
-    order = np.random.default_rng(seed).permutation(n)
-    part = lambda idx: {k: np.asarray(v)[np.sort(idx)] for k, v in ds.train.items()}
-    return TableData(part(order[held:]), ds.test, ds.info, part(order[:held]))
-
-
-def _evaluator(stack: Any, ds: TableData, train_eval_size: int):
-    """One jitted ``params (lanes) -> (lanes, M)``: test error, train error, test loss, train
-    loss, and with a validation split validation error and loss (M = 6; else 4); shared by the
-    arms of a data set (one compile per lane count)."""
-    test = {k: jnp.asarray(v) for k, v in ds.test.items()}
-    sub = {k: jnp.asarray(v[:train_eval_size]) for k, v in ds.train.items()}
-    val = None if ds.validation is None else {k: jnp.asarray(v) for k, v in ds.validation.items()}
-
-    def metrics(params):
-        err = lambda b: jnp.clip(1.0 - stack.accuracy(params, b), 0.0, 1.0)
-        out = [err(test), err(sub), stack(params, test), stack(params, sub)]
-        if val is not None:
-            out += [err(val), stack(params, val)]
-        return jnp.stack(out)
-
-    return jax.jit(jax.vmap(metrics))
 
 
 ONE_RATE_STEP = 3.0  # the geometric step past a "sweep" of one rate

@@ -607,8 +607,8 @@ def test_a_validation_split_is_a_seeded_share_of_the_training_set():
     """``validation: 0.2``: a fifth of the training rows held out, disjoint from the rest,
     together the whole training set; the same rows for the same seed, others for another;
     the test set untouched."""
-    from jaxstream_lab.forward_table import table_data
     from jaxstream_lab.table_config import TableDataset
+    from jaxstream_lab.table_data import table_data
 
     plain = TableDataset().data.dataset(0)
     held = table_data(TableDataset(validation=0.2), 0)
