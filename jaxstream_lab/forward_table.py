@@ -77,7 +77,7 @@ from jaxstream_lab.table_config import (
     TableArm,
     TableDataset,
 )
-from jaxstream_lab.table_data import _evaluator, table_data
+from jaxstream_lab.table_data import lanes_evaluator, table_data
 from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
 from jaxstream_lab.table_report import markdown
 
@@ -158,7 +158,7 @@ class _Arm:
             evaluate = None  # its parameters carry the local heads
         self.stack = stack
         self.validation = ds.validation is not None
-        self.evaluate = evaluate or _evaluator(stack, ds, dcfg.train_eval_size)
+        self.evaluate = evaluate or lanes_evaluator(stack, ds, dcfg.train_eval_size)
         self.lanes = Lanes(stack, arm.estimator, cfg.arm_optimizer(arm), arm.engine,
                            train=ds.train, batch_size=dcfg.batch_size, steps=dcfg.steps,
                            model=dcfg.model, name=f"{dcfg.name}-{arm.name}")
@@ -360,7 +360,7 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
         if with_baselines:
             rows += base or baselines(dcfg.name, ds, dcfg.metric)
         stack = dcfg.model.build(ds.info)
-        evaluate = _evaluator(stack, ds, dcfg.train_eval_size)
+        evaluate = lanes_evaluator(stack, ds, dcfg.train_eval_size)
         for arm in cfg.arms:
             if (arms and arm.name not in arms) or not arm.runs_on(dcfg.name):
                 continue

@@ -1,5 +1,6 @@
 """A forward table's data: each data set as the arms train on it, with its validation split
-(:func:`table_data`), and the one evaluator of a data set's lanes (:func:`_evaluator`)."""
+(:func:`table_data`), and the one evaluator of a data set's lanes
+(:func:`lanes_evaluator`)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def table_data(dcfg: TableDataset, seed: int) -> TableData:
     return TableData(part(order[held:]), ds.test, ds.info, part(order[:held]))
 
 
-def _evaluator(stack: Any, ds: TableData, train_eval_size: int):
+def lanes_evaluator(stack: Any, ds: TableData, train_eval_size: int):
     """One jitted ``params (lanes) -> (lanes, M)``: test error, train error, test loss, train
     loss, and with a validation split validation error and loss (M = 6; else 4); shared by the
     arms of a data set (one compile per lane count)."""
