@@ -176,7 +176,7 @@ class _Arm:
             for i, lr in enumerate(rates):
                 self.step_ms[lr] = float(np.median(out.step_ms[i * self.cfg.seeds:
                                                                (i + 1) * self.cfg.seeds]))
-        return out.curve.reshape(len(rates), self.cfg.seeds, -1, 6 if self.validation else 4)
+        return out.curve.reshape(len(rates), self.cfg.seeds, -1, out.curve.shape[-1])
 
     def sweep(self, rates: tuple[float, ...]) -> tuple[tuple, np.ndarray, list, int]:
         """``(rates tried, curve, rates added, pick)``: the sweep, extended past the edge its

@@ -227,12 +227,13 @@ class StreamedExecutor(Driver):
         :meth:`estimate`, whose staged writes are dropped) and the host optimizer update of each
         unit shape (on zero gradients, result discarded). So a run's first step is timed
         without compilation (a lazy update's first application still compiles then). Each
-        unit's gradient is dropped once computed: the warm-up holds no whole-model gradient
-        (unlike :meth:`estimate`), so a model near the host's memory warms up as it trains."""
+        unit's gradient is dropped as soon as it is handed over, unread: the warm-up holds no
+        whole-model gradient (unlike :meth:`estimate`), so a model near the host's memory warms
+        up as it trains, and nothing is read back until the sweeps' loss at the end."""
         try:
-            self._run(batch, key, self.layers(step),
-                      lambda u, g, *a, **k: jax.block_until_ready(g), time.perf_counter(),
-                      commit_lazy=False)
+            loss, _ = self._run(batch, key, self.layers(step), lambda *a, **k: None,
+                                time.perf_counter(), commit_lazy=False)
+            jax.block_until_ready(loss)
         finally:
             self.store.abort()
         layers = self.layers(step)
