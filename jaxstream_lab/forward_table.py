@@ -46,6 +46,7 @@ Example (YAML):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -55,11 +56,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.data.batches import batch_at
-from jaxstream.experiment.compiled import segment_cosines
 from jaxstream.experiment.config import (
     ConfigError,
     registered_name,
@@ -70,6 +69,7 @@ from jaxstream.experiment.registry import register_experiment
 from jaxstream.experiment.rundir import write_json
 from jaxstream.grad import local_targets
 from jaxstream.models import to_stack, with_local_heads
+from jaxstream_lab.budget_report import family
 from jaxstream_lab.table_baselines import baselines
 from jaxstream_lab.table_config import (
     BASELINES,
@@ -79,30 +79,8 @@ from jaxstream_lab.table_config import (
 )
 from jaxstream_lab.table_data import lanes_evaluator, table_data
 from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
+from jaxstream_lab.table_probe import agreement, backprop_params, forward_equivalents
 from jaxstream_lab.table_report import markdown
-
-
-def _per_segment(c: dict) -> np.ndarray:
-    """[embed, block 0, …, block L − 1, head] from :func:`segment_cosines`' values."""
-    return np.concatenate([[float(c["c_embed"])], np.ravel(np.asarray(c["c_blocks"])),
-                           [float(c["c_head"])]])
-
-
-def _flat(tree: Any) -> jax.Array:
-    return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])
-
-
-@jax.jit
-def _agreement(tree: Any, exact_tree: Any, target: Any) -> tuple:
-    """An estimate against the exact gradient in one compiled program (not op by op): cosine,
-    relative squared error, per-segment cosines, and per-segment cosines to ``target`` (an
-    estimator's local targets; None: none)."""
-    g, exact = _flat(tree), _flat(exact_tree)
-    cos = g @ exact / (jnp.linalg.norm(g) * jnp.linalg.norm(exact) + 1e-30)
-    rel = jnp.sum((g - exact) ** 2) / jnp.sum(exact**2)
-    local = None if target is None else segment_cosines("c", tree, target)
-    return cos, rel, segment_cosines("c", tree, exact_tree), local
-
 
 ONE_RATE_STEP = 3.0  # the geometric step past a "sweep" of one rate
 
@@ -124,21 +102,6 @@ def pick_lr(final: np.ndarray, metric: str, validation: bool = False) -> int:
     by_err, by_loss = final[:, :, err].mean(axis=1), final[:, :, loss].mean(axis=1)
     keys = (by_err, by_loss) if metric == "loss" else (by_loss, by_err)
     return int(np.lexsort(keys)[0])
-
-
-def _forward_equivalents(step: Any, stack: Any, params: Any, batch: dict):
-    """``(matmul FLOPs of one compiled training step, the same over one primal forward pass of
-    the batch)``: a step's cost in forward passes, counted from what XLA runs
-    (:func:`jaxstream.quality.flops.matmul_flops`); ``(None, None)`` where the counter refuses
-    the program (a convolution)."""
-    from jaxstream.quality.flops import matmul_flops
-
-    try:
-        forward = matmul_flops(jax.jit(stack).lower(params, batch).compile())
-        total = matmul_flops(step)
-    except ValueError:
-        return None, None
-    return total, (total / forward if forward else None)
 
 
 class _Arm:
@@ -198,34 +161,45 @@ class _Arm:
 
     def _cosines(self, estimate: Any, state: Any, batch: dict, exact_tree: Any,
                  params: Any) -> dict:
-        """Cosine and relative squared error of ``estimate``'s gradient to the exact one over
-        ``cosine_keys`` keys (one batch, initial params); per segment (``cosine_layers``: the
-        embed, each block, the head, means over the keys) and, for an estimator that follows
-        local losses, per segment to its local target (``local_cosine_layers``)."""
+        """:func:`~jaxstream_lab.table_probe.agreement` of ``estimate`` over ``cosine_keys``
+        keys at ``params`` on ``batch`` (to its local targets too, for an estimator that
+        follows local losses)."""
         keys = jax.random.split(jax.random.fold_in(jax.random.key(self.cfg.seed), 11),
                                 self.cfg.cosine_keys)
         local = self.arm.estimator.build().plan.local_target
         target = local_targets(self.stack, params, batch) if local else None
-        cos, rel_mse, layers, local_layers = [], [], [], []
-        for k in keys:
-            c, r, seg, local_seg = jax.device_get(
-                _agreement(estimate(state, batch, k)[1], exact_tree, target))
-            cos.append(float(c))
-            rel_mse.append(float(r))
-            layers.append(_per_segment(seg))
-            if local:
-                local_layers.append(_per_segment(local_seg))
-        mean = lambda xs: np.mean(xs, axis=0).round(4).tolist()
-        return {"cosine_mean": float(np.mean(cos)),
-                "cosine_sd": float(np.std(cos, ddof=1)) if len(cos) > 1 else 0.0,
-                "relative_mse": float(np.mean(rel_mse)), "cosine_layers": mean(layers),
-                "local_cosine_layers": mean(local_layers) if local else None}
+        return agreement(estimate, state, batch, exact_tree, target, keys)
+
+    def _mid(self, engine: Any, state: Any, params0: Any) -> dict:
+        """The agreement at mid-training (``mid_probe_lr``): at the parameters after half the
+        steps of backprop with Adam from seed ``seed``'s start, on that step's batch; keys
+        prefixed ``mid_`` (empty without ``mid_probe_lr``)."""
+        if self.cfg.mid_probe_lr is None:
+            return {}
+        half, seed = self.dcfg.steps // 2, self.cfg.seed
+        params = backprop_params(self.stack, params0, self.lanes.train, self.dcfg.batch_size,
+                                 seed, half, self.cfg.mid_probe_lr)
+        batch = batch_at(self.lanes.train, self.dcfg.batch_size, seed, half)
+        exact = jax.jit(jax.grad(self.stack))(params, batch)
+        out = self._cosines(engine.estimate, state._replace(params=params), batch, exact, params)
+        return {"mid_step": half, **{f"mid_{k}": v for k, v in out.items()
+                                     if not k.endswith("layers")}}
+
+    def compiled_step(self, lr: float) -> tuple[Any, Any, Any, dict, jax.Array]:
+        """``(compiled local step, engine, state, batch, key)`` of lane (``lr``, ``seed``) on its
+        first batch."""
+        lane = Lane(lr, self.cfg.seed)
+        batch = batch_at(self.lanes.train, self.dcfg.batch_size, lane.seed, 0)
+        engine = self.lanes.local_engine()
+        state = self.lanes.init_state(engine, lane)
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), 11)
+        return jax.jit(engine._step).lower(state, batch, key).compile(), engine, state, batch, key
 
     def probe(self, lr: float) -> dict:
-        """One lane at rate ``lr`` (seed ``seed``'s start, its first batch): the cosine and
-        relative squared error to the exact gradient over several keys; on the local engine
-        also the step compiled alone (temporary memory, its cost in forward passes, step
-        time); on another engine the lanes' own median step time at ``lr``."""
+        """One lane at rate ``lr`` (seed ``seed``'s start, its first batch): the agreement with
+        the exact gradient over several keys (and at mid-training, ``mid_probe_lr``); on the
+        local engine also the step compiled alone (temporary memory, its cost in forward
+        passes, step time); on another engine the lanes' own median step time at ``lr``."""
         cfg, lane = self.cfg, Lane(lr, self.cfg.seed)
         batch = batch_at(self.lanes.train, self.dcfg.batch_size, lane.seed, 0)
         params0 = self.stack.init(init_key(lane.seed))
@@ -245,12 +219,10 @@ class _Arm:
             return {**out, "peak_temp_bytes": None, "step_ms": self.step_ms[lr],
                     "flops_per_step": None, "forward_equivalents_per_step": None,
                     "cosine_mean": None, "cosine_sd": None, "relative_mse": None,
+                    "bias_sq_rel": None, "variance_rel": None,
                     "cosine_layers": None, "local_cosine_layers": None, **cos}
-        engine = self.lanes.local_engine()
-        state = self.lanes.init_state(engine, lane)
-        key = jax.random.fold_in(jax.random.key(cfg.seed), 11)
-        one = jax.jit(engine._step).lower(state, batch, key).compile()
-        flops, equivalents = _forward_equivalents(one, self.stack, params0, batch)
+        one, engine, state, batch, key = self.compiled_step(lr)
+        flops, equivalents = forward_equivalents(one, self.stack, params0, batch)
         jax.block_until_ready(one(state, batch, key))
         times = []
         for k in jax.random.split(key, cfg.timing_steps):
@@ -260,7 +232,34 @@ class _Arm:
         return {**out, "peak_temp_bytes": int(one.memory_analysis().temp_size_in_bytes),
                 "step_ms": float(np.median(times) * 1e3), "flops_per_step": flops,
                 "forward_equivalents_per_step": equivalents,
-                **self._cosines(engine.estimate, state, batch, exact, params0)}
+                **self._cosines(engine.estimate, state, batch, exact, params0),
+                **self._mid(engine, state, params0)}
+
+
+def matched_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
+                stack: Any, evaluate: Any = None) -> tuple[TableArm, dict]:
+    """``(arm, row fields)``: for an arm with ``match_memory_of``, the arm with the fewest
+    accumulation chunks (a divisor of the batch size) whose compiled step's temporary memory is
+    at most that of the named arm's step on this data set, measured by compiling both; where
+    no number of chunks gets there, the one with the least memory, ``memory_matched: false``.
+    Other arms come back as they are, with no fields."""
+    if arm.match_memory_of is None:
+        return arm, {}
+    target_arm = next(a for a in cfg.arms if a.name == arm.match_memory_of)
+    temp = lambda a: _Arm(cfg, dcfg, a, ds, stack, evaluate).compiled_step(
+        a.sweep(dcfg.name)[0])[0].memory_analysis().temp_size_in_bytes
+    target, temps = temp(target_arm), {}
+    for chunks in (d for d in range(1, dcfg.batch_size + 1) if dcfg.batch_size % d == 0):
+        est = dataclasses.replace(arm.estimator, accumulate=chunks)
+        temps[chunks] = temp(dataclasses.replace(arm, estimator=est))
+        if temps[chunks] <= target:
+            break
+    chunks = next((c for c, t in temps.items() if t <= target), min(temps, key=temps.get))
+    fields = {"accumulate": chunks, "memory_target_arm": target_arm.name,
+              "memory_target_bytes": int(target), "memory_matched": temps[chunks] <= target,
+              "temp_bytes_by_accumulate": {str(c): int(t) for c, t in temps.items()}}
+    return dataclasses.replace(arm, estimator=dataclasses.replace(
+        arm.estimator, accumulate=chunks)), fields
 
 
 def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any, stack: Any,
@@ -298,7 +297,8 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "local_over": arm.local_over, "local_patch_groups": arm.local_patch_groups,
         "local_aggregate": arm.local_aggregate,
         "engine": registered_name(arm.engine), "model": registered_name(dcfg.model),
-        "optimizer": cfg.arm_optimizer(arm).name,
+        "optimizer": cfg.arm_optimizer(arm).name, "estimator": arm.estimator.describe(),
+        **dict(zip(("family", "directions"), family(arm.estimator))),
         "seeds": cfg.seeds, "steps": dcfg.steps, **probe,
         "target_accuracy": dcfg.target_accuracy, "seeds_reaching_target": len(hit),
         "steps_to_target_mean": float(np.mean(hit)) if hit else None,
@@ -368,7 +368,8 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
                 rows.append(kept[(dcfg.name, arm.name)])
                 continue
             t0 = time.perf_counter()
-            row = run_arm(cfg, dcfg, arm, ds, stack, evaluate)
+            ran, matched = matched_arm(cfg, dcfg, arm, ds, stack, evaluate)
+            row = {**run_arm(cfg, dcfg, ran, ds, stack, evaluate), **matched}
             rows.append(row)
             if on_row is not None:
                 on_row(rows)

@@ -7,7 +7,13 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Literal
 
-from jaxstream.experiment.config import ConfigError, apply_overrides, from_dict, read_yaml
+from jaxstream.experiment.config import (
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    read_yaml,
+    registered_name,
+)
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
@@ -35,7 +41,10 @@ class TableArm(Checked):
     only) instead of a head per cell; ``datasets``: the data sets the
     arm runs on (empty: all; e.g. groups that divide one model's width); ``engine``: what
     runs its steps (the ``engine:`` section of ``kind: train``; its layer store, if any, is a
-    scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's."""
+    scratch store per lane, so ``store`` stays null); ``optimizer``: overrides the table's;
+    ``match_memory_of``: the name of another arm whose compiled step's temporary memory this
+    arm (rematerialised backprop) matches by gradient accumulation: the fewest chunks of the
+    batch whose step needs no more (:func:`jaxstream_lab.forward_table.matched_arm`)."""
 
     name: str = "BP"
     estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
@@ -49,8 +58,13 @@ class TableArm(Checked):
     engine: EngineConfig = dataclasses.field(default_factory=LocalEngineConfig)
     optimizer: OptimizerConfig | None = None
     datasets: tuple[str, ...] = ()  # the data sets it runs on (empty: every one)
+    match_memory_of: str | None = None  # an arm whose step memory this one matches
 
     def check(self) -> None:
+        if self.match_memory_of is not None and not getattr(self.estimator, "remat", False):
+            raise ValueError("match_memory_of: memory is matched by gradient accumulation of "
+                             "rematerialised backprop; needs estimator {type: backprop, remat: "
+                             "true}; allowed without it: null")
         for name, lrs in (("lrs", self.lrs), *((f"lrs_by_dataset.{k}", v)
                                              for k, v in self.lrs_by_dataset.items())):
             if not lrs:
@@ -129,7 +143,9 @@ class ForwardTableConfig(Checked):
     """The whole table: data sets x arms, ``seeds`` seeds each; ``extend_sweeps``: rates a
     sweep may add past its edge (:func:`jaxstream_lab.forward_table.run_arm`); ``baselines``: add each data set's baseline
     rows (:mod:`.table_baselines`); ``optimizer``: every arm's (unless it brings its own; the
-    rate is the arm's swept one)."""
+    rate is the arm's swept one); ``mid_probe_lr``: also measure each estimator against the
+    exact gradient at mid-training (after half the steps of backprop with Adam at this rate;
+    null: at initialisation only)."""
 
     seed: Seed = 0
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -138,8 +154,27 @@ class ForwardTableConfig(Checked):
     baselines: bool = True
     cosine_keys: Count = 8
     timing_steps: Count = 10
+    mid_probe_lr: Positive | None = None  # Adam rate of the backprop run to mid-training
     datasets: tuple[TableDataset, ...] = (TableDataset(),)
     arms: tuple[TableArm, ...] = (TableArm(),)
+
+    def _check_match(self, j: int, a: TableArm) -> None:
+        """``arms.j.match_memory_of`` names another arm on the local engine that runs on every
+        data set arm j runs on."""
+        field, others = f"arms.{j}.match_memory_of", {b.name: b for b in self.arms if b is not a}
+        target = others.get(a.match_memory_of)
+        if target is None:
+            raise ValueError(f"{field}: {a.match_memory_of!r} is not another arm of the table; "
+                             f"allowed: {sorted(others)}")
+        for arm in (a, target):
+            if registered_name(arm.engine) != "local":
+                raise ValueError(f"{field}: memory is measured on the local engine; arm "
+                                 f"{arm.name!r} runs on {registered_name(arm.engine)!r}")
+        missing = [d.name for d in self.datasets if a.runs_on(d.name)
+                   and not target.runs_on(d.name)]
+        if missing:
+            raise ValueError(f"{field}: arm {target.name!r} does not run on {missing}, where "
+                             f"arm {a.name!r} does")
 
     def check(self) -> None:
         for what, names in (("arms", [a.name for a in self.arms]),
@@ -158,17 +193,20 @@ class ForwardTableConfig(Checked):
                     raise ValueError(f"arms.{j}.datasets.{k}: {name!r} is not a data set of "
                                      f"the table; allowed: {names}")
             a.engine.check_arm(a, f"arms.{j}")  # the engine runs the arm's estimator
+            if a.match_memory_of is not None:
+                self._check_match(j, a)
             if a.optimizer is None:
                 a.engine.check_optimizer(self.optimizer, "optimizer")
         for i, d in enumerate(self.datasets):
             for j, a in enumerate(self.arms):
                 if not a.runs_on(d.name):
                     continue
-                n, field = getattr(a.estimator, "micro_batches", 1), f"arms.{j}.estimator"
+                what, n = a.estimator.batch_divisor()
+                field = f"arms.{j}.estimator"
                 if n == 1 and getattr(a.engine, "micro_batches", 1) > 1:  # the engine's N
-                    n, field = a.engine.micro_batches, f"arms.{j}.engine"
+                    what, n, field = "micro_batches", a.engine.micro_batches, f"arms.{j}.engine"
                 if d.batch_size % n:
-                    raise ValueError(f"{field}.micro_batches: {n} must divide "
+                    raise ValueError(f"{field}.{what}: {n} must divide "
                                      f"datasets.{i}.batch_size={d.batch_size}")
                 try:
                     a.engine.check_model(d.model)

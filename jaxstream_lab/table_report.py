@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 
+from jaxstream_lab import budget_report
+from jaxstream_lab.stability import flagged
 from jaxstream_lab.table_cost import memory_table
 from jaxstream_lab.table_rows import (
     REN_SETTINGS,
@@ -359,6 +361,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if seeds_note(rows, ds):
             parts += [seeds_note(rows, ds), ""]
         parts += [table(rows, ds), "", _edges(rows, ds), ""]
+        if flagged(every, ds):
+            parts += [flagged(every, ds), ""]
         said = designs(rows, ds)
         if said:
             parts += [said, ""]
@@ -387,6 +391,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if judgements:
             parts += ["", "Local-loss designs against one loss per block:", ""]
             parts += [f"- {line}" for line in judgements]
+        if budget_report.markdown(rows, ds):
+            parts += ["", budget_report.markdown(rows, ds)]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:

@@ -31,6 +31,10 @@ class EstimatorConfig(Checked):
     def build(self) -> Estimator:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def batch_divisor(self) -> tuple[str, int]:
+        """``(field, n)``: the field whose count must divide the batch size (micro-batches)."""
+        return "micro_batches", self.micro_batches
+
     def describe(self) -> str:
         """A short label for tables (default: the estimator plan's)."""
         return self.build().plan.describe()
@@ -39,17 +43,28 @@ class EstimatorConfig(Checked):
 @register_choice(EstimatorConfig, "backprop")
 @dataclasses.dataclass(frozen=True)
 class BackpropConfig(EstimatorConfig):
-    """Exact reverse-mode gradient (the reference); ``remat: true`` rematerialises each block."""
+    """Exact reverse-mode gradient (the reference); ``remat: true`` rematerialises each block,
+    ``accumulate: A`` (with remat) runs the batch as A chunks one after another."""
 
     remat: bool = False
+    accumulate: Count = 1
+
+    def check(self) -> None:
+        if self.accumulate > 1 and not self.remat:
+            raise ValueError(f"accumulate: {self.accumulate} chunks need remat: true "
+                             "(gradient accumulation is a schedule of rematerialised backprop)")
+
+    def batch_divisor(self) -> tuple[str, int]:
+        return ("accumulate", self.accumulate) if self.accumulate > 1 else super().batch_divisor()
 
     def build(self) -> Estimator:
         import jaxstream.grad as jg
 
-        return jg.backprop_remat() if self.remat else jg.backprop()
+        return jg.backprop_remat(self.accumulate) if self.remat else jg.backprop()
 
     def describe(self) -> str:
-        return "backprop(remat)" if self.remat else "backprop"
+        acc = f", accumulate {self.accumulate}" if self.accumulate > 1 else ""
+        return f"backprop(remat{acc})" if self.remat else "backprop"
 
 
 @register_choice(EstimatorConfig, "forward")

@@ -74,10 +74,10 @@ class LRSweepConfig(Checked):
         if not self.arms:
             raise ValueError("arms: list at least one arm")
         for i, arm in enumerate(self.arms):
-            n = getattr(arm.estimator, "micro_batches", 1)
+            what, n = arm.estimator.batch_divisor()
             if self.batch_size % n:
-                raise ValueError(f"arms.{i}.estimator.micro_batches: batch_size={self.batch_size}"
-                                 f" is not divisible by micro_batches={n}")
+                raise ValueError(f"arms.{i}.estimator.{what}: batch_size={self.batch_size}"
+                                 f" is not divisible by {what}={n}")
         check_optimizer(self.optimizer)
         if self.optimizer.warmup_steps > self.steps:
             raise ValueError(f"optimizer.warmup_steps: the warm-up must end within steps = "

@@ -95,12 +95,13 @@ class TrainConfig(Checked):
         for i, arm in enumerate(self.arms):
             if names.index(arm.name) != i:
                 raise ValueError(f"arms.{i}.name: {arm.name!r} is used twice; names must be unique")
-            n, field = getattr(arm.estimator, "micro_batches", 1), f"arms.{i}.estimator"
+            what, n = arm.estimator.batch_divisor()
+            field = f"arms.{i}.estimator"
             if n == 1 and getattr(self.engine, "micro_batches", 1) > 1:  # the engine's N
-                n, field = self.engine.micro_batches, "engine"
+                what, n, field = "micro_batches", self.engine.micro_batches, "engine"
             if self.batch_size % n:
-                raise ValueError(f"{field}.micro_batches: batch_size={self.batch_size}"
-                                 f" is not divisible by micro_batches={n}")
+                raise ValueError(f"{field}.{what}: batch_size={self.batch_size}"
+                                 f" is not divisible by {what}={n}")
             if arm.optimizer is not None:
                 check_optimizer(arm.optimizer, f"arms.{i}.optimizer")
             self.engine.check_arm(arm, f"arms.{i}")  # engine/estimator compatibility

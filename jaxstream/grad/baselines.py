@@ -3,7 +3,8 @@
 * :func:`backprop_remat` — backprop that rematerialises each block of a stack
   (``jax.checkpoint``): only block inputs are kept for the backward pass, the block's inside
   is recomputed. Same gradient as :func:`~jaxstream.grad.backprop`, less temporary memory,
-  about one extra forward pass of compute.
+  about one extra forward pass of compute. With ``accumulate=A`` the batch runs as A equal
+  chunks one after another (gradient accumulation): the activations of one chunk at a time.
 * :func:`exact_subset` — the exact gradient of the ``k`` micro-batches a hybrid would select,
   and nothing else: the hybrid without its forward part. If a hybrid does not beat it, its
   forward part carried no information.
@@ -57,11 +58,37 @@ def remat_loss(stack: Stack, params: dict, batch: dict) -> jax.Array:
     return jnp.mean(stack.example_loss(stack.head(params["head"], h), batch))
 
 
+def accumulated(value_and_grad: Callable, params: Any, batch: Any, chunks: int):
+    """(mean loss, mean gradient) of ``batch`` run as ``chunks`` equal chunks one after another
+    (a ``lax.scan``: one chunk's activations live at a time), the gradient summed in at least
+    float32 and returned in the parameters' dtypes."""
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
+    if len(sizes) != 1 or next(iter(sizes)) % chunks:
+        raise ValueError(f"accumulate: {chunks} chunks must divide the batch's leading size, "
+                         f"got {sorted(sizes)}")
+    split = jax.tree.map(lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]), batch)
+
+    def body(acc, b):
+        loss, g = value_and_grad(params, b)
+        return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g), loss
+
+    zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
+                        params)
+    total, losses = jax.lax.scan(body, zero, split)
+    grads = jax.tree.map(lambda t, p: (t / chunks).astype(p.dtype), total, params)
+    return jnp.mean(losses), grads
+
+
 @dataclasses.dataclass(frozen=True)
 class BackpropRemat:
     """Exact gradient with each block rematerialised (see :func:`backprop_remat`)."""
 
+    accumulate: int = 1  # chunks of the batch run one after another (gradient accumulation)
     plan = Plan("none", "all")  # an engine recomputes each block from its input anyway
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"accumulate must be an int >= 1, got {self.accumulate!r}")
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
@@ -69,17 +96,26 @@ class BackpropRemat:
             fn = lambda p, b: remat_loss(loss_fn, p, b)
         else:
             fn = jax.checkpoint(loss_fn)  # one segment: recompute the whole forward
-        loss, grads = jax.value_and_grad(fn)(params, batch)
+        if self.accumulate == 1:
+            loss, grads = jax.value_and_grad(fn)(params, batch)
+        else:
+            loss, grads = accumulated(jax.value_and_grad(fn), params, batch, self.accumulate)
         return _finish(loss, grads, {}, diagnostics)
 
 
-def backprop_remat() -> BackpropRemat:
+def backprop_remat(accumulate: int = 1) -> BackpropRemat:
     """Backprop with per-block rematerialisation (``jax.checkpoint``): exact gradients.
 
+    ``accumulate=A`` runs the batch as A equal chunks one after another and averages their
+    gradients (gradient accumulation): the same gradient at about 1/A of the activations'
+    memory, for one parameter-sized accumulator. The engines that run their own exact sweeps
+    (pipeline, stream, composed) compute the same gradient by their own schedule; ``A`` is an
+    in-memory schedule.
+
     Example:
-      >>> loss, grads = backprop_remat()(stack, params, batch, key)
+      >>> loss, grads = backprop_remat(accumulate=4)(stack, params, batch, key)
     """
-    return BackpropRemat()
+    return BackpropRemat(accumulate)
 
 
 @dataclasses.dataclass(frozen=True)

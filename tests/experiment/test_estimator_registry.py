@@ -19,6 +19,8 @@ from jaxstream.grad import combine
 SECTIONS = {
     "backprop": ("type: backprop", jg.backprop()),
     "backprop_remat": ("type: backprop\nremat: true", jg.backprop_remat()),
+    "backprop_remat_accumulate": ("type: backprop\nremat: true\naccumulate: 4",
+                                  jg.backprop_remat(accumulate=4)),
     "forward": ("type: forward\nnum_tangents: 3\ndistribution: gaussian\naggregation: projection",
                 jg.forward(3, "gaussian", aggregation="projection")),
     "forward_activity": ("type: forward\nperturb: activations\nlocal_losses: true",
@@ -99,3 +101,15 @@ def test_config_bounds_agree_with_the_estimator():
                 except ConfigError:
                     continue
                 cfg.build()  # must not raise
+
+
+def test_accumulation_is_refused_where_it_cannot_run():
+    """Chunks need rematerialised backprop, and must divide the batch: one line each, at load."""
+    from jaxstream.experiment.train_config import TrainConfig
+
+    with pytest.raises(ConfigError, match="accumulate: 4 chunks need remat: true"):
+        from_dict(EstimatorConfig, {"type": "backprop", "accumulate": 4})
+    arm = {"name": "bp", "estimator": {"type": "backprop", "remat": True, "accumulate": 3}}
+    with pytest.raises(ConfigError, match="arms.0.estimator.accumulate: batch_size=64 is not "
+                                          "divisible by accumulate=3"):
+        from_dict(TrainConfig, {"batch_size": 64, "arms": [arm]})

@@ -1,0 +1,210 @@
+"""The equal-budget table: estimator families at the same number of directions per step.
+
+A forward arm with K directions — K jvp tangents (weights or activations, full or low rank) or
+K SPSA directions (2K loss evaluations) — is compared with the other families at the same K,
+and with backprop (exact; rematerialised; rematerialised with gradient accumulation at the
+memory of a named forward arm). Equal K is not equal compute — a jvp's K tangents share one
+primal pass, SPSA's K directions cost 2K loss evaluations — so each row states what its step
+costs, counted from the compiled program (matmul FLOPs over one forward pass), and its
+temporary memory.
+
+Rows are grouped by their estimator's family (from its config, never from the arm's name) and
+K; every paired comparison of the section (each pair of arms at the same K, and the best of
+each K against the memory-matched exact arms, or every exact arm where none is matched) of
+one K is one Holm family (:mod:`jaxstream_lab.verdicts`): each K asks its own question, "which
+family wins at this budget".
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pandas as pd
+from scipy import stats
+
+from jaxstream.experiment.config import registered_name
+from jaxstream_lab import verdicts
+from jaxstream_lab.table_rows import _is_loss, _m
+from jaxstream_lab.table_verdicts import VERDICT, _stat, paired
+
+EXACT = "exact"  # the family of every backprop arm (K = 0)
+FLIP = {"better": "worse", "worse": "better"}  # a verdict of a − b read as b − a
+
+
+def family(est: Any) -> tuple[str, int]:
+    """``(family, K)`` of an estimator config: ``exact`` (K 0) for backprop, ``jvp weights`` /
+    ``jvp activations`` / ``SPSA`` with ``rank r`` for low-rank directions, else its
+    description (K: its tangents, or 0)."""
+    kind = registered_name(est)
+    if kind == "backprop":
+        return EXACT, 0
+    rank = "" if getattr(est, "rank", None) is None else f", rank {est.rank}"
+    if kind == "spsa":
+        return f"SPSA{rank}", est.num_directions
+    if kind == "forward" and not est.local_losses:
+        return f"jvp {est.perturb}{rank}", est.num_tangents
+    return est.describe(), getattr(est, "num_tangents", 0)
+
+
+def _rows(rows: list[dict], dataset: str) -> list[dict]:
+    return [r for r in rows if r["dataset"] == dataset and r.get("family") is not None
+            and r.get("kind") != "baseline"]
+
+
+def budgets(rows: list[dict], dataset: str) -> dict[int, list[dict]]:
+    """The data set's forward rows by K, where at least two families ran at that K."""
+    by_k: dict[int, list[dict]] = {}
+    for r in _rows(rows, dataset):
+        if r["family"] != EXACT:
+            by_k.setdefault(r["directions"], []).append(r)
+    return {k: v for k, v in sorted(by_k.items()) if len({r["family"] for r in v}) >= 2}
+
+
+def _interval(r: dict) -> str:
+    """The judged figure's mean with its 95 % interval over seeds (Student's t)."""
+    loss, (mean, sd), n = _is_loss(r), _m(r), r["seeds"]
+    half = stats.t.ppf(0.975, n - 1) * sd / n**0.5 if n > 1 else float("nan")
+    if loss:
+        return f"{mean:.3f} ± {half:.3f}"
+    return f"{100 * mean:.2f} ± {100 * half:.2f}"
+
+
+def _pair(r: dict, key: str, scale: float = 1.0, spec: str = ".3f") -> str:
+    init, mid = r.get(key), r.get(f"mid_{key}")
+    cell = "—" if init is None else format(scale * init, spec)
+    return cell if mid is None else f"{cell} / {format(scale * mid, spec)}"
+
+
+def frame(rows: list[dict], dataset: str) -> pd.DataFrame:
+    """One line per arm of the section (forward arms by K, then the exact arms)."""
+    mine = [r for k, rs in budgets(rows, dataset).items() for r in rs]
+    mine += [r for r in _rows(rows, dataset) if r["family"] == EXACT]
+    loss = any(_is_loss(r) for r in mine)
+    return pd.DataFrame([{
+        "K": r["directions"] or "—", "family": r["family"], "arm": r["arm"],
+        ("test loss (95 % CI)" if loss else "test error % (95 % CI)"): _interval(r),
+        "lr": f"{r['lr']:.0e}",
+        "forward passes / step": _fmt(r.get("forward_equivalents_per_step"), ".2f"),
+        "MFLOP / step": _fmt(None if r.get("flops_per_step") is None
+                             else r["flops_per_step"] / 1e6, ".2f"),
+        "peak temp KiB": _fmt(None if r.get("peak_temp_bytes") is None
+                              else r["peak_temp_bytes"] / 2**10, ".1f"),
+        "accumulate": r.get("accumulate", "—"),
+        "cosine init / mid": _pair(r, "cosine_mean"),
+        "bias² init / mid": _pair(r, "bias_sq_rel", spec=".3g"),
+        "variance init / mid": _pair(r, "variance_rel", spec=".3g"),
+    } for r in mine])
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _exact_targets(rows: list[dict], dataset: str) -> list[dict]:
+    """The exact arms a K's best arm is compared with: those at a matched memory where the
+    table has any, else every exact arm."""
+    exact = [r for r in _rows(rows, dataset) if r["family"] == EXACT]
+    return [r for r in exact if r.get("memory_target_arm")] or exact
+
+
+def comparisons(rows: list[dict], dataset: str) -> dict[int, list[tuple[dict, dict, dict]]]:
+    """By K, ``(a, b, test)`` for each pair of arms at that K and for the K's best arm (by
+    mean) against each exact arm of :func:`_exact_targets`; each K's tests are one Holm family
+    (the question "which family wins at this K")."""
+    out = {}
+    for k, rs in budgets(rows, dataset).items():
+        best = min(rs, key=lambda r: _m(r)[0])
+        pairs = list(itertools.combinations(rs, 2))
+        pairs += [(best, e) for e in _exact_targets(rows, dataset)]
+        tests = verdicts.family([paired(a, b) for a, b in pairs])
+        out[k] = [(a, b, t) for (a, b), t in zip(pairs, tests)]
+    return out
+
+
+def winners(rows: list[dict], dataset: str) -> list[str]:
+    """Per K: which family wins (better than every other family at that K, after Holm), or
+    which lead the others could not be told apart from."""
+    tests = comparisons(rows, dataset)
+    out = []
+    for k, rs in budgets(rows, dataset).items():
+        best = min(rs, key=lambda r: _m(r)[0])
+        beaten, open_ = [], []
+        here = {r["arm"] for r in rs}
+        for a, b, t in tests[k]:
+            if not {a["arm"], b["arm"]} <= here or best["arm"] not in (a["arm"], b["arm"]):
+                continue
+            first = a["arm"] == best["arm"]  # the verdict is of a − b
+            word = t["verdict"] if first else FLIP.get(t["verdict"], t["verdict"])
+            (beaten if word == "better" else open_).append(b if first else a)
+        said = f"K = {k}: lowest mean {best['family']} ({best['arm']}, {_interval(best)})"
+        if not open_:
+            out.append(f"{said}: **wins** — better than every other family at this K "
+                       f"({', '.join(o['family'] for o in beaten)}; Holm).")
+        else:
+            out.append(f"{said}: **no single winner** — not separated from "
+                       f"{', '.join(o['family'] for o in open_)}"
+                       + (f"; better than {', '.join(o['family'] for o in beaten)}" if beaten
+                          else "") + ".")
+    return out
+
+
+def lines(rows: list[dict], dataset: str) -> list[str]:
+    """Every comparison of the section as a sentence (a − b, interval, tests)."""
+    out = []
+    for a, b, t in (x for tests in comparisons(rows, dataset).values() for x in tests):
+        loss = _is_loss(a)
+        out.append(f"{a['arm']} ({a['family']}) {VERDICT[t['verdict']]} {b['arm']} "
+                   f"({b['family']}): {_stat(t, loss)}")
+    return out
+
+
+def memory_lines(rows: list[dict], dataset: str) -> list[str]:
+    """What each memory-matched arm chose, from its row."""
+    out = []
+    for r in _rows(rows, dataset):
+        if r.get("memory_target_arm") is None:
+            continue
+        kib = r["memory_target_bytes"] / 2**10
+        how = ("at most" if r["memory_matched"] else "**not reached**: the least is")
+        out.append(f"{r['arm']}: {r['accumulate']} chunks of the batch one after another; its "
+                   f"step needs {r['peak_temp_bytes'] / 2**10:.1f} KiB, {how} {kib:.1f} KiB of "
+                   f"{r['memory_target_arm']}'s step (by chunks: "
+                   + ", ".join(f"{c}: {b / 2**10:.1f}" for c, b in
+                               r["temp_bytes_by_accumulate"].items()) + " KiB).")
+    return out
+
+
+INTRO = (
+    "Equal budget: every forward family at the same number K of directions per step (K jvp "
+    "tangents share one primal pass; K SPSA directions cost 2K loss evaluations), against "
+    "backprop — exact, rematerialised, and rematerialised with gradient accumulation at the "
+    "temporary memory of a forward arm's step (the fewest chunks of the batch whose compiled "
+    "step needs no more, measured). Test error: mean ± the half-width of its 95 % interval "
+    "over seeds. Forward passes / step and MFLOP / step: matmul FLOPs of the compiled step "
+    "(over one forward pass of the batch). Peak temp: XLA's temporary buffers of the step. "
+    "Cosine, bias² and variance of the estimate against the exact gradient of one batch over "
+    "the table's keys (bias² and variance relative to ‖g‖²; bias² is the unbiased estimate "
+    "‖ḡ − g‖² − variance/K, negative where the bias is below the noise), at initialisation / "
+    "at mid-training (after half the steps of backprop with Adam; the same point for every "
+    "arm).")
+
+
+def markdown(rows: list[dict], dataset: str) -> str:
+    """The section for one data set (empty where no two families ran at the same K)."""
+    if not budgets(rows, dataset):
+        return ""
+    judged = "test loss" if any(_is_loss(r) for r in _rows(rows, dataset)) else "test error"
+    sizes = ", ".join(f"K = {k}: {sum('p' in t for _, _, t in tests)}"
+                      for k, tests in comparisons(rows, dataset).items())
+    parts = ["### Equal budget", "", INTRO, "", frame(rows, dataset).to_markdown(index=False),
+             ""]
+    parts += [f"- {line}" for line in memory_lines(rows, dataset)]
+    said = (f"Which family wins per K ({judged}; the paired tests of each K are one family, "
+            f"Holm-adjusted: {sizes}):")
+    parts += ["", said, ""]
+    parts += [f"- {line}" for line in winners(rows, dataset)]
+    parts += ["", "Every comparison of the section:", ""]
+    parts += [f"- {line}" for line in lines(rows, dataset)]
+    return "\n".join(parts)
+
