@@ -128,13 +128,17 @@ class HybridConfig(EstimatorConfig):
 
     Attributes:
       micro_batches: N, the number of micro-batches a batch is cut into (batch size % N == 0).
-      num_exact: how many micro-batches get an exact gradient (ignored if exact_indices is set).
+      num_exact: how many micro-batches get an exact gradient (ignored if exact_indices or
+        exact_from is set).
       exact_indices: explicit micro-batch indices with exact gradients.
+      exact_from: per micro-batch, the first block whose gradient is exact (0: all of it,
+        L + 1: none; nested per-layer groups, as a truncated pipeline table makes them).
     """
 
     micro_batches: Count = 8
     num_exact: Count = 2
     exact_indices: tuple[Annotated[int, Range(0)], ...] | None = None
+    exact_from: tuple[Annotated[int, Range(0)], ...] | None = None
     correction: str = "control_variate"  # a rule of jaxstream.grad.combine (checked below)
     num_tangents: Count = 1
     distribution: Distribution = "rademacher"
@@ -147,7 +151,13 @@ class HybridConfig(EstimatorConfig):
 
             raise ValueError(ANTITHETIC)
         check_correction(self.correction)
-        if self.exact_indices is None:
+        if self.exact_indices is not None and self.exact_from is not None:
+            raise ValueError("exact_from: give exact_indices or exact_from, not both")
+        if self.exact_from is not None:
+            if len(self.exact_from) != self.micro_batches:
+                raise ValueError(f"exact_from: one first exact block per micro-batch, "
+                                 f"{self.micro_batches} entries; got {len(self.exact_from)}")
+        elif self.exact_indices is None:
             _check_subset(self.micro_batches, self.num_exact)
         elif any(i >= self.micro_batches for i in self.exact_indices):
             raise ValueError(f"exact_indices: each index must be in [0, {self.micro_batches}), "
@@ -157,12 +167,15 @@ class HybridConfig(EstimatorConfig):
         import jaxstream.grad as jg
 
         exact = ({"exact_indices": tuple(self.exact_indices)} if self.exact_indices is not None
+                 else {"exact_from": tuple(self.exact_from)} if self.exact_from is not None
                  else {"num_exact": self.num_exact})
         return jg.hybrid(**exact, correction=self.correction, num_tangents=self.num_tangents,
                          distribution=self.distribution, orthogonal=self.orthogonal,
                          antithetic=self.antithetic)
 
     def describe(self) -> str:
+        if self.exact_from is not None:
+            return f"hybrid({self.correction}, exact from {list(self.exact_from)})"
         n_exact = len(self.exact_indices) if self.exact_indices is not None else self.num_exact
         return f"hybrid({self.correction}, {n_exact}/{self.micro_batches})"
 

@@ -31,6 +31,9 @@ SECTIONS = {
     "hybrid_activity": ("type: hybrid_activity\nnum_exact: 3", jg.hybrid_activity(3)),
     "local_guess": ("type: local_guess", jg.local_guess()),
     "forward_low_rank": ("type: forward\nnum_tangents: 2\nrank: 3", jg.forward(2, rank=3)),
+    "hybrid_exact_from": ("type: hybrid\nmicro_batches: 4\nexact_from: [0, 1, 3, 3]\n"
+                          "correction: replace", jg.hybrid(exact_from=(0, 1, 3, 3),
+                                                           correction="replace")),
     "spsa": ("type: spsa\nnum_directions: 2\neps: 0.01\ndistribution: gaussian\nrank: 2",
              jg.spsa(2, 1e-2, "gaussian", rank=2)),
 }
@@ -113,3 +116,31 @@ def test_accumulation_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="arms.0.estimator.accumulate: batch_size=64 is not "
                                           "divisible by accumulate=3"):
         from_dict(TrainConfig, {"batch_size": 64, "arms": [arm]})
+
+
+# each config type's library factory: every argument of the factory must be a field of the
+# config (so every argument is settable from YAML; a new argument without a field fails here)
+FACTORIES = {"backprop": jg.backprop_remat, "forward": jg.forward, "spsa": jg.spsa,
+             "hybrid": jg.hybrid, "exact_subset": jg.exact_subset,
+             "local_forward_weights": jg.local_forward_weights, "local_guess": jg.local_guess,
+             "hybrid_activity": jg.hybrid_activity}
+
+
+def test_every_factory_argument_is_a_config_field():
+    import inspect
+
+    assert set(FACTORIES) == set(choices(EstimatorConfig))
+    for name, factory in FACTORIES.items():
+        fields = {f.name for f in dataclasses.fields(choices(EstimatorConfig)[name])}
+        missing = set(inspect.signature(factory).parameters) - fields
+        assert not missing, f"{name}: {factory.__name__} arguments {missing} have no field"
+
+
+def test_exact_from_is_checked_at_load():
+    base = {"type": "hybrid", "micro_batches": 4}
+    with pytest.raises(ConfigError, match="exact_from: one first exact block per micro-batch"):
+        from_dict(EstimatorConfig, {**base, "exact_from": [0, 1]})
+    with pytest.raises(ConfigError, match="exact_from: give exact_indices or exact_from"):
+        from_dict(EstimatorConfig, {**base, "exact_from": [0, 1, 1, 1], "exact_indices": [0]})
+    with pytest.raises(ConfigError, match=r"exact_from\.1"):
+        from_dict(EstimatorConfig, {**base, "exact_from": [0, -1, 1, 1]})
