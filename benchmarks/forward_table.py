@@ -10,6 +10,8 @@ Usage:
       --plot docs/forward_table_frontier.png --docs docs/results.md
   python benchmarks/forward_table.py --from-json full.json --docs docs/results.md --plot f.png
   python benchmarks/forward_table.py --from-json a.json b.json --docs r.md   # several runs
+  python benchmarks/forward_table.py --config experiments/budget_table.yaml --json b.json \
+      --budget-docs docs/budget_table.md --budget-plot docs/budget_table.png
 
 ``--json PATH`` writes the list of rows (keys include dataset, arm, test_error_mean,
 test_error_sd, train_error_mean, seeds, peak_temp_bytes, cosine_mean) and ``PATH.meta`` the
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
 from jaxstream.experiment.docblock import machine
+from jaxstream_lab import budget_report
+from jaxstream_lab.budget_doc import document
 from jaxstream_lab.forward_table import run_table
 from jaxstream_lab.table_config import ROW_KEYS, load_table_config
 from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
@@ -51,6 +55,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--cost-plot", type=str, default=None,
                         help="test error against forward-pass equivalents (PNG)")
     parser.add_argument("--docs", type=str, default=None, help="write a markdown report here")
+    parser.add_argument("--budget-docs", type=str, default=None,
+                        help="write the equal-budget document (jaxstream_lab.budget_doc) here")
+    parser.add_argument("--budget-plot", type=str, default=None,
+                        help="test error against forward passes per family (PNG)")
     parser.add_argument("--memory-json", type=str, default=None,
                         help="add a memory_time.py --json output (and its .meta) to the report")
     args = parser.parse_args(argv)
@@ -84,6 +92,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.docs:
         payload = {**payload, "report_command": command}
         Path(args.docs).write_text(markdown(payload, args.plot, memory, cost))
+    budget_plot = (args.budget_plot if args.budget_plot
+                   and budget_report.plot(payload["rows"], args.budget_plot) else None)
+    if args.budget_docs:
+        payload = {**payload, "report_command": command}
+        Path(args.budget_docs).write_text(document(payload, budget_plot))
     return payload["rows"]
 
 

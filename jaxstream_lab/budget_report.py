@@ -190,15 +190,15 @@ INTRO = (
     "arm).")
 
 
-def markdown(rows: list[dict], dataset: str) -> str:
-    """The section for one data set (empty where no two families ran at the same K)."""
+def section(rows: list[dict], dataset: str) -> str:
+    """The data set's table, memory matches, winners per K and every comparison (empty where
+    no two families ran at the same K)."""
     if not budgets(rows, dataset):
         return ""
     judged = "test loss" if any(_is_loss(r) for r in _rows(rows, dataset)) else "test error"
     sizes = ", ".join(f"K = {k}: {sum('p' in t for _, _, t in tests)}"
                       for k, tests in comparisons(rows, dataset).items())
-    parts = ["### Equal budget", "", INTRO, "", frame(rows, dataset).to_markdown(index=False),
-             ""]
+    parts = [frame(rows, dataset).to_markdown(index=False), ""]
     parts += [f"- {line}" for line in memory_lines(rows, dataset)]
     said = (f"Which family wins per K ({judged}; the paired tests of each K are one family, "
             f"Holm-adjusted: {sizes}):")
@@ -208,3 +208,55 @@ def markdown(rows: list[dict], dataset: str) -> str:
     parts += [f"- {line}" for line in lines(rows, dataset)]
     return "\n".join(parts)
 
+
+def markdown(rows: list[dict], dataset: str) -> str:
+    """The section under its heading and :data:`INTRO` (empty where :func:`section` is)."""
+    body = section(rows, dataset)
+    return f"### Equal budget\n\n{INTRO}\n\n{body}" if body else ""
+
+
+def plot(rows: list[dict], path: str) -> bool:
+    """Test error (95 % interval over seeds) against the step's cost in forward passes, one
+    line per family through its K, one panel per data set; exact arms as horizontal lines.
+    False where no data set has a budget section (nothing written)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jaxstream.quality.plots import legend_beside
+
+    datasets = [d for d in dict.fromkeys(r["dataset"] for r in rows) if budgets(rows, d)]
+    if not datasets:
+        return False
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        forward = [r for rs in budgets(rows, ds).values() for r in rs]
+        loss = _is_loss(forward[0])
+        scale = 1.0 if loss else 100.0
+        for fam in dict.fromkeys(r["family"] for r in forward):
+            mine = sorted((r for r in forward if r["family"] == fam
+                           and r.get("forward_equivalents_per_step")),
+                          key=lambda r: r["directions"])
+            x = [r["forward_equivalents_per_step"] for r in mine]
+            y = [scale * _m(r)[0] for r in mine]
+            half = [scale * stats.t.ppf(0.975, r["seeds"] - 1) * _m(r)[1] / r["seeds"] ** 0.5
+                    for r in mine]
+            ax.errorbar(x, y, yerr=half, marker="o", ms=4, capsize=3, label=fam)
+            for r, xi, yi in zip(mine, x, y):
+                ax.annotate(f"K={r['directions']}", (xi, yi), fontsize=6,
+                            xytext=(3, 3), textcoords="offset points")
+        for r in (r for r in _rows(rows, ds) if r["family"] == EXACT):
+            ax.axhline(scale * _m(r)[0], color="grey", lw=0.8, ls=":")
+        exact = [r["arm"] for r in _rows(rows, ds) if r["family"] == EXACT]
+        if exact:
+            ax.plot([], [], color="grey", lw=0.8, ls=":", label=f"exact ({', '.join(exact)})")
+        ax.set_xscale("log")
+        ax.set_xlabel("forward passes per step (matmul FLOPs of the compiled step)")
+        ax.set_ylabel("test loss" if loss else "test error %")
+        ax.set_title(ds)
+        legend_beside(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True

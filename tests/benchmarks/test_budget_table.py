@@ -47,7 +47,9 @@ def _row(arm, family, k, errors, **more):
             "test_error_sd": float(np.std(errors, ddof=1)), "lr": 1e-3, **more}
 
 
-def test_the_report_names_a_winner_only_where_the_tests_say_so():
+def _synthetic() -> list[dict]:
+    """Rows written here by hand: at K = 1 activations beat weights and SPSA on every seed, at
+    K = 4 weights and activations differ by noise; one exact arm at a matched memory."""
     base = np.array([0.10, 0.12, 0.09, 0.11, 0.10])
     jitter = np.array([0.001, -0.002, 0.002, 0.0, -0.001])
     rows = [_row("w1", "jvp weights", 1, list(base + 0.20 + jitter)),
@@ -59,6 +61,11 @@ def test_the_report_names_a_winner_only_where_the_tests_say_so():
                  memory_target_bytes=2048, memory_matched=True, accumulate=2,
                  peak_temp_bytes=1024, temp_bytes_by_accumulate={"1": 4096, "2": 1024}),
             _row("name-says-SPSA", "exact", 0, list(base))]  # no memory match: not compared
+    return rows
+
+
+def test_the_report_names_a_winner_only_where_the_tests_say_so():
+    rows = _synthetic()
     assert list(budget_report.budgets(rows, "d")) == [1, 4]
     tests = budget_report.comparisons(rows, "d")
     assert len(tests[1]) == 3 + 1 and len(tests[4]) == 1 + 1  # pairs + best vs matched exact
@@ -68,6 +75,22 @@ def test_the_report_names_a_winner_only_where_the_tests_say_so():
     text = budget_report.markdown(rows, "d")
     assert "| K " in text and "2 chunks of the batch" in text and "K = 1: 4, K = 4: 2" in text
     assert "a1 (jvp activations) worse than bp (exact)" in text
+
+
+def test_the_budget_document_and_plot_are_written_from_rows(tmp_path):
+    from jaxstream_lab.budget_doc import document
+
+    rows = [{**r, "steps": 10, "forward_equivalents_per_step": 2.0 + r["directions"],
+             "lrs": [1e-3], "picked_on": "validation"}
+            for r in _synthetic()]
+    png = tmp_path / "b.png"
+    assert budget_report.plot(rows, str(png)) and png.stat().st_size > 1000
+    text = document({"rows": rows, "command": "c", "machine": "m", "seconds": 1.0}, str(png))
+    assert text.startswith("# Forward-mode against zeroth-order") and "![budget](b.png)" in text
+    assert "## d" in text and "rates picked on the validation split" in text
+    assert "the paired comparisons of one K (the family" in text
+    one_family = [r for r in rows if r["family"] in ("exact", "SPSA")]
+    assert not budget_report.plot(one_family, str(tmp_path / "none.png"))
 
 
 def test_the_budget_table_parses_and_names_its_families_from_estimators():
