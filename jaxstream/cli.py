@@ -89,14 +89,13 @@ def check_run_args(args: argparse.Namespace) -> None:
         what = ("is a directory" if path.is_dir() else "does not exist" if not path.exists()
                 else "is not a regular file (a device, pipe or socket): give a YAML file")
         raise UserError(f"config file {args.config} {what}")
-    import yaml
 
-    from jaxstream.experiment.config_yaml import check_file
+    from jaxstream.experiment.config_yaml import check_file, load_yaml
 
     check_file(path)
     with path.open() as fh:  # a stream, so YAML errors carry the file name and line
         try:
-            yaml.safe_load(fh)
+            load_yaml(fh)
         except RecursionError:
             raise UserError(f"{path}: nested deeper than YAML can read") from None
     if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():

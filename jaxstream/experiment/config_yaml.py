@@ -26,6 +26,34 @@ MAX_VALUES = 100_000  # values of a config with its YAML aliases expanded
 MAX_DEPTH = 32  # nesting levels
 
 
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping gives the same key twice (YAML would keep the last one silently)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe loading that refuses a key given twice in one mapping (merge keys ``<<`` may still
+    be overridden, as YAML means them to be)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in first:
+                raise DuplicateKeyError(
+                    None, None, f"key {key!r} is given twice in one mapping (first on line "
+                    f"{first[key].line + 1}); give it once", key_node.start_mark)
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` of ``stream`` (text or a file), refusing a key given twice in one
+    mapping (:class:`DuplicateKeyError`, a ``yaml.YAMLError`` with its line)."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
+
+
 def check_file(path: str | Path) -> None:
     """Refuse a config path that is not a regular file (a directory, a device such as
     ``/dev/zero``, a pipe: reading one may never end) or is larger than ``MAX_CONFIG_BYTES``,
@@ -77,7 +105,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(path):
         raise ConfigError(f"override {text!r}: empty key component")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = load_yaml(raw) if raw.strip() else ""
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {key.strip()}: {e.problem}") from None
     except RecursionError:
         raise ConfigError(f"override {key.strip()}: nested deeper than YAML can read") from None
     check_size(value, f"override {key.strip()}")
@@ -144,7 +174,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except (IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the config file ({e})") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except RecursionError:
         raise ConfigError(f"{path}: nested deeper than YAML can read (a config nests at most "
                           f"{MAX_DEPTH} levels)") from None
@@ -152,6 +182,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         mark = e.problem_mark
         at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
         raise ConfigError(f"{path}:{at} {e.problem} (only plain YAML is read, no tags)") from None
+    except DuplicateKeyError as e:
+        mark = e.problem_mark
+        raise ConfigError(f"{path}: line {mark.line + 1}, column {mark.column + 1}: "
+                          f"{e.problem}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""

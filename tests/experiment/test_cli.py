@@ -49,6 +49,10 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
     assert line.startswith("error: broken.yaml:4: YAML syntax error")
     line = _error(capsys, ["run", "unsafe.yaml"])
     assert "unsafe.yaml:2: !!python/object/apply:os.system" in line and "not allowed" in line
+    (tmp_path / "twice.yaml").write_text("kind: train\nsteps: 3\nsteps: 30\n")
+    assert _error(capsys, ["run", "twice.yaml"]) == (
+        "error: twice.yaml:3: YAML syntax error: key 'steps' is given twice in one mapping "
+        "(first on line 2); give it once")
     line = _error(capsys, ["run", str(QUICKSTART), "--out", "afile"])
     assert "--out afile is a file" in line
     assert "model.widht: unknown key" in _error(capsys, ["run", str(QUICKSTART), "model.widht=8"])
@@ -69,7 +73,8 @@ def test_user_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
                         lambda name, *a: None if name == "tensorboardX" else real(name, *a))
     assert "--tensorboard needs the tensorboardX package" in _error(
         capsys, ["run", str(QUICKSTART), "--tensorboard", "--out", "tb"])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "broken.yaml", "unsafe.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "broken.yaml", "twice.yaml",
+                                                          "unsafe.yaml"]
 
 
 def test_a_config_that_is_a_device_or_a_pipe_is_named_as_such(tmp_path, capsys):

@@ -74,6 +74,11 @@ def test_out_at_a_file_is_a_config_error(tmp_path):
     (None, r"no such config file"),
     ("kind: train\nsteps: [1,\n", r"line 3, column 1: YAML syntax error"),
     ("kind: train\nseed: !!python/object/apply:os.getcwd []\n", r"line 2, column 7: .*no tags"),
+    # a key given twice: YAML would keep the last one silently
+    ("kind: train\nsteps: 5\nseed: 1\nsteps: 7\n",
+     r"line 4, column 1: key 'steps' is given twice in one mapping \(first on line 2\)"),
+    ("kind: train\noptimizer: {name: adam, lr: 0.1, lr: 0.2}\n",
+     r"line 2, column 34: key 'lr' is given twice"),
 ])
 def test_config_file_errors_name_the_file_and_line(tmp_path, text, match):
     path = tmp_path / "c.yaml"
@@ -149,3 +154,14 @@ def test_a_config_that_is_a_device_or_a_pipe_is_not_a_regular_file(tmp_path, kin
                                           r"socket\); give the path of a YAML experiment file$"):
         run_experiment(path, out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_merge_key_may_be_overridden_but_an_override_may_not_repeat_a_key(tmp_path):
+    """YAML's merge key ``<<`` is meant to be overridden: that is not a repeated key."""
+    from jaxstream.experiment.config_yaml import apply_overrides, read_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {lr: 0.1, name: adam}\noptimizer:\n  <<: *b\n  lr: 0.3\n")
+    assert read_yaml(path)["optimizer"] == {"lr": 0.3, "name": "adam"}
+    with pytest.raises(ConfigError, match="override arms: key 'name' is given twice"):
+        apply_overrides({}, ["arms=[{name: a, name: b}]"])
