@@ -5,8 +5,8 @@ silently wrong (the goal: none). Prints a table and writes JSON.
 
 - ``checkpoint bit flips``: one bit flipped at five offsets of every file of an orbax
   checkpoint, then restored by a fresh checkpointer (as ``--resume`` does).
-- ``hostile configs``: alias bombs, deep nesting, a huge file, bombs in overrides, seeds out of
-  range for each kind, run through ``jaxstream run`` (exit 2, one line, nothing written).
+- ``hostile configs``: alias bombs, deep nesting, a huge file, bombs in overrides, a key given
+  twice (in a file, in an override), seeds out of range for each kind, run through ``jaxstream run`` (exit 2, one line, nothing written).
 - ``foreign stores``: a ``--resume`` onto a store another run trained on since, and onto a store
   copied in from another run.
 - ``run directory``: a second ``--resume`` while the run holds its lock; a refused ``--resume``
@@ -115,6 +115,8 @@ def hostile_configs(tmp: Path) -> list[str]:
         "2 MB": ("# pad\n" * 350_000, []),
         "override bomb": ("kind: train\n", ["seed=[" + ", ".join(flow) + "]"]),
         "override deep": ("kind: train\n", ["seed=" + "[" * 60 + "]" * 60]),
+        "key given twice": ("kind: train\nsteps: 5\nsteps: 7\n", []),
+        "override key twice": ("kind: train\n", ["optimizer={lr: 0.1, lr: 0.2}"]),
     }
     out = []
     for i, (text, over) in enumerate(files.values()):
