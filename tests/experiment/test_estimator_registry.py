@@ -31,8 +31,8 @@ SECTIONS = {
     "hybrid_activity": ("type: hybrid_activity\nnum_exact: 3", jg.hybrid_activity(3)),
     "local_guess": ("type: local_guess", jg.local_guess()),
     "forward_low_rank": ("type: forward\nnum_tangents: 2\nrank: 3", jg.forward(2, rank=3)),
-    "hybrid_exact_from": ("type: hybrid\nmicro_batches: 4\nexact_from: [0, 1, 3, 3]\n"
-                          "correction: replace", jg.hybrid(exact_from=(0, 1, 3, 3),
+    "hybrid_exact_from": (("type: hybrid\nmicro_batches: 4\nexact_from: [0, 1, 3, 3]\n"
+                          "correction: replace"), jg.hybrid(exact_from=(0, 1, 3, 3),
                                                            correction="replace")),
     "spsa": ("type: spsa\nnum_directions: 2\neps: 0.01\ndistribution: gaussian\nrank: 2",
              jg.spsa(2, 1e-2, "gaussian", rank=2)),
