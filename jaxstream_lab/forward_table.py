@@ -293,6 +293,7 @@ def run_arm(cfg: ForwardTableConfig, dcfg: TableDataset, arm: TableArm, ds: Any,
         "test_loss_mean": float(fin[:, 2].mean()), "test_loss_sd": sd(fin[:, 2]),
         "train_loss_mean": float(fin[:, 3].mean()), "train_loss_sd": sd(fin[:, 3]),
         "metric": dcfg.metric, "target_loss": dcfg.target_loss,
+        "uniform_loss": float(np.log(ds.info["num_classes"])),  # the stability rule's bar
         "local_heads": "own" if arm.local_heads else "shared", "local_groups": arm.local_groups,
         "local_over": arm.local_over, "local_patch_groups": arm.local_patch_groups,
         "local_aggregate": arm.local_aggregate,

@@ -2,25 +2,28 @@
 sits one step from divergence, and the report says so.
 
 Rule (stated in the report): a seed *diverged* at a rate when its final train loss is not
-finite or is above the train loss of the data set's constant baseline (a model that ignores
-its input: ``chance``, loss log C, for classification; the ``unigram`` table for text). A row
-is flagged when some seed diverged at its picked rate, or at the next larger rate of its sweep
-(a rate one step above the pick blows up). Flagged picks are kept, not replaced: the flag is
-the warning, and the row's figures are those of the rate picked on held-out data.
+finite or is above log C, the loss of a uniform prediction over the C classes (tokens, for
+text): where an untrained model starts, so the seed ended worse than it began. A row is
+flagged when some seed diverged at its picked rate, or at the next larger rate of its sweep (a
+rate one step above the pick blows up). Flagged picks are kept, not replaced: the flag is the
+warning, and the row's figures are those of the rate picked on held-out data. log C comes from
+the rows (``uniform_loss``) or, for rows written before they carried it, from the data set's
+``chance`` baseline row; without either only a non-finite loss counts.
 """
 
 from __future__ import annotations
 
 import math
 
-CONSTANT_BASELINES = ("chance", "unigram")  # baseline rows whose train loss is the bar
-
-
-def constant_loss(rows: list[dict], dataset: str) -> float | None:
-    """The train loss of the data set's constant baseline row (None where the table has none)."""
-    for r in rows:
-        if (r["dataset"] == dataset and r.get("kind") == "baseline"
-                and r["arm"] in CONSTANT_BASELINES):
+def uniform_loss(rows: list[dict], dataset: str) -> float | None:
+    """log C of the data set: a row's ``uniform_loss``, else its ``chance`` baseline row's loss
+    (a uniform prediction), else None."""
+    mine = [r for r in rows if r["dataset"] == dataset]
+    for r in mine:
+        if r.get("uniform_loss") is not None:
+            return float(r["uniform_loss"])
+    for r in mine:
+        if r.get("kind") == "baseline" and r["arm"] == "chance":
             return float(r["train_loss_mean"])
     return None
 
@@ -47,13 +50,13 @@ def stability(row: dict, bar: float | None) -> str | None:
 def flagged(rows: list[dict], dataset: str) -> str:
     """The report's sentence on the data set's flagged picks (empty where the table lacks
     per-seed losses)."""
-    bar = constant_loss(rows, dataset)
+    bar = uniform_loss(rows, dataset)
     mine = [r for r in rows if r["dataset"] == dataset and r.get("kind") != "baseline"
             and r.get("train_loss_by_lr_seed")]
     if not mine:
         return ""
     flags = {r["arm"]: stability(r, bar) for r in mine}
-    what = (f"a final train loss not finite or above {bar:.3f} (the constant baseline's)"
+    what = (f"a final train loss not finite or above log C = {bar:.3f}, a uniform prediction's"
             if bar is not None else "a final train loss that is not finite")
     picked = [a for a, f in flags.items() if f == "picked"]
     near = [a for a, f in flags.items() if f == "next"]

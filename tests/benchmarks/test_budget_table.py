@@ -132,3 +132,4 @@ def test_accumulation_matches_a_forward_arms_memory_and_rows_carry_bias_and_vari
                                                   rel=1e-4)
         assert r["mid_step"] == 2 and r["directions"] == 2
     assert (spsa["family"], fw["family"]) == ("SPSA", "jvp weights")
+    assert acc["uniform_loss"] == pytest.approx(np.log(10))  # digits: the stability bar

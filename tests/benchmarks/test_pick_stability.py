@@ -1,11 +1,11 @@
-"""The stability rule of the forward table's picks: a seed that ends worse than the constant
-baseline (or not finite) at the picked rate or the next larger one flags the row."""
+"""The stability rule of the forward table's picks: a seed that ends worse than a uniform
+prediction (or not finite) at the picked rate or the next larger one flags the row."""
 
 from __future__ import annotations
 
 import math
 
-from jaxstream_lab.stability import constant_loss, flagged, stability
+from jaxstream_lab.stability import flagged, stability, uniform_loss
 
 LOG10 = math.log(10)
 
@@ -23,8 +23,10 @@ def test_a_diverged_seed_above_the_pick_flags_it():
             _row("nan", 1e-3, [calm, [0.3, float("nan"), 0.3], calm]),
             _row("self", 3e-3, [calm, [0.3, math.inf, 0.3], calm]),
             _row("top", 1e-2, [calm, [9.0] * 3, calm])]              # no larger rate tried
-    bar = constant_loss(rows, "d")
+    bar = uniform_loss(rows, "d")
     assert bar == LOG10
+    # a row's own log C wins over the baseline's (text has no chance row)
+    assert uniform_loss([{**rows[1], "uniform_loss": 4.5}], "d") == 4.5
     assert [stability(r, bar) for r in rows[1:]] == [None, "next", "next", "picked", None]
     # a loss just under the bar is not a divergence; without a baseline only non-finite counts
     assert stability(_row("under", 3e-3, [calm, calm, [LOG10 - 1e-6] * 3]), bar) is None
