@@ -39,7 +39,7 @@ def document(payload: dict, plot: str | None = None) -> str:
              "set has one (the arms train on the rest), else on the final train error.")]
     if plot:
         parts += ["", f"![budget]({os.path.basename(plot)})", "",
-                  budget_report.plot.__doc__.split("\n\n")[0].replace("\n    ", " ")]
+                  budget_report.PLOT_CAPTION]
     for ds in datasets:
         r0 = next(r for r in rows if r["dataset"] == ds)
         parts += ["", f"## {ds}", "", (f"{r0['steps']} steps, {r0['seeds']} seeds, rates picked "

@@ -138,14 +138,13 @@ def winners(rows: list[dict], dataset: str) -> list[str]:
             word = t["verdict"] if first else FLIP.get(t["verdict"], t["verdict"])
             (beaten if word == "better" else open_).append(b if first else a)
         said = f"K = {k}: lowest mean {best['family']} ({best['arm']}, {_interval(best)})"
+        names = lambda rs: "; ".join(f"{o['family']} ({o['arm']})" for o in rs)
         if not open_:
-            out.append(f"{said}: **wins** — better than every other family at this K "
-                       f"({', '.join(o['family'] for o in beaten)}; Holm).")
+            out.append(f"{said}: **wins** — better than every other family at this K, after "
+                       f"Holm: {names(beaten)}.")
         else:
-            out.append(f"{said}: **no single winner** — not separated from "
-                       f"{', '.join(o['family'] for o in open_)}"
-                       + (f"; better than {', '.join(o['family'] for o in beaten)}" if beaten
-                          else "") + ".")
+            out.append(f"{said}: **no single winner** — not separated from {names(open_)}"
+                       + (f"; better than {names(beaten)}" if beaten else "") + ".")
     return out
 
 
@@ -167,7 +166,9 @@ def memory_lines(rows: list[dict], dataset: str) -> list[str]:
             continue
         kib = r["memory_target_bytes"] / 2**10
         how = ("at most" if r["memory_matched"] else "**not reached**: the least is")
-        out.append(f"{r['arm']}: {r['accumulate']} chunks of the batch one after another; its "
+        chunks = ("the whole batch at once (1 chunk)" if r["accumulate"] == 1
+                  else f"{r['accumulate']} chunks of the batch one after another")
+        out.append(f"{r['arm']}: {chunks}; its "
                    f"step needs {r['peak_temp_bytes'] / 2**10:.1f} KiB, {how} {kib:.1f} KiB of "
                    f"{r['memory_target_arm']}'s step (by chunks: "
                    + ", ".join(f"{c}: {b / 2**10:.1f}" for c, b in
@@ -215,10 +216,15 @@ def markdown(rows: list[dict], dataset: str) -> str:
     return f"### Equal budget\n\n{INTRO}\n\n{body}" if body else ""
 
 
+PLOT_CAPTION = ("Test error (95 % interval over seeds) against the step's cost in forward passes "
+                "(matmul FLOPs of the compiled step over one forward pass), one line per family "
+                "through its K (labelled), one panel per data set; the exact arms as dotted "
+                "horizontal lines.")
+
+
 def plot(rows: list[dict], path: str) -> bool:
-    """Test error (95 % interval over seeds) against the step's cost in forward passes, one
-    line per family through its K, one panel per data set; exact arms as horizontal lines.
-    False where no data set has a budget section (nothing written)."""
+    """:data:`PLOT_CAPTION`'s plot; False where no data set has a budget section (nothing
+    written)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,8 +235,9 @@ def plot(rows: list[dict], path: str) -> bool:
     datasets = [d for d in dict.fromkeys(r["dataset"] for r in rows) if budgets(rows, d)]
     if not datasets:
         return False
-    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
-    for ax, ds in zip(axes[0], datasets):
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets) + 2.5, 4),
+                             squeeze=False)
+    for i, (ax, ds) in enumerate(zip(axes[0], datasets)):
         forward = [r for rs in budgets(rows, ds).values() for r in rs]
         loss = _is_loss(forward[0])
         scale = 1.0 if loss else 100.0
@@ -243,19 +250,28 @@ def plot(rows: list[dict], path: str) -> bool:
             half = [scale * stats.t.ppf(0.975, r["seeds"] - 1) * _m(r)[1] / r["seeds"] ** 0.5
                     for r in mine]
             ax.errorbar(x, y, yerr=half, marker="o", ms=4, capsize=3, label=fam)
-            for r, xi, yi in zip(mine, x, y):
-                ax.annotate(f"K={r['directions']}", (xi, yi), fontsize=6,
-                            xytext=(3, 3), textcoords="offset points")
+        for k in sorted({r["directions"] for r in forward}):  # one K label per column
+            at = [r for r in forward if r["directions"] == k
+                  and r.get("forward_equivalents_per_step")]
+            if at:  # above the highest error bar of the column
+                upper = lambda r: scale * (_m(r)[0] + stats.t.ppf(0.975, r["seeds"] - 1)
+                                           * _m(r)[1] / r["seeds"] ** 0.5)
+                top = max(at, key=upper)
+                ax.annotate(f"K = {k}", (top["forward_equivalents_per_step"], upper(top)),
+                            fontsize=7, xytext=(0, 4), textcoords="offset points",
+                            ha="center")
         for r in (r for r in _rows(rows, ds) if r["family"] == EXACT):
             ax.axhline(scale * _m(r)[0], color="grey", lw=0.8, ls=":")
-        exact = [r["arm"] for r in _rows(rows, ds) if r["family"] == EXACT]
-        if exact:
-            ax.plot([], [], color="grey", lw=0.8, ls=":", label=f"exact ({', '.join(exact)})")
+        ax.plot([], [], color="grey", lw=0.8, ls=":", label="exact arms (backprop)")
         ax.set_xscale("log")
-        ax.set_xlabel("forward passes per step (matmul FLOPs of the compiled step)")
+        ticks = [2, 4, 8, 16, 32]
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("forward passes per step (compiled matmul FLOPs)")
         ax.set_ylabel("test loss" if loss else "test error %")
         ax.set_title(ds)
-        legend_beside(ax)
+        if i == len(datasets) - 1:
+            legend_beside(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

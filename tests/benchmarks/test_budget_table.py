@@ -74,6 +74,7 @@ def test_the_report_names_a_winner_only_where_the_tests_say_so():
     assert "no single winner" in win[1] and "jvp weights" in win[1]
     text = budget_report.markdown(rows, "d")
     assert "| K " in text and "2 chunks of the batch" in text and "K = 1: 4, K = 4: 2" in text
+    assert "better than every other family at this K, after Holm: jvp weights (w1); SPSA (s1)" in text
     assert "a1 (jvp activations) worse than bp (exact)" in text
 
 
