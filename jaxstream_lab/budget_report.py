@@ -42,8 +42,9 @@ def family(est: Any) -> tuple[str, int]:
     rank = "" if getattr(est, "rank", None) is None else f", rank {est.rank}"
     if kind == "spsa":
         return f"SPSA{rank}", est.num_directions
-    if kind == "forward" and not est.local_losses:
-        return f"jvp {est.perturb}{rank}", est.num_tangents
+    fp = est.build().plan.forward_pass
+    if kind == "forward" and not fp.local_losses:
+        return f"jvp {fp.tangents}{rank}", est.num_tangents
     return est.describe(), getattr(est, "num_tangents", 0)
 
 
