@@ -186,8 +186,8 @@ INTRO = (
     "over seeds. Forward passes / step and MFLOP / step: matmul FLOPs of the compiled step "
     "(over one forward pass of the batch). Peak temp: XLA's temporary buffers of the step. "
     "Cosine, bias² and variance of the estimate against the exact gradient of one batch over "
-    "the table's keys (bias² and variance relative to ‖g‖²; bias² is the unbiased estimate "
-    "‖ḡ − g‖² − variance/K, negative where the bias is below the noise), at initialisation / "
+    "the table's n keys (bias² and variance relative to ‖g‖²; bias² is the unbiased estimate "
+    "‖ḡ − g‖² − variance/n, negative where the bias is below the noise), at initialisation / "
     "at mid-training (after half the steps of backprop with Adam; the same point for every "
     "arm).")
 

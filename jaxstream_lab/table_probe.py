@@ -3,8 +3,8 @@ the exact gradient over keys (cosine, relative squared error, its split into bia
 per segment), the parameters of a mid-training point, and a compiled step's cost (matmul FLOPs
 in forward passes, temporary memory).
 
-Bias and variance at fixed parameters and batch, over K keys with estimates ĝ_k, exact gradient
-g and mean ḡ: variance = Σ‖ĝ_k − ḡ‖² / (K − 1), bias² = ‖ḡ − g‖² − variance / K (unbiased; it can
+Bias and variance at fixed parameters and batch, over n keys with estimates ĝ_k, exact gradient
+g and mean ḡ: variance = Σ‖ĝ_k − ḡ‖² / (n − 1), bias² = ‖ḡ − g‖² − variance / n (unbiased; it can
 be negative where the bias is below the noise), both over ‖g‖²; their sum is the keys' mean
 relative squared error, mean ‖ĝ_k − g‖² / ‖g‖², exactly.
 """
@@ -47,7 +47,7 @@ def _agreement(tree: Any, exact_tree: Any, target: Any) -> tuple:
 
 
 def bias_variance(estimates: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
-    """``(bias², variance)`` of estimates (K, P) of ``exact`` (P,), relative to ‖exact‖², in
+    """``(bias², variance)`` of estimates (n, P) of ``exact`` (P,), relative to ‖exact‖², in
     float64 (the module docstring's formulas)."""
     est, g = np.asarray(estimates, np.float64), np.asarray(exact, np.float64)
     k, norm = len(est), float(g @ g)
