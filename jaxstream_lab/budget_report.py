@@ -32,10 +32,11 @@ EXACT = "exact"  # the family of every backprop arm (K = 0)
 FLIP = {"better": "worse", "worse": "better"}  # a verdict of a − b read as b − a
 
 
-def family(est: Any) -> tuple[str, int]:
+def family(est: Any) -> tuple[str | None, int]:
     """``(family, K)`` of an estimator config: ``exact`` (K 0) for backprop, ``jvp weights`` /
-    ``jvp activations`` / ``SPSA`` with ``rank r`` for low-rank directions, else its
-    description (K: its tangents, or 0)."""
+    ``jvp activations`` / ``SPSA`` with ``rank r`` for low-rank directions; ``(None, 0)`` for
+    every other estimator (local losses, hybrids, the exact subset: not a family of this
+    comparison)."""
     kind = registered_name(est)
     if kind == "backprop":
         return EXACT, 0
@@ -45,7 +46,7 @@ def family(est: Any) -> tuple[str, int]:
     fp = est.build().plan.forward_pass
     if kind == "forward" and not fp.local_losses:
         return f"jvp {fp.tangents}{rank}", est.num_tangents
-    return est.describe(), getattr(est, "num_tangents", 0)
+    return None, 0
 
 
 def _rows(rows: list[dict], dataset: str) -> list[dict]:

@@ -100,6 +100,12 @@ def test_the_budget_table_parses_and_names_its_families_from_estimators():
     assert {f for f, _ in fams.values()} == {"exact", "jvp weights", "jvp activations",
                                              "jvp weights, rank 1", "SPSA", "SPSA, rank 1"}
     assert {k for _, k in fams.values()} == {0, 1, 4, 16} and cfg.seeds >= 5
+    # local losses, hybrids and the exact subset are no family of this comparison
+    main = ft.load_table_config(ft.FULL)
+    others = {a.name: budget_report.family(a.estimator)[0] for a in main.arms}
+    assert {n for n, f in others.items() if f is None} >= {"LG-FG-A", "local-guess",
+                                                            "exact-subset", "hybrid-weighted"}
+    assert others["FG-A-K4"] == "jvp activations" and others["BP-remat"] == "exact"
     with pytest.raises(ValueError, match=r"arms\.2\.match_memory_of: 'nope' is not another arm"):
         ft.load_table_config(BUDGET, ["arms.2.match_memory_of=nope"])
     with pytest.raises(ValueError, match=r"match_memory_of: memory is matched by gradient acc"):
