@@ -45,6 +45,7 @@ def document(payload: dict, plot: str | None = None) -> str:
         parts += ["", f"## {ds}", "", (f"{r0['steps']} steps, {r0['seeds']} seeds, rates picked "
                   f"on the {r0.get('picked_on', 'train')} split."), "",
                   budget_report.section(rows, ds), "", _edges(rows, ds)]
-        if flagged(every, ds):
-            parts += ["", flagged(every, ds)]
+        said = flagged(every, ds)
+        if said:
+            parts += ["", said]
     return "\n".join(parts) + "\n"

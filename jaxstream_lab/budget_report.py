@@ -63,10 +63,15 @@ def budgets(rows: list[dict], dataset: str) -> dict[int, list[dict]]:
     return {k: v for k, v in sorted(by_k.items()) if len({r["family"] for r in v}) >= 2}
 
 
+def _half(r: dict) -> float:
+    """Half-width of the judged figure's 95 % interval over the row's seeds (Student's t)."""
+    n = r["seeds"]
+    return float(stats.t.ppf(0.975, n - 1) * _m(r)[1] / n**0.5) if n > 1 else float("nan")
+
+
 def _interval(r: dict) -> str:
     """The judged figure's mean with its 95 % interval over seeds (Student's t)."""
-    loss, (mean, sd), n = _is_loss(r), _m(r), r["seeds"]
-    half = stats.t.ppf(0.975, n - 1) * sd / n**0.5 if n > 1 else float("nan")
+    loss, mean, half = _is_loss(r), _m(r)[0], _half(r)
     if loss:
         return f"{mean:.3f} ± {half:.3f}"
     return f"{100 * mean:.2f} ± {100 * half:.2f}"
@@ -124,10 +129,11 @@ def comparisons(rows: list[dict], dataset: str) -> dict[int, list[tuple[dict, di
     return out
 
 
-def winners(rows: list[dict], dataset: str) -> list[str]:
+def winners(rows: list[dict], dataset: str, tests: dict | None = None) -> list[str]:
     """Per K: which family wins (better than every other family at that K, after Holm), or
-    which lead the others could not be told apart from."""
-    tests = comparisons(rows, dataset)
+    which lead the others could not be told apart from (``tests``: :func:`comparisons`'
+    result, computed here when not given)."""
+    tests = comparisons(rows, dataset) if tests is None else tests
     out = []
     for k, rs in budgets(rows, dataset).items():
         best = min(rs, key=lambda r: _m(r)[0])
@@ -150,10 +156,11 @@ def winners(rows: list[dict], dataset: str) -> list[str]:
     return out
 
 
-def lines(rows: list[dict], dataset: str) -> list[str]:
+def lines(rows: list[dict], dataset: str, tests: dict | None = None) -> list[str]:
     """Every comparison of the section as a sentence (a − b, interval, tests)."""
+    tests = comparisons(rows, dataset) if tests is None else tests
     out = []
-    for a, b, t in (x for tests in comparisons(rows, dataset).values() for x in tests):
+    for a, b, t in (x for per_k in tests.values() for x in per_k):
         loss = _is_loss(a)
         out.append(f"{a['arm']} ({a['family']}) {VERDICT[t['verdict']]} {b['arm']} "
                    f"({b['family']}): {_stat(t, loss)}")
@@ -199,16 +206,17 @@ def section(rows: list[dict], dataset: str) -> str:
     if not budgets(rows, dataset):
         return ""
     judged = "test loss" if any(_is_loss(r) for r in _rows(rows, dataset)) else "test error"
-    sizes = ", ".join(f"K = {k}: {sum('p' in t for _, _, t in tests)}"
-                      for k, tests in comparisons(rows, dataset).items())
+    tests = comparisons(rows, dataset)
+    sizes = ", ".join(f"K = {k}: {sum('p' in t for _, _, t in per_k)}"
+                      for k, per_k in tests.items())
     parts = [frame(rows, dataset).to_markdown(index=False), ""]
     parts += [f"- {line}" for line in memory_lines(rows, dataset)]
     said = (f"Which family wins per K ({judged}; the paired tests of each K are one family, "
             f"Holm-adjusted: {sizes}):")
     parts += ["", said, ""]
-    parts += [f"- {line}" for line in winners(rows, dataset)]
+    parts += [f"- {line}" for line in winners(rows, dataset, tests)]
     parts += ["", "Every comparison of the section:", ""]
-    parts += [f"- {line}" for line in lines(rows, dataset)]
+    parts += [f"- {line}" for line in lines(rows, dataset, tests)]
     return "\n".join(parts)
 
 
@@ -249,15 +257,13 @@ def plot(rows: list[dict], path: str) -> bool:
                           key=lambda r: r["directions"])
             x = [r["forward_equivalents_per_step"] for r in mine]
             y = [scale * _m(r)[0] for r in mine]
-            half = [scale * stats.t.ppf(0.975, r["seeds"] - 1) * _m(r)[1] / r["seeds"] ** 0.5
-                    for r in mine]
+            half = [scale * _half(r) for r in mine]
             ax.errorbar(x, y, yerr=half, marker="o", ms=4, capsize=3, label=fam)
         for k in sorted({r["directions"] for r in forward}):  # one K label per column
             at = [r for r in forward if r["directions"] == k
                   and r.get("forward_equivalents_per_step")]
             if at:  # above the highest error bar of the column
-                upper = lambda r: scale * (_m(r)[0] + stats.t.ppf(0.975, r["seeds"] - 1)
-                                           * _m(r)[1] / r["seeds"] ** 0.5)
+                upper = lambda r, s=scale: s * (_m(r)[0] + _half(r))
                 top = max(at, key=upper)
                 ax.annotate(f"K = {k}", (top["forward_equivalents_per_step"], upper(top)),
                             fontsize=7, xytext=(0, 4), textcoords="offset points",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+
 def uniform_loss(rows: list[dict], dataset: str) -> float | None:
     """log C of the data set: a row's ``uniform_loss``, else its ``chance`` baseline row's loss
     (a uniform prediction), else None."""

@@ -361,8 +361,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if seeds_note(rows, ds):
             parts += [seeds_note(rows, ds), ""]
         parts += [table(rows, ds), "", _edges(rows, ds), ""]
-        if flagged(every, ds):
-            parts += [flagged(every, ds), ""]
+        said = flagged(every, ds)
+        if said:
+            parts += [said, ""]
         said = designs(rows, ds)
         if said:
             parts += [said, ""]
@@ -391,8 +392,9 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if judgements:
             parts += ["", "Local-loss designs against one loss per block:", ""]
             parts += [f"- {line}" for line in judgements]
-        if budget_report.markdown(rows, ds):
-            parts += ["", budget_report.markdown(rows, ds)]
+        budget = budget_report.markdown(rows, ds)
+        if budget:
+            parts += ["", budget]
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:
