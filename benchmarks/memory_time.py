@@ -27,7 +27,7 @@ alternatives (:mod:`hybrid_parts`). docs/results.md renders the ``--json`` rows
 Usage:
   python benchmarks/memory_time.py                 # depths 8 16 32 64
   python benchmarks/memory_time.py --quick         # depths 8 32, fewer repeats (< 2 min)
-  python benchmarks/memory_time.py --quick --parts --json docs/memory_time.json
+  python benchmarks/memory_time.py --depths 8 32 --repeats 9 --parts --json docs/memory_time.json
 """
 
 from __future__ import annotations
