@@ -5,7 +5,8 @@
 # planner's compute-bound minimum (jaxstream.stream.planner.plan, with this machine's measured
 # matmul rate and store read bandwidth) and 1.25x it:
 #   * the north-star ratios: streamed step / in-memory step per estimator (north_star.py's
-#     cases, interleaved), with blocking transfers and idle per cause;
+#     cases, interleaved; hybrid_eager_q2: two host updates in flight), with blocking
+#     transfers and idle per cause;
 #   * the planner's predicted step against the measured streamed step;
 #   * a jax.profiler trace of two streamed steps and its summary (device busy fraction, the
 #     busiest ops and host events).
@@ -44,7 +45,7 @@ p.add_argument("--width", type=int, default=4096)
 p.add_argument("--depth", type=int, default=8)
 p.add_argument("--estimators", nargs="+",
                default=["backprop", "forward_weights", "forward_activations", "hybrid_eager",
-                        "hybrid_lazy"])
+                        "hybrid_lazy", "hybrid_eager_q2"])
 p.add_argument("--budget-s", type=float, default=420.0,
                help="stop starting new parts after this many seconds")
 p.add_argument("--dry-run", action="store_true",
@@ -60,9 +61,10 @@ for name in ("rounds", "width", "depth"):
 
 import north_star as ns  # noqa: E402
 
-bad = [e for e in args.estimators if e not in ns.ESTIMATORS]
+ALLOWED = ns.ESTIMATORS + tuple(e + ns.IN_FLIGHT_2 for e in ns.ESTIMATORS)
+bad = [e for e in args.estimators if e not in ALLOWED]
 if bad:
-    p.error(f"--estimators: unknown {bad}; allowed: {', '.join(ns.ESTIMATORS)}")
+    p.error(f"--estimators: unknown {bad}; allowed: {', '.join(ALLOWED)}")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -10,8 +10,9 @@ Estimators: backprop, backprop with its reverse sweep recomputing each block's f
 (``residuals="recompute"``, the streamed step before residuals were kept), forward (weights,
 K = 1; eager, and lazy with a layer written every 4th step: ``update="lazy",
 rewrite_every=4``, one read per layer and a quarter of the writes), forward (activations,
-K = 1) and the control-variate hybrid (2 exact of 8) with the eager and the lazy update.
-Widths 256 / 1024 / 2048. Page cache warm, and cold: before each cold step every file of the store is fsynced and
+K = 1) and the control-variate hybrid (2 exact of 8) with the eager and the lazy update;
+``NAME_q2`` (named with ``--estimators``): the same with two units' host updates queued beside
+the compute (``StreamConfig(updates_in_flight=2)``). Widths 256 / 1024 / 2048. Page cache warm, and cold: before each cold step every file of the store is fsynced and
 dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``; not timed).
 
 Steps are interleaved in one process (per round: each estimator's in-memory step, its warm
@@ -69,6 +70,12 @@ WIDTHS = (256, 1024, 2048)
 ESTIMATORS = ("backprop", "backprop_recompute", "forward_weights", "forward_lazy_k4",
               "forward_activations", "hybrid_eager",
               "hybrid_lazy")
+# "<estimator>_q2": the same step with two units' host updates queued beside the compute
+# (StreamConfig.updates_in_flight=2); only when named with --estimators
+IN_FLIGHT_2 = "_q2"
+# the doc blocks this script writes (--block): the north-star table, and one or two updates in
+# flight side by side
+BLOCKS = ("table", "in_flight")
 CACHES = ("warm", "cold")
 IGNORED = ("step_time_s", "host_update_s")  # the step itself; a total mostly overlapped
 
@@ -89,6 +96,9 @@ def estimator(name: str) -> tuple[Any, dict, bool]:
     if name in ("hybrid_eager", "hybrid_lazy"):
         est = jg.hybrid(num_exact=2, correction="control_variate")
         return est, {"update": name.split("_")[1]}, True
+    if name.endswith(IN_FLIGHT_2) and name[:-len(IN_FLIGHT_2)] in ESTIMATORS:
+        est, options, micro = estimator(name[:-len(IN_FLIGHT_2)])
+        return est, {**options, "updates_in_flight": 2}, micro
     raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(ESTIMATORS)}")
 
 
@@ -366,11 +376,18 @@ def table(results: dict) -> str:
                if k.startswith("executor_")]
         blocking = f"{r['blocking']:.0f}" + (f" ({', '.join(own)})" if own else "")
         lines.append(
-            f"| {r['width']} | {r['estimator'].replace('_', ' ')} | {r['cache']} | "
+            f"| {r['width']} | {_label(r['estimator'])} | {r['cache']} | "
             f"{_ms(r['memory_s']['median'])} | {_ms(r['streamed_s']['median'])} | "
             f"**{r['ratio']:.2f}** ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {blocking} | "
             f"{_bytes(r)} | {idle or '–'} | {_ms(r['other_s'])} |")
     return "\n".join(lines)
+
+
+def _label(name: str) -> str:
+    """An estimator's row label: ``hybrid_eager_q2`` -> "hybrid eager, 2 updates in flight"."""
+    two = name.endswith(IN_FLIGHT_2)
+    base = name[:-len(IN_FLIGHT_2)] if two else name
+    return base.replace("_", " ") + (", 2 updates in flight" if two else "")
 
 
 def markdown(doc: dict) -> str:
@@ -398,14 +415,16 @@ def overlap_note(results: dict) -> str:
                    "in-memory step's median (a step's medians differ by the load's noise).")
 
 
-def write_doc(doc_path: str, doc: dict, command: str, where: str | None = None) -> None:
-    """Writes the ``north_star.py table`` block of ``doc_path``."""
+def write_doc(doc_path: str, doc: dict, command: str, where: str | None = None,
+              block: str = "table") -> None:
+    """Writes the ``north_star.py <block>`` block of ``doc_path``."""
     from jaxstream.experiment.docblock import write_tables
 
-    written = write_tables(doc_path, "north_star.py", {"table": markdown(doc)}, command,
-                           where=where)
+    others = tuple(b for b in BLOCKS if b != block)  # another run's tables stay as they are
+    written = write_tables(doc_path, "north_star.py", {block: markdown(doc)}, command,
+                           keep=others, where=where)
     if not written:
-        raise SystemExit(f"error: {doc_path} has no <!-- generated: north_star.py table --> "
+        raise SystemExit(f"error: {doc_path} has no <!-- generated: north_star.py {block} --> "
                          "block; add the marker pair where the table belongs")
 
 
@@ -425,7 +444,11 @@ def merge(docs: list[dict]) -> dict:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--widths", type=int, nargs="+", default=None)
-    p.add_argument("--estimators", nargs="+", default=None, choices=ESTIMATORS)
+    p.add_argument("--estimators", nargs="+", default=None,
+                   choices=ESTIMATORS + tuple(e + IN_FLIGHT_2 for e in ESTIMATORS),
+                   help="default: every estimator; NAME_q2: with two host updates in flight")
+    p.add_argument("--block", default="table", choices=BLOCKS,
+                   help="the doc block --doc writes (<!-- generated: north_star.py BLOCK -->)")
     p.add_argument("--caches", nargs="+", default=None, choices=CACHES)
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (timed steps)")
     p.add_argument("--quick", action="store_true", help="width 256, 3 rounds")
@@ -454,7 +477,8 @@ def main(argv: list[str] | None = None) -> dict:
         doc = merge([json.loads(Path(p).read_text()) for p in args.from_json])
         print(markdown(doc))
         if args.doc:
-            write_doc(args.doc, doc, doc["command"], where=doc["environment"]["machine"])
+            write_doc(args.doc, doc, doc["command"], where=doc["environment"]["machine"],
+                      block=args.block)
         return doc
     env = environment()
     print(f"jaxstream from {env['jaxstream']}; {env['machine']}; loadavg {env['loadavg']}",
@@ -466,7 +490,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.doc:
-        write_doc(args.doc, doc, command)
+        write_doc(args.doc, doc, command, block=args.block)
     return doc
 
 

@@ -56,6 +56,10 @@ class ComposedEngineConfig(StreamEngineConfig):
         if self.layers_per_unit != 1:
             raise ValueError(f"layers_per_unit: the composed engine's units are its chunks of "
                              f"one layer per stage; allowed: 1, got {self.layers_per_unit}")
+        if self.updates_in_flight != 1:
+            raise ValueError(f"updates_in_flight: the composed engine keeps one unit's host "
+                             f"update in flight (more is checked on the stream engine only); "
+                             f"allowed: 1, got {self.updates_in_flight}")
         if self.schedule == "circular" and self.prefetch < 1:
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while "
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "

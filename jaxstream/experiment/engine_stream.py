@@ -69,6 +69,9 @@ class StreamEngineConfig(EngineConfig):
       layers_per_unit: G consecutive layers read and run on the device as one program (fewer
         dispatches and waits at small widths); the forward estimator with weight tangents and
         backprop only (:class:`~jaxstream.stream.placement.Grouped`).
+      updates_in_flight: units' host updates queued beside the compute before the step
+        waits for the oldest (1; 2 lets the dispatch run on while the host catches up:
+        one unit's update more in host memory, the same values).
       residuals: "keep" (backprop's reverse sweep runs each block's pullback from residuals
         its forward sweep kept, no forward recompute) or "recompute" (inputs only: less
         device memory, a third more FLOPs per dense block).
@@ -86,6 +89,7 @@ class StreamEngineConfig(EngineConfig):
     async_commit: bool = True
     layers_per_unit: Count = 1
     residuals: Literal["keep", "recompute"] = "keep"
+    updates_in_flight: Count = 1
     micro_batches: Count = 1
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     file_io_concurrency: Count = 64
@@ -248,7 +252,8 @@ class StreamEngine:
                             self.cfg.depth, rewrite_every=self.cfg.rewrite_every,
                             async_commit=self.cfg.async_commit,
                             layers_per_unit=self.cfg.layers_per_unit,
-                            residuals=self.cfg.residuals)
+                            residuals=self.cfg.residuals,
+                            updates_in_flight=self.cfg.updates_in_flight)
         return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:

@@ -26,7 +26,12 @@ class StreamConfig:
         a hybrid with ``replace`` updates in its reverse sweep either way).
       depth: which layers each step runs (:class:`DepthPolicy`).
       overlap_update: run each unit's host update and write beside the next unit's compute
-        (one update in flight); False runs it in line (the same values, for comparison).
+        (``updates_in_flight`` of them); False runs it in line (the same values, for
+        comparison).
+      updates_in_flight: how many units' host work (update and write, in order on one
+        worker thread) may be queued before the main thread waits for the oldest: 1 keeps
+        one unit's update beside the compute; 2 lets the main thread dispatch on while the
+        worker catches up (host memory: one unit's update more; the same values).
       stash_bytes: device bytes for the block inputs a reverse sweep stashes (None: no
         limit); beyond it they spill to host memory, asynchronously (one device).
       async_commit: write and fsync each step's manifest on a thread while the next step
@@ -56,6 +61,7 @@ class StreamConfig:
     update: str = "eager"
     depth: DepthPolicy = dataclasses.field(default_factory=DepthPolicy)
     overlap_update: bool = True
+    updates_in_flight: int = 1
     stash_bytes: int | None = None
     async_commit: bool = False
     rewrite_every: int = 1
@@ -82,6 +88,10 @@ class StreamConfig:
             raise ValueError(f"rewrite_every={self.rewrite_every} needs update='lazy' (an eager "
                              f"update writes every layer it updates), got "
                              f"update={self.update!r}")
+        if (not isinstance(self.updates_in_flight, int) or isinstance(self.updates_in_flight, bool)
+                or self.updates_in_flight < 1):
+            raise ValueError(f"updates_in_flight must be an int >= 1, got "
+                             f"{self.updates_in_flight!r}")
         if self.stash_bytes is not None and (not isinstance(self.stash_bytes, int)
                                              or self.stash_bytes < 0):
             raise ValueError(f"stash_bytes must be None or an int >= 0, got {self.stash_bytes!r}")

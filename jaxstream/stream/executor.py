@@ -93,7 +93,8 @@ class StreamedExecutor(Driver):
                              "memory")
         self.events: list[Event] = []
         self.queue = HostQueue(store, self.optimizer, self.host, config.overlap_update,
-                               latest=lambda: self._latest)
+                               latest=lambda: self._latest,
+                               in_flight=config.updates_in_flight)
         self.pending = Pending(self, lazy.waiting(store.extra))
         self._resident: tuple | None = None  # (unit, hosts, device params) kept for the reverse
         self._reused = 0  # layers the reverse sweep took from the forward sweep (no read)

@@ -1,8 +1,9 @@
 """The host-update queue of the streamed step: each unit's fp32 optimizer update and its
 write run on one worker thread beside the next unit's compute (DESIGN §9).
 
-Device arrays handed to it are materialised there, never on the main thread; at most one
-unit's host work is in flight, so host memory holds one update more, whatever the depth.
+Device arrays handed to it are materialised there, never on the main thread; at most
+``in_flight`` units' host work is queued (one by default), so host memory holds that many
+updates more, whatever the depth.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class HostQueue:
       optimizer: the element-wise optax transformation (fp32, on the host).
       host: the CPU device the optimizer runs on.
       overlap: False runs each update in line (the same values, for comparison).
+      in_flight: how many submitted pieces of work may wait or run before :meth:`submit`
+        waits for the oldest (they run in order on the one worker either way).
       latest: returns the latest device values the main thread dispatched: a wait for the
         worker counts as idle (``wait_update_idle_s``) only once they are computed.
 
@@ -47,8 +50,9 @@ class HostQueue:
     """
 
     def __init__(self, store: LayerStore, optimizer: Any, host: Any, overlap: bool = True,
-                 latest: Callable[[], Any] | None = None):
+                 latest: Callable[[], Any] | None = None, in_flight: int = 1):
         self.store, self.optimizer, self.host, self.overlap = store, optimizer, host, overlap
+        self.in_flight = in_flight
         self.latest = latest
         self.clock = new_clock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxstream-host-update")
@@ -64,17 +68,19 @@ class HostQueue:
         self.submit(self.apply_update, unit, copying(grads), params, opt)
 
     def submit(self, fn: Callable, *args: Any) -> Future:
-        """Runs ``fn(*args)`` on the worker after the work in flight (waited for first)."""
-        self.wait()
+        """Runs ``fn(*args)`` on the worker after the work queued before it; first waits until
+        fewer than ``in_flight`` pieces are queued."""
+        self.wait(keep=self.in_flight - 1)
         fut = self._worker.submit(fn, *args)
         self._inflight.append(fut)
         return fut
 
-    def wait(self) -> None:
-        """Waits for the work in flight (its errors raise here), timed as ``wait_update_s``."""
+    def wait(self, keep: int = 0) -> None:
+        """Waits for the work in flight, oldest first, until ``keep`` pieces are left (its
+        errors raise here), timed as ``wait_update_s``."""
         t0 = time.perf_counter()
         try:
-            while self._inflight:
+            while len(self._inflight) > keep:
                 fut = self._inflight[0]
                 _, idle = split_wait(lambda t, f=fut: done_within(f, t), self.latest)
                 self.clock["wait_update_idle_s"] += idle
