@@ -1,4 +1,4 @@
-"""The hybrid variance model (:mod:`jaxstream.quality.hybrid_variance`) on the lab's digits MLP:
+"""The hybrid variance model (:mod:`jaxstream_lab.hybrid_variance`) on the lab's digits MLP:
 model against measured E‖ĝ − g‖², the regime where a hybrid would beat both its ingredients at
 equal compute, and a paired training comparison there.
 
@@ -36,9 +36,9 @@ from jax.flatten_util import ravel_pytree
 import jaxstream.grad as jg
 from jaxstream.data.digits import load_digits
 from jaxstream.models import mlp
-from jaxstream.quality import hybrid_variance as hv
 from jaxstream.quality.baselines import MicrobatchForward
 from jaxstream.quality.flops import matmul_flops
+from jaxstream_lab import hybrid_variance as hv
 
 BATCH = 64
 CORRECTIONS = ("replace", "control_variate", "weighted", "stein", "guess")

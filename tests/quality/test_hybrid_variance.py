@@ -1,4 +1,4 @@
-"""The hybrid variance model (:mod:`jaxstream.quality.hybrid_variance`) against Monte Carlo of
+"""The hybrid variance model (:mod:`jaxstream_lab.hybrid_variance`) against Monte Carlo of
 the library's own estimators: each correction's E‖ĝ − g‖² over R keys on a fixed small MLP and
 batch, within 4 standard errors of the Monte-Carlo mean (the model's own Monte-Carlo error added
 for ``stein``), at two settings of (N, S, K); and a wrong formula fails the same check."""
@@ -15,8 +15,8 @@ from jax.flatten_util import ravel_pytree
 
 import jaxstream.grad as jg
 from jaxstream.models import mlp
-from jaxstream.quality import hybrid_variance as hv
 from jaxstream.quality.baselines import MicrobatchForward
+from jaxstream_lab import hybrid_variance as hv
 
 KEYS = 4096  # running them is cheap; compiling is not
 Z = 4.0  # standard errors allowed
