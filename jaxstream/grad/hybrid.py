@@ -22,7 +22,8 @@ from jaxstream.models.stack import Stack
 
 SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
 # Micro-batches whose forward passes run together (vmapped) in a hybrid step; the chunks run one
-# after another. benchmarks/memory_time.py --chunks measures the step time and memory per size.
+# after another. benchmarks/memory_time.py --parts times chunks of this size against all N at
+# once and one at a time.
 FORWARD_CHUNK = 4
 
 

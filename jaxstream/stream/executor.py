@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,9 @@ from jaxstream.stream.sweeps.forward import forward_sweep
 from jaxstream.stream.units import LayerKey, Unit
 from jaxstream.stream.values import host_value
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 __all__ = ["DTYPES", "UPDATES", "StreamConfig", "StreamedExecutor", "plan_of"]
 
 
@@ -55,8 +58,9 @@ class StreamedExecutor(Driver):
 
     Example::
 
-        ex = StreamedExecutor(stack, jg.forward(), optax.adam(1e-3), store)
-        metrics = ex.step(micro_batched_batch, key)   # leaves (N, B, ...)
+        with StreamedExecutor(stack, jg.forward(), optax.adam(1e-3), store) as ex:
+            metrics = ex.step(micro_batched_batch, key)   # leaves (N, B, ...)
+        # closed: its host updates applied, its worker thread ended (the store stays open)
     """
 
     engine = "stream"  # the name its errors give
@@ -264,6 +268,12 @@ class StreamedExecutor(Driver):
         closes each when done instead of leaving an idle thread per executor until it is
         collected; a closed executor does not step again."""
         self.queue.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def flush(self, step: int | None = None) -> None:
         """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""

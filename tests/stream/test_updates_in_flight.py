@@ -94,3 +94,20 @@ def test_yaml_sets_it_on_the_stream_engine_and_the_composed_engine_refuses_it():
                                           r"one unit's host update in flight .* allowed: 1, got 2"):
         load_experiment({**base, "engine": {"type": "composed", "stage": 2,
                                             "updates_in_flight": 2}})
+
+
+def test_a_with_block_closes_the_executor_and_ends_its_worker(tmp_path):
+    """``with StreamedExecutor(...) as ex``: on leaving the block the host updates have landed
+    and the host-update thread has ended (a notebook building executors in a loop leaves no
+    idle thread behind); the store stays open and committed."""
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("jaxstream-host-update")]
+
+    before = len(workers())
+    store = LayerStore.create(tmp_path / "s", STACK.init(jax.random.key(0)), optimizer=ADAM)
+    with StreamedExecutor(STACK, jg.backprop(), ADAM, store,
+                          StreamConfig(compute_dtype="float32")) as ex:
+        ex.step(_batch(0), jax.random.key(1))
+        assert len(workers()) == before + 1
+    assert len(workers()) == before
+    assert LayerStore.open(tmp_path / "s").step == 1
