@@ -139,7 +139,8 @@ def _gram_schmidt(v: jax.Array, tol: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q, d): the orthonormal rows of ``v`` (draws, size) in order, and each row's distance
     d_k to the span of the rows before it (|r_kk| of a QR). Classical Gram–Schmidt with one
     re-orthogonalisation (CGS2: orthogonal to float32 precision); a row closer than ``tol`` to
-    that span leaves a zero row in q and is not projected out of the rows after it."""
+    that span leaves a zero row in q and is not projected out of the rows after it. A rolled
+    loop: unrolled, a step with orthogonal tangents compiled about a third slower."""
     draws = v.shape[0]
 
     def step(k, qd):
@@ -152,7 +153,7 @@ def _gram_schmidt(v: jax.Array, tol: jax.Array) -> tuple[jax.Array, jax.Array]:
         return q.at[k].set(row), d.at[k].set(norm)
 
     start = (jnp.zeros_like(v), jnp.zeros((draws,), v.dtype))
-    return jax.lax.fori_loop(0, draws, step, start, unroll=True)
+    return jax.lax.fori_loop(0, draws, step, start)
 
 
 def rademacher_bits(key: jax.Array, draws: int, size: int) -> jax.Array:
