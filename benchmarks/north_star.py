@@ -99,7 +99,8 @@ def estimator(name: str) -> tuple[Any, dict, bool]:
     if name.endswith(IN_FLIGHT_2) and name[:-len(IN_FLIGHT_2)] in ESTIMATORS:
         est, options, micro = estimator(name[:-len(IN_FLIGHT_2)])
         return est, {**options, "updates_in_flight": 2}, micro
-    raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(ESTIMATORS)}")
+    raise ValueError(f"unknown estimator {name!r}; allowed: {', '.join(ESTIMATORS)} (each "
+                     f"also as NAME{IN_FLIGHT_2})")
 
 
 # ------------------------------------------------------------------------ blocking counter

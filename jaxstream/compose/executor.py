@@ -127,6 +127,10 @@ class ComposedExecutor(StreamedExecutor):
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while one "
                              f"computes, so prefetch must be >= 1, got {config.prefetch} (or "
                              f"use schedule='chunked')")
+        if config.updates_in_flight != 1:
+            raise ValueError(f"updates_in_flight: the composed engine keeps one unit's host "
+                             f"update in flight (more is checked on the stream engine only); "
+                             f"allowed: 1, got {config.updates_in_flight}")
         placement = StageChunks(stack, plan_of(estimator, config.update, "composed").spec,
                                 config.compute_dtype, mesh, schedule, peer_timeout_s,
                                 startup_timeout_s)

@@ -111,3 +111,15 @@ def test_a_with_block_closes_the_executor_and_ends_its_worker(tmp_path):
         assert len(workers()) == before + 1
     assert len(workers()) == before
     assert LayerStore.open(tmp_path / "s").step == 1
+
+
+def test_the_composed_executor_refuses_more_than_one_in_flight(tmp_path):
+    """The Python API refuses what the YAML check refuses, before any compute."""
+    from jaxstream.compose import ComposedExecutor, make_mesh
+
+    store = LayerStore.create(tmp_path / "s", STACK.init(jax.random.key(0)), optimizer=ADAM)
+    with pytest.raises(ValueError, match=r"updates_in_flight: the composed engine keeps one "
+                                         r"unit's host update in flight .* allowed: 1, got 2"):
+        ComposedExecutor(STACK, jg.backprop(), ADAM, store,
+                         StreamConfig(compute_dtype="float32", updates_in_flight=2),
+                         mesh=make_mesh(1, 2))
