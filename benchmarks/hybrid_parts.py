@@ -15,6 +15,13 @@ The step (``hybrid(num_exact=2, correction="control_variate")``, N micro-batches
   every tangent drawn again);
 * **sum**: Σ (d − c) v / (N K) over the N micro-batches' tangents, from zeros and then added to
   h (two params-sized trees), or added into h's buffer (``init=h``).
+
+Two more parts are not pieces of the step but its floor (:func:`jaxstream_lab.table_cost.redraw_floor`):
+
+* **GEMM chain**: the forward pass's matrix products alone (the full batch through every block's
+  kernel, nothing else): the best FLOP rate this machine gives the step's widest product;
+* **draws**: the N micro-batches' tangents of every block, drawn with the step's keys and each
+  only summed (the least any use of a draw costs).
 """
 
 from __future__ import annotations
@@ -72,7 +79,29 @@ def part_functions(stack: Any, num_micro: int) -> dict[str, Callable]:
     def sum_into(p, b, k):
         return tg.combine(spec, keys(k), coeffs, p, init=p)
 
+    def gemm_chain(p, b, k):
+        x = b["x"].reshape(-1, b["x"].shape[-1])
+        kernels = [w for w in jax.tree.leaves(p) if w.ndim == 3 and w.shape[1:] == (x.shape[1],) * 2]
+        if len(kernels) != 1:
+            raise ValueError("gemm chain: expected one stacked (L, W, W) kernel leaf")
+        return jax.lax.scan(lambda h, w: (h @ w, None), x, kernels[0])[0].sum()
+
+    def draws(p, b, k):
+        total = lambda tree: sum(v.sum() for v in jax.tree.leaves(tree))
+
+        def one(kk):  # every block's tangents drawn and summed in the scan (fused, no buffer)
+            def layer(acc, pl):
+                return acc + total(tg.block_tangents(spec, kk, *pl)), None
+            layers = jnp.arange(jax.tree.leaves(p["blocks"])[0].shape[0])
+            blocks = jax.lax.scan(layer, jnp.float32(0), (p["blocks"], layers))[0]
+            ends = [tg.leaf_tangents(spec, jax.random.fold_in(kk, seg), p[name])
+                    for seg, name in ((tg.EMBED, "embed"), (tg.HEAD, "head"))]
+            return blocks + total(ends)
+        return jax.lax.map(one, keys(k)).sum()
+
     return {
+        "GEMM chain": gemm_chain,
+        "draws": draws,
         "exact vmap(grad)": exact_vmap,
         "exact scan(grad)": exact_scan,
         "exact sweep": exact_sweep,

@@ -21,7 +21,8 @@ Prints a table with ratios vs backprop and vs inference, side by side, from the 
 the hybrid's time floor: its FLOPs at the best FLOP rate any mode reached in the run.
 
 ``--parts`` adds where the hybrid's memory and time go, each part compiled alone with its
-alternatives (:mod:`hybrid_parts`). docs/results.md renders the ``--json`` rows
+alternatives (:mod:`hybrid_parts`), timed in the same interleaved rounds as the modes, and the
+floor of a hybrid that draws its tangents twice (:func:`jaxstream_lab.table_cost.redraw_floor`). docs/results.md renders the ``--json`` rows
 (``forward_table.py --memory-json``).
 
 Usage:
@@ -50,6 +51,7 @@ from jaxstream.quality.flops import matmul_flops
 from jaxstream_lab.table_cost import time_floor
 
 MODES = ("inference", "backprop", "backprop_remat", "forward", "hybrid")
+PART = "part: "  # prefix of the hybrid's parts among the timed functions (--parts)
 NUM_MICRO, NUM_EXACT = 16, 2
 
 
@@ -72,16 +74,18 @@ def step_functions(stack: Any) -> dict[str, Callable]:
     backprop = jg.backprop()
     remat = jg.backprop_remat()
 
-    def micro(batch):
-        return jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), batch)
-
     return {
         "inference": lambda p, b, k: stack(p, b),
         "backprop": lambda p, b, k: backprop(stack, p, b, k),
         "backprop_remat": lambda p, b, k: remat(stack, p, b, k),
         "forward": lambda p, b, k: forward(stack, p, b, k),
-        "hybrid": lambda p, b, k: hybrid(stack, p, micro(b), k),
+        "hybrid": lambda p, b, k: hybrid(stack, p, micro_batches(b), k),
     }
+
+
+def micro_batches(batch: Any) -> Any:
+    """The batch as ``NUM_MICRO`` micro-batches (leading axis)."""
+    return jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), batch)
 
 
 def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float, int]:
@@ -129,20 +133,25 @@ def run(depths: list[int], width: int, batch: int, repeats: int,
         key = jax.random.key(42)
         row: dict[str, Any] = {"depth": depth, "temp_bytes": {}, "step_ms": {}, "flops": {}}
         row["times_ms"] = {}
-        for mode, (temp, ms, flops, times) in measure_all(
-                step_functions(stack), (params, data, key), repeats).items():
+        fns = step_functions(stack)
+        if parts:  # timed in the same interleaved rounds as the modes: load hits all alike
+            from hybrid_parts import part_functions
+
+            fns.update({PART + name: (lambda p, b, k, fn=fn: fn(p, micro_batches(b), k))
+                        for name, fn in part_functions(stack, NUM_MICRO).items()})
+        measured = measure_all(fns, (params, data, key), repeats)
+        for mode, (temp, ms, flops, times) in measured.items():
+            if mode.startswith(PART):
+                row.setdefault("parts", {})[mode[len(PART):]] = [temp, ms, flops]
+                continue
             row["temp_bytes"][mode] = temp
             row["step_ms"][mode] = ms
             row["flops"][mode] = flops
             row["times_ms"][mode] = times
-        row["cpu_ms"] = {mode: statistics.median(t) for mode, t in CPU_MS.items()}
+        row["cpu_ms"] = {mode: statistics.median(t) for mode, t in CPU_MS.items()
+                         if not mode.startswith(PART)}
         if parts:
-            from hybrid_parts import part_functions
-
-            micro = jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), data)
             row["backprop"] = [row[k]["backprop"] for k in ("temp_bytes", "step_ms", "flops")]
-            row["parts"] = {name: list(measure(fn, (params, micro, key), repeats))
-                            for name, fn in part_functions(stack, NUM_MICRO).items()}
         rows.append(row)
         print(format_rows([row], header=len(rows) == 1), flush=True)
     return rows
@@ -218,10 +227,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_rows(rows))
     cmd = "python benchmarks/memory_time.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.parts:
-        from jaxstream_lab.table_cost import memory_parts_table
+        from jaxstream_lab.table_cost import memory_parts_table, redraw_floor_text
 
         print()
         print(memory_parts_table(rows))
+        print(redraw_floor_text(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

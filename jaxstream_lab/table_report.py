@@ -21,6 +21,7 @@ from jaxstream_lab.table_rows import (
     _is_loss,
     _pm,
     is_baseline,
+    markdown_table,
     ren_figures,
 )
 from jaxstream_lab.table_verdicts import (
@@ -46,16 +47,16 @@ def baseline_table(rows: list[dict], dataset: str) -> str:
     if not mine:
         return ""
     loss = _is_loss(mine[0])
-    head = ("| baseline | test loss | train loss | test token error % | how |" if loss else
-            "| baseline | test error % | train error % | test loss | how |")
-    lines = [head, "|---|---|---|---|---|"]
+    heads = (("test loss", "train loss", "test token error %") if loss else
+             ("test error %", "train error %", "test loss"))
+    lines = []
     for r in mine:
         figs = ((f"{r['test_loss_mean']:.3f}", f"{r['train_loss_mean']:.3f}",
                  f"{100 * r['test_error_mean']:.2f}") if loss else
                 (f"{100 * r['test_error_mean']:.2f}", f"{100 * r['train_error_mean']:.2f}",
                  f"{r['test_loss_mean']:.3f}"))
-        lines.append(f"| {r['arm']} | {' | '.join(figs)} | {r.get('how', '')} |")
-    return "\n".join(lines)
+        lines.append({"baseline": r["arm"], **dict(zip(heads, figs)), "how": r.get("how", "")})
+    return markdown_table(lines)
 
 
 def lr_edge(row: dict) -> str | None:
@@ -125,18 +126,13 @@ def designs(rows: list[dict], dataset: str) -> str:
 
 def loss_table(rows: list[dict], dataset: str) -> str:
     """A markdown table for a ``metric: loss`` data set (no published rows beside it)."""
-    lines = [("| arm | lr | test loss | train loss | test token error % | steps to target loss "
-             "(seeds) | s to target | peak temp MiB | ms / step | K | forward passes / step | "
-             "cosine at init | rel. sq. error at init |"), "|" + "---|" * 13]
-    for r in (x for x in rows if x["dataset"] == dataset):
-        lines.append(
-            f"| {_arm(r)} | {_lr(r)} | {r['test_loss_mean']:.3f} ± "
-            f"{r.get('test_loss_sd', 0.0):.3f} | {r['train_loss_mean']:.3f} ± "
-            f"{r.get('train_loss_sd', 0.0):.3f} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
-            f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
-            f"{_fmt(r['seconds_to_target'], '.2f')} | {_mib(r)} | "
-            f"{r['step_ms']:.2f} | {_cost(r)} | {_cos(r)} | {_fmt(r.get('relative_mse'), '.3g')} |")
-    return "\n".join(lines)
+    return markdown_table([{
+        "arm": _arm(r), "lr": _lr(r),
+        "test loss": f"{r['test_loss_mean']:.3f} ± {r.get('test_loss_sd', 0.0):.3f}",
+        "train loss": f"{r['train_loss_mean']:.3f} ± {r.get('train_loss_sd', 0.0):.3f}",
+        "test token error %": _pm(r["test_error_mean"], r["test_error_sd"]),
+        "steps to target loss (seeds)": _steps(r), **_common(r),
+    } for r in rows if r["dataset"] == dataset])
 
 
 def _arm(r: dict) -> str:
@@ -160,31 +156,33 @@ def _cos(r: dict) -> str:
     return f"{r['cosine_mean']:.3f} ± {r.get('cosine_sd', 0.0):.3f}"
 
 
-def _cost(r: dict) -> str:
-    """The K and forward-passes-per-step cells (— where a row predates them)."""
-    return f"{_fmt(r.get('tangents'), 'd')} | {_fmt(r.get('forward_equivalents_per_step'), '.2f')}"
+def _steps(r: dict) -> str:
+    """Mean steps to the target, and how many seeds reached it."""
+    return f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']})"
+
+
+def _common(r: dict) -> dict[str, str]:
+    """The cells every arm's line has after its figures: time to target, memory, step time,
+    K and forward passes per step (— where a row predates them), cosine and error at init."""
+    return {"s to target": _fmt(r["seconds_to_target"], ".2f"), "peak temp MiB": _mib(r),
+            "ms / step": f"{r['step_ms']:.2f}", "K": _fmt(r.get("tangents"), "d"),
+            "forward passes / step": _fmt(r.get("forward_equivalents_per_step"), ".2f"),
+            "cosine at init": _cos(r),
+            "rel. sq. error at init": _fmt(r.get("relative_mse"), ".3g")}
 
 
 def table(rows: list[dict], dataset: str) -> str:
     """A markdown table for one data set, Ren et al.'s MNIST rows beside it."""
     if any(_is_loss(r) for r in rows if r["dataset"] == dataset):
         return loss_table(rows, dataset)
-    head = ("| arm | lr | test error % | train error % | test loss | steps to target (seeds) | "
-            "s to target | peak temp MiB | ms / step | K | forward passes / step | cosine at init "
-            "| rel. sq. error at init | " + " | ".join(f"Ren MNIST {s}" for s in REN_SETTINGS)
-            + " |")
-    lines = [head, "|" + "---|" * 15]
-    for r in (x for x in rows if x["dataset"] == dataset):
-        ren = ren_figures(r)
-        lines.append(
-            f"| {_arm(r)} | {_lr(r)} | {_pm(r['test_error_mean'], r['test_error_sd'])} | "
-            f"{_pm(r['train_error_mean'], r.get('train_error_sd', 0.0))} | "
-            f"{r.get('test_loss_mean', float('nan')):.3f} | "
-            f"{_fmt(r['steps_to_target_mean'])} ({r['seeds_reaching_target']}/{r['seeds']}) | "
-            f"{_fmt(r['seconds_to_target'], '.2f')} | {_mib(r)} | "
-            f"{r['step_ms']:.2f} | {_cost(r)} | {_cos(r)} | {_fmt(r.get('relative_mse'), '.3g')} | "
-            + " | ".join(_fmt(ren.get(s), ".2f") for s in REN_SETTINGS) + " |")
-    return "\n".join(lines)
+    return markdown_table([{
+        "arm": _arm(r), "lr": _lr(r),
+        "test error %": _pm(r["test_error_mean"], r["test_error_sd"]),
+        "train error %": _pm(r["train_error_mean"], r.get("train_error_sd", 0.0)),
+        "test loss": f"{r.get('test_loss_mean', float('nan')):.3f}",
+        "steps to target (seeds)": _steps(r), **_common(r),
+        **{f"Ren MNIST {s}": _fmt(ren_figures(r).get(s), ".2f") for s in REN_SETTINGS},
+    } for r in rows if r["dataset"] == dataset])
 
 
 PREDATES_LANES = (
@@ -211,13 +209,10 @@ def k_table(rows: list[dict], dataset: str) -> str:
     loss = any(_is_loss(r) for f in families.values() for r in f.values())
     cell = (lambda r: f"{r['test_loss_mean']:.3f} ± {r.get('test_loss_sd', 0.0):.3f}") if loss else (
         lambda r: _pm(r["test_error_mean"], r["test_error_sd"]))
-    lines = ["| estimator | " + " | ".join(f"K = {k}" for k in ks) + " |",
-             "|---|" + "---|" * len(ks)]
-    for base, f in families.items():
-        cells = [("—" if k not in f else f"{cell(f[k])} ({_fmt(f[k].get('forward_equivalents_per_step'), '.1f')})")
-                 for k in ks]
-        lines.append(f"| {base} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    at = lambda r: f"{cell(r)} ({_fmt(r.get('forward_equivalents_per_step'), '.1f')})"
+    return markdown_table([{"estimator": base,
+                            **{f"K = {k}": at(f[k]) if k in f else "—" for k in ks}}
+                           for base, f in families.items()])
 
 
 def layer_table(rows: list[dict], dataset: str) -> str:
@@ -230,13 +225,13 @@ def layer_table(rows: list[dict], dataset: str) -> str:
         return ""
     n = max(len(r["cosine_layers"]) for r in have)
     names = ["embed", *(f"block {i}" for i in range(n - 2)), "head"]
-    lines = ["| arm | " + " | ".join(names) + " |", "|---|" + "---|" * n]
+    lines = []
     for r in have:
         local = r.get("local_cosine_layers") or [None] * len(r["cosine_layers"])
         cells = [f"{c:+.3f}" + ("" if t is None else f" ({t:+.3f})")
                  for c, t in zip(r["cosine_layers"], local)]
-        lines.append(f"| {_arm(r)} | " + " | ".join(cells + ["—"] * (n - len(cells))) + " |")
-    return "\n".join(lines)
+        lines.append({"arm": _arm(r), **dict(zip(names, cells + ["—"] * (n - len(cells))))})
+    return markdown_table(lines)
 
 
 LAYERS = ("Cosine at initialisation segment by segment: each arm's estimate against the exact "
@@ -269,8 +264,7 @@ def equal_compute_table(rows: list[dict], dataset: str) -> str:
     every = bp["eval_every"]
     unit, fmt = ("test loss", lambda v: f"{v:.3f}") if loss else (
         "test error %", lambda v: f"{100 * v:.2f}")
-    lines = [(f"| arm | forward passes / step | BP steps at its compute | BP {unit} there | "
-             f"arm's {unit} |"), "|---|---|---|---|---|"]
+    lines = []
     for r in mine:
         fe = r.get("forward_equivalents_per_step")
         if r is bp or not fe:
@@ -280,9 +274,10 @@ def equal_compute_table(rows: list[dict], dataset: str) -> str:
         at = "before its first evaluation" if k == 0 else fmt(curve[k - 1])
         more = "≥ " if steps > bp["steps"] else ""
         mean = r["test_loss_mean"] if loss else r["test_error_mean"]
-        lines.append(f"| {_arm(r)} | {fe:.2f} | {more}{min(steps, bp['steps']):.0f} | {at} | "
-                     f"{fmt(mean)} |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+        lines.append({"arm": _arm(r), "forward passes / step": f"{fe:.2f}",
+                      "BP steps at its compute": f"{more}{min(steps, bp['steps']):.0f}",
+                      f"BP {unit} there": at, f"arm's {unit}": fmt(mean)})
+    return markdown_table(lines) if lines else ""
 
 
 def _run_lines(payload: dict, rows: list[dict]) -> list[str]:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 # Ren et al.'s published figures are data, with their source: published.json beside this file
 _PUBLISHED = json.loads((Path(__file__).with_name("published.json")).read_text())["ren2023"]
 REN_SETTINGS = tuple(_PUBLISHED["settings"])
@@ -35,6 +37,12 @@ def ren_figures(row: dict) -> dict:
     figures = REN_MNIST.get(name.split(REN)[0], {})
     groups = row.get("local_groups", 1)
     return {s: v for s, v in figures.items() if int(s.rsplit("/", 1)[1]) == groups}
+
+
+def markdown_table(lines: list[dict[str, str]]) -> str:
+    """A Markdown table of one ``{column: cell}`` dict per line (pandas' ``to_markdown``; the
+    cells are written as given, strings that look like numbers included)."""
+    return pd.DataFrame(lines).to_markdown(index=False, disable_numparse=True)
 
 
 def _pm(mean: float, sd: float, scale: float = 100.0) -> str:

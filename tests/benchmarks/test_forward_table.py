@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.markdown import compact
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -68,7 +70,7 @@ def test_cli_runs_a_tiny_table_judged_by_loss(tmp_path):
     assert row["test_loss_sd"] > 0 and len(row["test_loss_by_seed"]) == 2
     assert row["seeds_reaching_target"] == 2  # target 9 nats: reached at the first evaluation
     assert row["steps_to_target_mean"] == 2
-    report = (out / "results.md").read_text()
+    report = compact((out / "results.md").read_text())
     assert "## dl" in report and "| test loss | train loss |" in report
     assert (out / "frontier.png").stat().st_size > 0
 
@@ -98,7 +100,7 @@ def test_cli_writes_json_docs_and_plot_from_rows(tmp_path):
              "--plot", str(tmp_path / "f.png")])
     assert json.loads(out.read_text()) == rows
     assert (tmp_path / "f.png").stat().st_size > 0
-    text = (tmp_path / "r.md").read_text()
+    text = compact((tmp_path / "r.md").read_text())
     assert "| BP |" in text and "machine: m" in text and "--from-json" in text
     # Two runs (e.g. one per data set) in one report, each with its own command and machine.
     src2 = tmp_path / "in2.json"
@@ -108,7 +110,7 @@ def test_cli_writes_json_docs_and_plot_from_rows(tmp_path):
     (tmp_path / "in2.json.meta").write_text(json.dumps({"command": "c2", "machine": "m2"}))
     got = ft.main(["--from-json", str(src), str(src2), "--docs", str(tmp_path / "r2.md")])
     assert [r["dataset"] for r in got] == ["d", "d", "t"]
-    text = (tmp_path / "r2.md").read_text()
+    text = compact((tmp_path / "r2.md").read_text())
     assert "`c`" in text and "`c2`" in text and "machine: m2" in text and "## t" in text
     assert "| BP | 1e-03 | 2.500 ± 0.010 | 2.400 ± 0.000 |" in text
 
@@ -180,7 +182,7 @@ def test_report_checks_follow_the_rows():
                                                    "hybrid": 3, "inference": 1},
                         "step_ms": {"backprop": 2.0, "backprop_remat": 3.0, "forward": 2.0,
                                     "hybrid": 4.0, "inference": 1.0}}]}
-    text = markdown({"rows": rows, "command": "c", "machine": "m"}, None, memory)
+    text = compact(markdown({"rows": rows, "command": "c", "machine": "m"}, None, memory))
     assert "| 8 |" in text and "0.250 | 1.50" in text and "Ren" in text
     assert "±0.5 pp of test error" in text  # the margin, stated once
     assert text.count("±0.5 pp of test error") == 1
@@ -225,7 +227,7 @@ def test_picks_at_the_edge_of_their_sweep_are_marked():
     rows[2].update(lr=3e-3, lrs=[1e-3, 3e-3, 1e-2])   # inside
     assert [lr_edge(r) for r in rows] == ["largest", "smallest", None]
     assert lr_edge({**rows[0], "lrs": [1e-2]}) == "only"  # one rate: at both edges
-    text = markdown({"rows": rows, "command": "c", "machine": "m"})
+    text = compact(markdown({"rows": rows, "command": "c", "machine": "m"}))
     assert "| BP | 1e-02 ↑ |" in text and "| FG-W | 1e-03 ↓ |" in text and "| FG-A | 3e-03 |" in text
     assert "2 of 3 swept arms picked the edge of their sweep" in text and "BP, FG-W" in text
 
@@ -256,7 +258,7 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
         run_experiment(ft.QUICK, over, out=out)
     *base, first = json.loads((out / "rows.json").read_text())
     assert [b["arm"] for b in base] == ["chance", "logistic regression"]
-    assert first["arm"] == "BP" and "| BP |" in (out / "results.md").read_text()
+    assert first["arm"] == "BP" and "| BP |" in compact((out / "results.md").read_text())
     assert (out / "frontier.png").is_file()
     monkeypatch.setattr(lib, "run_arm", real)
     calls.clear()
@@ -366,7 +368,7 @@ def test_a_report_shows_baselines_beside_the_arms(tmp_path):
             {**base, "arm": "chance", "test_error_mean": 0.9}, _row("BP", 0.03),
             *({**base, "dataset": "t", "metric": "loss", "arm": a, "test_error_mean": 0.7,
                "test_loss_mean": 2.5} for a in ("unigram", "bigram"))]  # 4 baselines in all
-    text = markdown({"rows": rows, "command": "c", "machine": "m"})
+    text = compact(markdown({"rows": rows, "command": "c", "machine": "m"}))
     assert "| logistic regression | 4.00 | 2.00 | 0.200 | h |" in text
     assert "| chance | 90.00 |" in text and "| BP |" in text
     frontier_plot(rows, str(tmp_path / "f.png"))
@@ -394,19 +396,19 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     assert abs(loc[0] - glob[0]) > 1e-3
     assert own["local_cosine_layers"][2] != pytest.approx(own["cosine_layers"][2], abs=1e-3)
     assert own["test_error_by_seed"] != shared["test_error_by_seed"]
-    text = markdown({"rows": [shared, own], "command": "c", "machine": "m"})
+    text = compact(markdown({"rows": [shared, own], "command": "c", "machine": "m"}))
     assert "| arm | embed | block 0 | block 1 | head |" in text
     assert f"| {glob[0]:+.3f} ({loc[0]:+.3f}) |" in text
     line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))
     assert line("LG-FG-A").endswith("| — | — |")
     assert line("LG-FG-A-Ren").endswith("| 3.24 | — |")  # one group: S/1/1 only
     sixteen = {**own, "arm": "LG-FG-A-Ren-G16", "local_groups": 16}
-    text = markdown({"rows": [shared, own, sixteen], "command": "c", "machine": "m"})
+    text = compact(markdown({"rows": [shared, own, sixteen], "command": "c", "machine": "m"}))
     assert line("LG-FG-A-Ren-G16").endswith("| — | 2.55 |")  # 16 groups: M/1/16 only
     mixer = {**own, "model": "mixer"}  # their figures are of MLPs: none beside a Mixer
     cells = {**own, "arm": "cells", "model": "local_mixer", "local_groups": 4,
              "local_patch_groups": 16, "local_aggregate": True}
-    text = markdown({"rows": [shared, mixer, cells], "command": "c", "machine": "m"})
+    text = compact(markdown({"rows": [shared, mixer, cells], "command": "c", "machine": "m"}))
     assert line("LG-FG-A-Ren").endswith("| — | — |")
     assert ("Local losses of the -Ren arms: LG-FG-A-Ren: a head of its own per block; cells: "
             "16 patch groups × 4 channel groups (64 cells per block), Ren et al.'s feature "
@@ -515,7 +517,7 @@ def test_backprop_at_each_arms_compute_is_read_off_its_own_curve():
           "curve_test_error_mean": [0.5, 0.3, 0.2, 0.1]}
     cheap = {**_row("hybrid-weighted", 0.25), "steps": 40, "forward_equivalents_per_step": 1.5}
     dear = {**_row("FG-W-K16", 0.4), "steps": 40, "forward_equivalents_per_step": 6.0}
-    text = equal_compute_table([bp, cheap, dear], "d")
+    text = compact(equal_compute_table([bp, cheap, dear], "d"))
     assert "| hybrid-weighted | 1.50 | 20 | 30.00 | 25.00 |" in text
     assert "| FG-W-K16 | 6.00 | ≥ 40 | 10.00 | 40.00 |" in text
     assert equal_compute_table([cheap, dear], "d") == ""
@@ -531,7 +533,7 @@ def test_k_is_an_axis_of_the_report():
             {**_row("FG-A-K4", 0.2), "tangents": 4, "forward_equivalents_per_step": 5.4},
             {**_row("FG-W-K16", 0.1), "tangents": 16},
             {**_row("BP", 0.05), "tangents": 0}]
-    text = k_table(rows, "d")
+    text = compact(k_table(rows, "d"))
     assert text.splitlines()[0] == "| estimator | K = 1 | K = 4 |"
     assert "| FG-A | 30.00 ± 0.10 (3.3) | 20.00 ± 0.10 (5.4) |" in text
     assert "FG-W" not in text and "BP" not in text  # one K only / no tangents
