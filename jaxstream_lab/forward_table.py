@@ -378,6 +378,7 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
     return rows
 
 
+@register_experiment("forward_table", ForwardTableConfig)
 def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "jaxstream run",
                       resume: bool = False) -> dict:
     """Run the table, writing ``rows.json``, ``results.md`` and ``frontier.png`` into
@@ -416,6 +417,3 @@ def _written_rows(path: Path) -> list[dict]:
         raise ConfigError(f"--resume: {path} does not hold table rows; move it away to run "
                           "every row again")
     return rows
-
-
-register_experiment("forward_table", ForwardTableConfig, run_forward_table)

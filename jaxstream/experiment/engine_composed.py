@@ -24,6 +24,7 @@ from jaxstream.ranges import Count, Positive
 from jaxstream.stream.store import LayerStore
 
 
+@register_engine("composed")
 @dataclasses.dataclass(frozen=True)
 class ComposedEngineConfig(StreamEngineConfig):
     """Options of ``engine: {type: composed}``: the stream engine's, plus the mesh.
@@ -89,6 +90,10 @@ class ComposedEngineConfig(StreamEngineConfig):
             raise ValueError(f"engine.{err}") from None
         super().check_run(names, resume)
 
+    def build(self, **kw: Any) -> Any:
+        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
+        return build_composed_engine(self, **kw)
+
 
 class ComposedEngine(StreamEngine):
     """The stream engine with its executor placed over the mesh."""
@@ -120,6 +125,3 @@ def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: A
     return ComposedEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
                           model=model, arm=arm, micro_batches=micro_batches,
                           optimizer_config=optimizer_config)
-
-
-register_engine("composed", ComposedEngineConfig, build_composed_engine)

@@ -54,6 +54,7 @@ __all__ = ["MOMENT_OPTIMIZERS", "DataParallelEngine", "DataParallelEngineConfig"
 MOMENT_OPTIMIZERS = ("max_adabelief",)  # optimizers whose moments ``exchange: moments`` averages
 
 
+@register_engine("dataparallel")
 @dataclasses.dataclass(frozen=True)
 class DataParallelEngineConfig(EngineConfig):
     """Options of the ``dataparallel`` engine.
@@ -88,6 +89,10 @@ class DataParallelEngineConfig(EngineConfig):
                 f"engine.exchange: 'moments' needs {field}.name in {MOMENT_OPTIMIZERS}, got "
                 f"{opt_cfg.name!r}; with that optimizer choose engine.exchange in {others}"
             )
+
+    def build(self, **kw: Any) -> Any:
+        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
+        return build_dataparallel_engine(self, **kw)
 
 
 class DataParallelEngine(LocalEngine):
@@ -172,6 +177,3 @@ def build_dataparallel_engine(
                                           factory=factory)
     return MomentExchangeEngine(LocalEngineConfig(), dp=dp, micro_batches=micro_batches,
                                 **kwargs)
-
-
-register_engine("dataparallel", DataParallelEngineConfig, build_dataparallel_engine)

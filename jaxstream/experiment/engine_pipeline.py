@@ -41,6 +41,7 @@ from jaxstream.pipeline.unequal import unequal_stages
 from jaxstream.ranges import Count
 
 
+@register_engine("pipeline")
 @dataclasses.dataclass(frozen=True)
 class PipelineEngineConfig(EngineConfig):
     """Options of the pipeline engine.
@@ -75,6 +76,10 @@ class PipelineEngineConfig(EngineConfig):
         plan = arm.estimator.build().plan
         plan.forward_pass.refuse_unless("pipeline", f"{field}.estimator: pipeline",
                                         plan.describe())
+
+    def build(self, **kw: Any) -> Any:
+        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
+        return PipelineEngine(self, **kw)
 
 
 class PipelineState(NamedTuple):
@@ -183,6 +188,3 @@ class PipelineEngine:
         if getattr(self, "_shardings", None) is not None:
             new = jax.lax.with_sharding_constraint(new, self._shardings)
         return new, metrics
-
-
-register_engine("pipeline", PipelineEngineConfig, lambda cfg, **kw: PipelineEngine(cfg, **kw))

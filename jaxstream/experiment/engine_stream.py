@@ -45,6 +45,7 @@ from jaxstream.stream.manifest import MANIFEST
 from jaxstream.stream.store import LayerStore
 
 
+@register_engine("stream")
 @dataclasses.dataclass(frozen=True)
 class StreamEngineConfig(EngineConfig):
     """Options of ``engine: {type: stream}``.
@@ -182,6 +183,10 @@ class StreamEngineConfig(EngineConfig):
                     f"engine.store: a layer store already exists at {where} (arm {name!r}); "
                     "pass --resume to continue that run, set engine.continue_store=true to train "
                     "on from it, or choose another path")
+
+    def build(self, **kw: Any) -> Any:
+        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
+        return build_stream_engine(self, **kw)
 
 
 class StreamState(NamedTuple):
@@ -425,6 +430,3 @@ def build_stream_engine(cfg: StreamEngineConfig, *, stack: Any, estimator: Any, 
     return StreamEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
                         model=model, arm=arm, micro_batches=micro_batches,
                         optimizer_config=optimizer_config)
-
-
-register_engine("stream", StreamEngineConfig, build_stream_engine)

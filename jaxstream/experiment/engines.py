@@ -4,12 +4,14 @@ An engine owns the training state and the compiled step; the runner (``train`` k
 evaluation, logging and checkpoints. ``local`` (one device, ``jax.jit``) is built in;
 ``pipeline``, ``stream`` and ``dataparallel`` are registered by the experiment layer's
 ``engine_*`` modules (imported by :mod:`jaxstream.experiment.builtin`), a user's engines by
-their plugin modules, all with :func:`register_engine`.
+their plugin modules, all with the decorator :func:`register_engine` (the shape of every
+registration: ``@register_dataset(name)``, ``@register_model(name)``,
+``@register_experiment(kind)``, ``@register_optimizer(name)``).
 
-An engine's ``build`` is called as::
+An engine config's ``build`` method is called as::
 
-    build(engine_cfg, *, stack, estimator, optimizer, optimizer_config, learning_rate,
-          total_steps, model, arm, micro_batches, example_batch) -> Engine
+    engine_cfg.build(*, stack, estimator, optimizer, optimizer_config, learning_rate,
+                     total_steps, model, arm, micro_batches, example_batch) -> Engine
 
 with ``stack`` the model (a :class:`jaxstream.models.Stack`, itself a ``loss_fn``), ``estimator``
 the built estimator (``estimator(loss_fn, params, batch, key) -> (loss, grads)``), ``optimizer``
@@ -23,10 +25,13 @@ that trains (``train``, ``lr_sweep``, ``forward_table``) builds it the same way.
 ``**kwargs`` to stay compatible with later additions.
 
 Example:
-    >>> @dataclasses.dataclass(frozen=True)
+    >>> @register_engine("mine")
+    ... @dataclasses.dataclass(frozen=True)
     ... class MyEngineConfig(EngineConfig):
     ...     stages: int = 2
-    >>> register_engine("mine", MyEngineConfig, lambda cfg, **kw: MyEngine(cfg, **kw))
+    ...
+    ...     def build(self, **kw) -> Engine:
+    ...         return MyEngine(self, **kw)
 """
 
 from __future__ import annotations
@@ -105,6 +110,11 @@ class EngineConfig(Checked):
         unchanged for an engine without a store."""
         return self
 
+    def build(self, **kwargs: Any) -> Engine:
+        """The engine this section configures (the keywords: the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__}.build: an engine config registered "
+                                  "with @register_engine(name) builds its engine here")
+
 
 class EngineEntry(NamedTuple):
     """A registered engine."""
@@ -117,22 +127,36 @@ class EngineEntry(NamedTuple):
 _ENGINES: dict[str, EngineEntry] = {}
 
 
-def register_engine(name: str, config_cls: type, build: Callable[..., Engine]) -> None:
-    """Register engine ``name``: config ``engine: {type: name, ...}`` -> ``build(cfg, **kw)``.
+def register_engine(name: str, config_cls: type | None = None,
+                    build: Callable[..., Engine] | None = None) -> Any:
+    """Decorator: a frozen dataclass subclassing :class:`EngineConfig`, whose ``build(**kw)``
+    builds the engine, becomes ``engine: {type: name, ...}``.
 
     Args:
       name: the ``type:`` value in YAML.
-      config_cls: a frozen dataclass subclassing :class:`EngineConfig`, with the engine's
-        options; it overrides the checks and capabilities that apply.
-      build: ``build(engine_cfg, *, stack, estimator, optimizer, ...)`` (the keywords are
-        listed in the module docstring).
+      config_cls, build: the older call form, ``register_engine(name, config_cls, build)``
+        with ``build(engine_cfg, **kw)`` a function of its own (still accepted).
+    Returns:
+      the decorator (which returns the class unchanged); the class, in the older form.
     """
-    if not (isinstance(config_cls, type) and issubclass(config_cls, EngineConfig)):
-        raise TypeError(f"register_engine({name!r}, ...): config_cls must subclass "
-                        f"jaxstream.experiment.EngineConfig (class {getattr(config_cls, '__name__', config_cls)}"
-                        f"(EngineConfig)), got {config_cls!r}")
-    register_choice(EngineConfig, name, config_cls)
-    _ENGINES[name] = EngineEntry(name, config_cls, build)
+
+    def deco(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, EngineConfig)):
+            raise TypeError(f"register_engine({name!r}): the config class must subclass "
+                            f"jaxstream.experiment.EngineConfig (class "
+                            f"{getattr(cls, '__name__', cls)}(EngineConfig)), got {cls!r}")
+        if build is None and cls.build is EngineConfig.build:
+            raise TypeError(f"register_engine({name!r}): {cls.__name__} has no build method "
+                            "(def build(self, **kw) -> Engine)")
+        register_choice(EngineConfig, name, cls)
+        _ENGINES[name] = EngineEntry(name, cls, build or (lambda cfg, **kw: cfg.build(**kw)))
+        return cls
+
+    if config_cls is None:
+        if build is not None:
+            raise TypeError(f"register_engine({name!r}, build=...): give the config class too")
+        return deco
+    return deco(config_cls)
 
 
 def engine_names() -> list[str]:
@@ -163,9 +187,13 @@ def split_micro_batches(batch: dict, n: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- local engine
+@register_engine("local")
 @dataclasses.dataclass(frozen=True)
 class LocalEngineConfig(EngineConfig):
     """One device, one jit-compiled step (no options)."""
+
+    def build(self, **kw: Any) -> LocalEngine:
+        return LocalEngine(self, **kw)
 
 
 class LocalState(NamedTuple):
@@ -214,8 +242,6 @@ class LocalEngine:
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return LocalState(params, opt_state), metrics
 
-
-register_engine("local", LocalEngineConfig, lambda cfg, **kw: LocalEngine(cfg, **kw))
 
 
 def tree_cosine(a: Any, b: Any) -> jax.Array:

@@ -167,6 +167,7 @@ def arm_summary(records: list[dict], sizes: dict[str, int], engine: Any) -> dict
     return out
 
 
+@register_experiment("finetune", FinetuneConfig)
 def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
     """Pretrain, write the stores, fine-tune every arm; write ``metrics.jsonl`` and
     ``finetune.json`` (see the module docstring) and return the summary."""
@@ -255,6 +256,3 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
 
     print(format_tables(summary))
     return summary
-
-
-register_experiment("finetune", FinetuneConfig, run_finetune)

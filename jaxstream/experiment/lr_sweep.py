@@ -149,6 +149,7 @@ def format_sweep(summary: dict[str, Any], lrs: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
+@register_experiment("lr_sweep", LRSweepConfig)
 def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
     """Sweep every arm; write metrics.jsonl (one record per lr and evaluation); print a table."""
     data = cfg.data.dataset(cfg.seed)
@@ -169,6 +170,3 @@ def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
 
     write_sweep_plots(summary, log.read(), Path(run_dir))
     return summary
-
-
-register_experiment("lr_sweep", LRSweepConfig, run_lr_sweep)

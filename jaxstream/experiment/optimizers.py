@@ -5,7 +5,9 @@ packages add theirs with :func:`register_optimizer` (e.g. ``max_adabelief`` from
 :mod:`jaxstream.optim`).
 
 Example:
-    >>> register_optimizer("my_sgd", lambda learning_rate, **kw: optax.sgd(learning_rate, **kw))
+    >>> @register_optimizer("my_sgd")
+    ... def my_sgd(learning_rate, momentum: float = 0.0):
+    ...     return optax.sgd(learning_rate, momentum=momentum)
     >>> tx = build_optimizer(OptimizerConfig(name="my_sgd"), learning_rate=0.1)
 """
 
@@ -28,9 +30,20 @@ OptimizerFactory = Callable[..., optax.GradientTransformation]
 _OPTIMIZERS: dict[str, OptimizerFactory] = {}
 
 
-def register_optimizer(name: str, factory: OptimizerFactory) -> None:
-    """Register ``factory(learning_rate, **options) -> optax.GradientTransformation`` as ``name``."""
-    _OPTIMIZERS[name] = factory
+def register_optimizer(name: str, factory: OptimizerFactory | None = None) -> Any:
+    """Decorator: ``factory(learning_rate, **options) -> optax.GradientTransformation`` becomes
+    ``optimizer: {name: NAME, options: {...}}``; ``register_optimizer(name, factory)``
+    registers at once (e.g. an optax function). Returns the decorator (which returns the
+    factory unchanged), or the factory."""
+
+    def deco(fn: OptimizerFactory) -> OptimizerFactory:
+        if not callable(fn):
+            raise TypeError(f"register_optimizer({name!r}): the factory must be callable, "
+                            f"got {fn!r}")
+        _OPTIMIZERS[name] = fn
+        return fn
+
+    return deco if factory is None else deco(factory)
 
 
 def optimizer_factory(name: str) -> OptimizerFactory:

@@ -10,10 +10,12 @@ the group ``jaxstream.plugins``::
 An installed entry point that fails to load stops ``jaxstream run`` with one line naming it,
 its package and the error; ``JAXSTREAM_SKIP_PLUGINS=my_data`` (names, comma-separated) skips it.
 
-Registration functions: :func:`register_dataset` (``data: {type: NAME}``),
-:func:`register_model` (``model: {type: NAME}``), :func:`register_optimizer`
-(``optimizer: {name: NAME}``), :func:`register_engine` (``engine: {type: NAME}``),
-:func:`register_experiment` (``kind: NAME``) and the general :func:`register_choice`.
+Registrations, each a decorator with the name YAML uses: :func:`register_dataset` (``data:
+{type: NAME}``, on a config class with ``load``), :func:`register_model` (``model: {type:
+NAME}``, with ``build``), :func:`register_engine` (``engine: {type: NAME}``, with ``build``),
+:func:`register_experiment` (``kind: NAME``, on the run function, given its config class),
+:func:`register_optimizer` (``optimizer: {name: NAME}``, on a factory) and the general
+:func:`register_choice`.
 Base classes: :class:`DataConfig` (``load(seed) -> Dataset``), :class:`ModelConfig`
 (``build(info) -> model``), :class:`EngineConfig` and :class:`Engine`, :class:`Dataset`.
 

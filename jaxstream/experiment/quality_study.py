@@ -201,6 +201,7 @@ def theory_check(stack: Any, params: Any, batch: dict, cfg: GradQualityConfig) -
     }
 
 
+@register_experiment("grad_quality", GradQualityConfig)
 def run_grad_quality(cfg: GradQualityConfig, run_dir: Path) -> dict[str, Any]:
     """Run the study; write tables and plots into ``run_dir``; return the summary.
 
@@ -233,6 +234,3 @@ def run_grad_quality(cfg: GradQualityConfig, run_dir: Path) -> dict[str, Any]:
     summary.update(write_outputs(rows, cfg, run_dir))
     (run_dir / "quality_summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-register_experiment("grad_quality", GradQualityConfig, run_grad_quality)

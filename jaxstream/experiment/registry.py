@@ -11,9 +11,9 @@ Example:
     >>> @dataclasses.dataclass(frozen=True)
     ... class StudyConfig:
     ...     seed: int = 0
-    >>> def run_study(cfg: StudyConfig, run_dir: Path) -> dict:
+    >>> @register_experiment("study", StudyConfig)
+    ... def run_study(cfg: StudyConfig, run_dir: Path) -> dict:
     ...     return {"seed": cfg.seed}
-    >>> register_experiment("study", StudyConfig, run_study)
 """
 
 from __future__ import annotations
@@ -40,23 +40,41 @@ class Experiment(NamedTuple):
 _EXPERIMENTS: dict[str, Experiment] = {}
 
 
-def register_experiment(kind: str, config_cls: type, run: Callable[[Any, Path], dict]) -> None:
-    """Register experiment ``kind`` (the YAML's top-level ``kind:``).
+def register_experiment(kind: str, config_cls: type,
+                        run: Callable[[Any, Path], dict] | None = None) -> Any:
+    """Decorator: ``run`` becomes experiment ``kind`` (the YAML's top-level ``kind:``), its
+    config class ``config_cls``.
 
     Args:
       kind: the name used in YAML files.
       config_cls: a frozen dataclass holding every other top-level key of the YAML.
-      run: ``run(config, run_dir) -> summary dict``; writes its results under ``run_dir``
-        (a directory that exists and already holds ``config.yaml`` and ``env.json``). It may
-        accept the keyword ``resume: bool`` to continue from checkpoints in ``run_dir``.
+      run: given here, ``register_experiment(kind, config_cls, run)`` registers at once (the
+        older form, still accepted). ``run(config, run_dir) -> summary dict`` writes its results
+        under ``run_dir`` (a directory that exists and already holds ``config.yaml`` and
+        ``env.json``); it may accept the keyword ``resume: bool`` to continue from checkpoints
+        in ``run_dir``.
+    Returns:
+      the decorator (which returns ``run`` unchanged); ``run``, in the older form.
+
+    Example:
+        >>> @register_experiment("study", StudyConfig)
+        ... def run_study(cfg: StudyConfig, run_dir: Path) -> dict:
+        ...     return {"seed": cfg.seed}
     """
     if not (dataclasses.is_dataclass(config_cls) and isinstance(config_cls, type)):
         raise TypeError(f"register_experiment({kind!r}): config_cls must be a dataclass class")
-    old = _EXPERIMENTS.get(kind)
-    # Re-registering the same objects (module re-import) is fine; a clash is not.
-    if old is not None and old.config_cls.__qualname__ != config_cls.__qualname__:
-        raise ConfigError(f"experiment kind {kind!r} is already registered")
-    _EXPERIMENTS[kind] = Experiment(kind, config_cls, run)
+
+    def deco(fn: Callable[[Any, Path], dict]) -> Callable[[Any, Path], dict]:
+        if not callable(fn):
+            raise TypeError(f"register_experiment({kind!r}): run must be callable, got {fn!r}")
+        old = _EXPERIMENTS.get(kind)
+        # Re-registering the same objects (module re-import) is fine; a clash is not.
+        if old is not None and old.config_cls.__qualname__ != config_cls.__qualname__:
+            raise ConfigError(f"experiment kind {kind!r} is already registered")
+        _EXPERIMENTS[kind] = Experiment(kind, config_cls, fn)
+        return fn
+
+    return deco if run is None else deco(run)
 
 
 def experiment_kinds() -> list[str]:

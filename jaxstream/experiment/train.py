@@ -176,6 +176,7 @@ def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) ->
             raise ConfigError(f"arms.{i}.estimator ({arm.name}): {first}") from e
 
 
+@register_experiment("train", TrainConfig)
 def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False,
               rollback: bool = False) -> dict[str, Any]:
     """Train every arm; write metrics.jsonl, plots; print and return the summary.
@@ -225,6 +226,3 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False,
             write_plots(records, [a.name for a in cfg.arms], run_dir, target)
     print(format_table(arms, cfg.target_accuracy))
     return summary
-
-
-register_experiment("train", TrainConfig, run_train)

@@ -82,25 +82,62 @@ def test_split_micro_batches():
         split_micro_batches(b, 4)
 
 
-def test_registered_optimizer_and_engine_are_usable_by_name():
-    register_optimizer("test_sgd_momentum", lambda learning_rate, momentum=0.5:
-                       optax.sgd(learning_rate, momentum=momentum))
-    assert "test_sgd_momentum" in optimizer_names()
+@pytest.mark.parametrize("form", ["decorator", "call"])
+def test_registered_optimizer_and_engine_are_usable_by_name(form):
+    """Both forms of a registration: the decorator (the shape of every registration) and the
+    older call with the object."""
 
     @dataclasses.dataclass(frozen=True)
     class EchoEngineConfig(EngineConfig):
         tag: str = "a"
 
-    with pytest.raises(TypeError, match="config_cls must subclass"):
+        def build(self, **kw):
+            return ("built", self.tag, kw)
+
+    def factory(learning_rate, momentum=0.5):
+        return optax.sgd(learning_rate, momentum=momentum)
+
+    with pytest.raises(TypeError, match="the config class must subclass"):
         register_engine("test_plain", dataclasses.make_dataclass("Plain", []), lambda cfg, **kw: 0)
-    register_engine("test_echo", EchoEngineConfig, lambda cfg, **kw: ("built", cfg.tag, kw))
-    assert "test_echo" in engine_names()
+    with pytest.raises(TypeError, match="test_bare.*has no build method"):
+        register_engine("test_bare")(dataclasses.dataclass(frozen=True)(
+            type("Bare", (EngineConfig,), {})))
+    assert "test_bare" not in engine_names()
+    if form == "decorator":
+        assert register_optimizer("test_sgd_momentum")(factory) is factory
+        assert register_engine("test_echo")(EchoEngineConfig) is EchoEngineConfig
+    else:
+        register_optimizer("test_sgd_momentum", factory)
+        register_engine("test_echo", EchoEngineConfig, lambda cfg, **kw: cfg.build(**kw))
+    assert "test_sgd_momentum" in optimizer_names() and "test_echo" in engine_names()
     try:
         _use_registered()
     finally:  # leave the registries as other tests expect them
         engines_mod._ENGINES.pop("test_echo")
         config_mod._CHOICES[EngineConfig].pop("test_echo")
         optimizers_mod._OPTIMIZERS.pop("test_sgd_momentum")
+
+
+def test_an_experiment_kind_registers_by_decorating_its_run_function(tmp_path):
+    from jaxstream.experiment import registry
+
+    @dataclasses.dataclass(frozen=True)
+    class StudyConfig:
+        seed: int = 0
+
+    @registry.register_experiment("test_study", StudyConfig)
+    def run_study(cfg: StudyConfig, run_dir) -> dict:
+        return {"seed": cfg.seed, "dir": str(run_dir)}
+
+    try:
+        assert registry.get_experiment("test_study").run is run_study
+        kind, cfg = registry.load_experiment({"kind": "test_study"}, ["seed=3"])
+        assert (kind, cfg) == ("test_study", StudyConfig(seed=3))
+        assert registry.get_experiment(kind).run(cfg, tmp_path) == {"seed": 3, "dir": str(tmp_path)}
+        with pytest.raises(TypeError, match="run must be callable"):
+            registry.register_experiment("test_other", StudyConfig)(3)
+    finally:
+        registry._EXPERIMENTS.pop("test_study")
 
 
 def _use_registered():
