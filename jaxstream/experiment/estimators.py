@@ -40,7 +40,13 @@ class EstimatorConfig(Checked):
         return self.build().plan.describe()
 
 
-@register_choice(EstimatorConfig, "backprop")
+def register_estimator(name: str) -> Callable[[type], type]:
+    """Decorator: a frozen dataclass subclassing :class:`EstimatorConfig`, whose ``build()``
+    returns the estimator, becomes ``estimator: {type: name, ...}``."""
+    return register_choice(EstimatorConfig, name)
+
+
+@register_estimator("backprop")
 @dataclasses.dataclass(frozen=True)
 class BackpropConfig(EstimatorConfig):
     """Exact reverse-mode gradient (the reference); ``remat: true`` rematerialises each block,
@@ -67,7 +73,7 @@ class BackpropConfig(EstimatorConfig):
         return f"backprop(remat{acc})" if self.remat else "backprop"
 
 
-@register_choice(EstimatorConfig, "forward")
+@register_estimator("forward")
 @dataclasses.dataclass(frozen=True)
 class ForwardConfig(EstimatorConfig):
     """Forward gradient: K jvp tangents on the weights or on each block's activations."""
@@ -100,7 +106,7 @@ class ForwardConfig(EstimatorConfig):
         return f"forward({self.perturb}, K={self.num_tangents}{rank})"
 
 
-@register_choice(EstimatorConfig, "spsa")
+@register_estimator("spsa")
 @dataclasses.dataclass(frozen=True)
 class SPSAConfig(EstimatorConfig):
     """Zeroth-order two-point estimate (SPSA / MeZO): 2K loss evaluations at θ ± εv_k, no jvp;
@@ -121,7 +127,7 @@ class SPSAConfig(EstimatorConfig):
         return f"spsa(K={self.num_directions}, eps={self.eps:g}{rank})"
 
 
-@register_choice(EstimatorConfig, "hybrid")
+@register_estimator("hybrid")
 @dataclasses.dataclass(frozen=True)
 class HybridConfig(EstimatorConfig):
     """Forward estimates on every micro-batch, corrected by exact gradients of a subset.
@@ -198,7 +204,7 @@ def _check_subset(micro_batches: int, num_exact: int, spare: int = 0) -> None:
                          f"got {num_exact}")
 
 
-@register_choice(EstimatorConfig, "exact_subset")
+@register_estimator("exact_subset")
 @dataclasses.dataclass(frozen=True)
 class ExactSubsetConfig(EstimatorConfig):
     """Exact gradients of ``num_exact`` random micro-batches only: a hybrid without its forward
@@ -219,7 +225,7 @@ class ExactSubsetConfig(EstimatorConfig):
         return f"exact_subset({self.num_exact}/{self.micro_batches})"
 
 
-@register_choice(EstimatorConfig, "local_forward_weights")
+@register_estimator("local_forward_weights")
 @dataclasses.dataclass(frozen=True)
 class LocalForwardWeightsConfig(EstimatorConfig):
     """LG-FG-W: weight-perturbed forward gradients of per-block local losses."""
@@ -236,7 +242,7 @@ class LocalForwardWeightsConfig(EstimatorConfig):
         return f"forward(local weights, K={self.num_tangents})"
 
 
-@register_choice(EstimatorConfig, "local_guess")
+@register_estimator("local_guess")
 @dataclasses.dataclass(frozen=True)
 class LocalGuessConfig(EstimatorConfig):
     """Local guess (Fournier et al., 2023): the gradient projected on the local losses' exact
@@ -248,7 +254,7 @@ class LocalGuessConfig(EstimatorConfig):
         return jg.local_guess()
 
 
-@register_choice(EstimatorConfig, "hybrid_activity")
+@register_estimator("hybrid_activity")
 @dataclasses.dataclass(frozen=True)
 class HybridActivityConfig(EstimatorConfig):
     """Exact subset + activity-perturbed forward estimates, mixed per layer by inverse variance."""

@@ -13,6 +13,7 @@ its package and the error; ``JAXSTREAM_SKIP_PLUGINS=my_data`` (names, comma-sepa
 Registrations, each a decorator with the name YAML uses: :func:`register_dataset` (``data:
 {type: NAME}``, on a config class with ``load``), :func:`register_model` (``model: {type:
 NAME}``, with ``build``), :func:`register_engine` (``engine: {type: NAME}``, with ``build``),
+:func:`register_estimator` (``estimator: {type: NAME}``, with ``build``),
 :func:`register_experiment` (``kind: NAME``, on the run function, given its config class),
 :func:`register_optimizer` (``optimizer: {name: NAME}``, on a factory) and the general
 :func:`register_choice`.
@@ -49,6 +50,7 @@ from jaxstream.data.digits import Dataset
 from jaxstream.experiment.config import register_choice
 from jaxstream.experiment.data_configs import DataConfig
 from jaxstream.experiment.engines import Engine, EngineConfig, register_engine
+from jaxstream.experiment.estimators import EstimatorConfig, register_estimator
 from jaxstream.experiment.model_configs import ModelConfig
 from jaxstream.experiment.optimizers import register_optimizer
 from jaxstream.experiment.registry import ENTRY_POINT_GROUP, load_plugins, register_experiment
@@ -74,6 +76,7 @@ __all__ = [
     "Decay",
     "Engine",
     "EngineConfig",
+    "EstimatorConfig",
     "Every",
     "Fraction",
     "ModelConfig",
@@ -86,6 +89,7 @@ __all__ = [
     "register_choice",
     "register_dataset",
     "register_engine",
+    "register_estimator",
     "register_experiment",
     "register_model",
     "register_optimizer",

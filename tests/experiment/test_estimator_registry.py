@@ -13,6 +13,7 @@ import jaxstream.grad as jg
 from jaxstream.experiment.config import ConfigError, choices, from_dict
 from jaxstream.experiment.estimators import EstimatorConfig
 from jaxstream.grad import combine
+from jaxstream.ranges import Count  # a field annotation of a class defined in a test
 
 # one YAML section per library factory (the factories are listed by hand here on purpose: a
 # factory added to jaxstream.grad without a config type fails the coverage test below)
@@ -144,3 +145,26 @@ def test_exact_from_is_checked_at_load():
         from_dict(EstimatorConfig, {**base, "exact_from": [0, 1, 1, 1], "exact_indices": [0]})
     with pytest.raises(ConfigError, match=r"exact_from\.1"):
         from_dict(EstimatorConfig, {**base, "exact_from": [0, -1, 1, 1]})
+
+
+def test_a_users_estimator_registers_with_the_decorator_every_choice_has():
+    """``@register_estimator(name)`` (from the plugin API) on a config class with ``build``:
+    selectable from YAML, its fields checked like the library's."""
+    from jaxstream.experiment import config as config_mod
+    from jaxstream.experiment.plugins import register_estimator
+
+    @register_estimator("test_forward_k")
+    @dataclasses.dataclass(frozen=True)
+    class ForwardK(EstimatorConfig):
+        k: Count = 2
+
+        def build(self):
+            return jg.forward(self.k)
+
+    try:
+        cfg = from_dict(EstimatorConfig, yaml.safe_load("type: test_forward_k\nk: 3"))
+        assert isinstance(cfg, ForwardK) and cfg.build() == jg.forward(3)
+        with pytest.raises(ConfigError, match=r"^k: must be >= 1, got 0"):
+            from_dict(EstimatorConfig, {"type": "test_forward_k", "k": 0})
+    finally:
+        config_mod._CHOICES[EstimatorConfig].pop("test_forward_k")
