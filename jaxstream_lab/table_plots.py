@@ -85,7 +85,6 @@ def arm_styles(arms: list[str]) -> dict[str, dict]:
             for i, a in enumerate(arms)}
 
 
-
 def frontier_plot(rows: list[dict], path: str) -> None:
     """Test accuracy (or loss) vs peak temporary memory and vs training time, one point per arm
     and data set. Each arm keeps one colour and marker in every panel, named once in a legend

@@ -40,7 +40,6 @@ T = TypeVar("T")
 _CHOICES: dict[type, dict[str, type]] = {}
 
 
-
 _MISSING = object()
 
 

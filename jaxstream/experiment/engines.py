@@ -6,7 +6,7 @@ evaluation, logging and checkpoints. ``local`` (one device, ``jax.jit``) is buil
 ``engine_*`` modules (imported by :mod:`jaxstream.experiment.builtin`), a user's engines by
 their plugin modules, all with the decorator :func:`register_engine` (the shape of every
 registration: ``@register_dataset(name)``, ``@register_model(name)``,
-``@register_experiment(kind)``, ``@register_optimizer(name)``).
+``@register_experiment(kind, ConfigClass)``, ``@register_optimizer(name)``).
 
 An engine config's ``build`` method is called as::
 
@@ -241,7 +241,6 @@ class LocalEngine:
                                                            key)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return LocalState(params, opt_state), metrics
-
 
 
 def tree_cosine(a: Any, b: Any) -> jax.Array:
