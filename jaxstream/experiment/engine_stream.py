@@ -115,11 +115,14 @@ class StreamEngineConfig(EngineConfig):
         return n + 2, f"embed, {n} units of up to {g} blocks, head"
 
     def check_model(self, model: Any) -> None:
-        """Read-ahead within the model: at most its units after the computing one, when the
-        model section says its depth."""
+        """Read-ahead within the model: at most its units after the computing one, and units
+        of at most its blocks, when the model section says its depth."""
         depth = getattr(model, "depth", None)
         if not isinstance(depth, int):
             return
+        if self.layers_per_unit > depth:  # as prefetch: nothing past the model
+            raise ValueError(f"engine.layers_per_unit: {self.layers_per_unit} layers per unit, "
+                             f"the model has {depth} blocks; allowed: 1..{depth}")
         n, what = self.units(depth)
         if self.prefetch > n - 1:
             raise ValueError(f"engine.prefetch: {self.prefetch} reads past the model's {n} "

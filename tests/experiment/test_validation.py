@@ -44,6 +44,8 @@ CASES = [
     (STREAM, ["engine.micro_batches=7"], r"engine.micro_batches: batch_size=64 is not divisible"),
     (STREAM, ["engine.prefetch=6"], (r"engine.prefetch: 6 reads past the model's 6 units "
                                      r"\(embed, 4 blocks, head\); allowed: 0..5")),
+    (STREAM, ["engine.layers_per_unit=5", "arms=[{name: fw, estimator: {type: forward}}]"],
+     r"engine.layers_per_unit: 5 layers per unit, the model has 4 blocks; allowed: 1\.\.4"),
     (QUICKSTART, ["engine={type: dataparallel, devices: 1000}"],
      r"engine.devices: 1000 requested but only \d+ devices exist"),
     (QUICKSTART, ["optimizer.options={b1: 1.5}"], r"optimizer.options.b1: must be in \[0, 1\)"),
