@@ -88,13 +88,6 @@ def micro_batches(batch: Any) -> Any:
     return jax.tree.map(lambda a: a.reshape((NUM_MICRO, -1) + a.shape[1:]), batch)
 
 
-def measure(fn: Callable, args: tuple, repeats: int) -> tuple[int, float, int]:
-    """(temp bytes of the compiled step, median wall milliseconds over ``repeats`` runs,
-    matrix-multiply FLOPs of the compiled step)."""
-    out = measure_all({"f": fn}, args, repeats)["f"]
-    return out[0], out[1], out[2]
-
-
 def measure_all(fns: dict[str, Callable], args: tuple,
                 repeats: int) -> dict[str, tuple[int, float, int, list[float]]]:
     """``name -> (temp bytes, median ms, matmul FLOPs, every timed ms)``: every step compiled

@@ -82,6 +82,15 @@ def make_mesh(data: int = 1, stage: int = 1, devices: Sequence | None = None) ->
     return Mesh(np.array(devices[:size]).reshape(data, stage), (DATA, STAGE))
 
 
+def check_updates_in_flight(n: int) -> None:
+    """Refuses more than one unit's host update in flight, naming the field: checked on the
+    stream engine only (``tests/stream/test_updates_in_flight.py``)."""
+    if n != 1:
+        raise ValueError(f"updates_in_flight: the composed engine keeps one unit's host "
+                         f"update in flight (more is checked on the stream engine only); "
+                         f"allowed: 1, got {n}")
+
+
 class ComposedExecutor(StreamedExecutor):
     """Streamed training steps whose blocks run as pipelined chunks over a ``data × stage``
     mesh (see the module docstring): the streamed executor with a :class:`StageChunks`
@@ -127,10 +136,7 @@ class ComposedExecutor(StreamedExecutor):
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while one "
                              f"computes, so prefetch must be >= 1, got {config.prefetch} (or "
                              f"use schedule='chunked')")
-        if config.updates_in_flight != 1:
-            raise ValueError(f"updates_in_flight: the composed engine keeps one unit's host "
-                             f"update in flight (more is checked on the stream engine only); "
-                             f"allowed: 1, got {config.updates_in_flight}")
+        check_updates_in_flight(config.updates_in_flight)
         placement = StageChunks(stack, plan_of(estimator, config.update, "composed").spec,
                                 config.compute_dtype, mesh, schedule, peer_timeout_s,
                                 startup_timeout_s)

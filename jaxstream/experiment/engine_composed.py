@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxstream.compose.executor import Schedule
+from jaxstream.compose.executor import Schedule, check_updates_in_flight
 from jaxstream.experiment.engine_stream import StreamEngine, StreamEngineConfig
 from jaxstream.experiment.engines import register_engine
 from jaxstream.ranges import Count, Positive
@@ -57,10 +57,7 @@ class ComposedEngineConfig(StreamEngineConfig):
         if self.layers_per_unit != 1:
             raise ValueError(f"layers_per_unit: the composed engine's units are its chunks of "
                              f"one layer per stage; allowed: 1, got {self.layers_per_unit}")
-        if self.updates_in_flight != 1:
-            raise ValueError(f"updates_in_flight: the composed engine keeps one unit's host "
-                             f"update in flight (more is checked on the stream engine only); "
-                             f"allowed: 1, got {self.updates_in_flight}")
+        check_updates_in_flight(self.updates_in_flight)
         if self.schedule == "circular" and self.prefetch < 1:
             raise ValueError(f"prefetch: the circular schedule reads the next chunk while "
                              f"one computes, so it must be >= 1, got {self.prefetch} (or "
@@ -90,9 +87,9 @@ class ComposedEngineConfig(StreamEngineConfig):
             raise ValueError(f"engine.{err}") from None
         super().check_run(names, resume)
 
-    def build(self, **kw: Any) -> Any:
-        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
-        return build_composed_engine(self, **kw)
+    def engine_class(self) -> type[ComposedEngine]:
+        """:meth:`build` makes the composed engine (the stream engine placed over the mesh)."""
+        return ComposedEngine
 
 
 class ComposedEngine(StreamEngine):
@@ -114,14 +111,3 @@ class ComposedEngine(StreamEngine):
                                 mesh=make_mesh(self.cfg.data, self.cfg.stage),
                                 schedule=self.cfg.schedule,
                                 peer_timeout_s=float(self.cfg.peer_timeout_s))
-
-
-def build_composed_engine(cfg: ComposedEngineConfig, *, stack: Any, estimator: Any,
-                          optimizer: Any, model: Any = None, arm: Any = None,
-                          micro_batches: int = 1, optimizer_config: Any = None,
-                          **_: Any) -> ComposedEngine:
-    """The registry's build: the engine's section, the model section and the arm's name
-    (``optimizer_config``: recorded in the stores, checked when one is handed over)."""
-    return ComposedEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
-                          model=model, arm=arm, micro_batches=micro_batches,
-                          optimizer_config=optimizer_config)

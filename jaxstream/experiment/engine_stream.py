@@ -187,9 +187,19 @@ class StreamEngineConfig(EngineConfig):
                     "pass --resume to continue that run, set engine.continue_store=true to train "
                     "on from it, or choose another path")
 
-    def build(self, **kw: Any) -> Any:
-        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
-        return build_stream_engine(self, **kw)
+    def build(self, *, stack: Any, estimator: Any, optimizer: Any, model: Any = None,
+              arm: Any = None, micro_batches: int = 1, optimizer_config: Any = None,
+              **_: Any) -> StreamEngine:
+        """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`):
+        its own section, the model and optimizer sections and the arm's name, not the whole
+        experiment config."""
+        return self.engine_class()(self, stack=stack, estimator=estimator, optimizer=optimizer,
+                                   model=model, arm=arm, micro_batches=micro_batches,
+                                   optimizer_config=optimizer_config)
+
+    def engine_class(self) -> type[StreamEngine]:
+        """The engine :meth:`build` makes (the composed engine's section makes its own)."""
+        return StreamEngine
 
 
 class StreamState(NamedTuple):
@@ -423,13 +433,3 @@ def _describe(opt: dict) -> str:
     """``adam`` or ``sgd (momentum=0.9)``."""
     options = ", ".join(f"{k}={v}" for k, v in sorted(opt.get("options", {}).items()))
     return f"{opt.get('name')}" + (f" ({options})" if options else "")
-
-
-def build_stream_engine(cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
-                        model: Any = None, arm: Any = None, micro_batches: int = 1,
-                        optimizer_config: Any = None, **_: Any) -> StreamEngine:
-    """The registry's build: hands the engine its own section, the model and optimizer
-    sections and the arm's name, not the whole experiment config."""
-    return StreamEngine(cfg, stack=stack, estimator=estimator, optimizer=optimizer,
-                        model=model, arm=arm, micro_batches=micro_batches,
-                        optimizer_config=optimizer_config)

@@ -77,21 +77,14 @@ class StreamConfig:
             raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
         if self.residuals not in RESIDUALS:
             raise ValueError(f"residuals must be one of {RESIDUALS}, got {self.residuals!r}")
-        if (not isinstance(self.rewrite_every, int) or isinstance(self.rewrite_every, bool)
-                or self.rewrite_every < 1):
-            raise ValueError(f"rewrite_every must be an int >= 1, got {self.rewrite_every!r}")
-        if (not isinstance(self.layers_per_unit, int) or isinstance(self.layers_per_unit, bool)
-                or self.layers_per_unit < 1):
-            raise ValueError(f"layers_per_unit must be an int >= 1, got "
-                             f"{self.layers_per_unit!r}")
+        for name in ("rewrite_every", "layers_per_unit", "updates_in_flight"):
+            n = getattr(self, name)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
         if self.rewrite_every > 1 and self.update != "lazy":
             raise ValueError(f"rewrite_every={self.rewrite_every} needs update='lazy' (an eager "
                              f"update writes every layer it updates), got "
                              f"update={self.update!r}")
-        if (not isinstance(self.updates_in_flight, int) or isinstance(self.updates_in_flight, bool)
-                or self.updates_in_flight < 1):
-            raise ValueError(f"updates_in_flight must be an int >= 1, got "
-                             f"{self.updates_in_flight!r}")
         if self.stash_bytes is not None and (not isinstance(self.stash_bytes, int)
                                              or self.stash_bytes < 0):
             raise ValueError(f"stash_bytes must be None or an int >= 0, got {self.stash_bytes!r}")
