@@ -6,14 +6,16 @@ state starts as copies of constants (rotations, a counter) that XLA schedules at
 program and keeps until the loop runs, and whose counters (an iota as large as the output) XLA
 hoists out of a scan over layers and keeps through it. Here:
 
-* :func:`random_words` hashes, on CPU, in a loop of 5 × 4 rounds like ``jax.random``'s (one
-  pass over the words per iteration: the words are materialised once; hashed elementwise inside
-  their consumer they would be rehashed for every use, which costs step time) whose every input
-  (counters, rotations, start index) is derived from the key: computed where the words are
-  drawn, not hoisted or copied ahead of time. Other platforms, and draws below ``MIN_WORDS``
-  (a few KiB, where the loop's compile time costs more than its buffers), use
-  ``jax.random.bits``. The key schedule's ``fold_in`` stays ``jax.random.fold_in``: written out
-  as scalar rounds it saved about 4 KiB of loop constants and doubled compile times.
+* :func:`random_words` hashes, on CPU, all 20 rounds in one pass over the words: the body of a
+  loop that runs once (a loop, so that XLA materialises the words once; hashed elementwise
+  inside their consumer they would be rehashed for each of the 32 signs a word gives). Its
+  every input (counters, rotations, start index) is derived from the key: computed where the
+  words are drawn, not hoisted or copied ahead of time. ``jax.random``'s loop of 5 × 4 rounds
+  passes over the words five times, one pass once (the words are the same; the "draws" part of
+  ``benchmarks/memory_time.py --parts`` times a round of a step's draws). Other platforms, and draws below ``MIN_WORDS`` (a few KiB, where the
+  loop's compile time costs more than its buffers), use ``jax.random.bits``. The key
+  schedule's ``fold_in`` stays ``jax.random.fold_in``: written out as scalar rounds it saved
+  about 4 KiB of loop constants and doubled compile times.
 
 Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitionable=False`` use
 ``jax.random`` directly; :func:`vmap_exact` makes draws with ``rbg`` keys the same under
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 # Below this many words a draw uses ``jax.random.bits``: its buffers are a few KiB, and the
-# rolled loop costs compile time (every draw is a loop of its own).
+# hashing loop costs compile time (every draw is a loop of its own).
 MIN_WORDS = 4096
 
 
@@ -58,29 +60,28 @@ def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     lo = jax.lax.iota(jnp.uint32, size).reshape(shape) + zero
     hi = jnp.broadcast_to(zero, shape)
     return jax.lax.platform_dependent(
-        cpu=lambda: _rolled_words(k[0], k[1], hi, lo, zero),
+        cpu=lambda: _one_pass_words(k[0], k[1], hi, lo, zero),
         default=lambda: jax.random.bits(key, shape, jnp.uint32))
 
 
-def _rolled_words(k1, k2, x1, x2, zero):
-    """Threefry-2x32 (20 rounds) as a loop of 5 × 4 rounds (each pass over the words once, as
-    ``jax.random`` does on CPU), whose every input is derived from the key: no constant is
-    copied into the loop's state ahead of time."""
-    ks = jnp.stack([k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA)])
-    rot = jnp.asarray(_ROTATIONS, jnp.uint32) + zero
+def _one_pass_words(k1, k2, x1, x2, zero):
+    """Threefry-2x32 (20 rounds) in one pass over the words: the body of a loop that runs
+    once, whose state and bounds are derived from the key (nothing is copied into the loop's
+    state ahead of time, and XLA can neither drop the loop nor fuse the hash into the words'
+    consumer); the rotations are constants of its body."""
+    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
 
-    def body(i, x):
-        x1, x2 = x
-        for j in range(4):
-            r = rot[i % 2, j]
-            x1 = x1 + x2
-            x2 = ((x2 << r) | (x2 >> (jnp.uint32(32) - r))) ^ x1
-        step = (i + 1).astype(jnp.uint32)
-        return x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + step
+    def body(_, x):
+        x1, x2 = x0 = x
+        for i in range(5):
+            for r in _ROTATIONS[i % 2]:
+                x1 = x1 + x2
+                x2 = ((x2 << jnp.uint32(r)) | (x2 >> jnp.uint32(32 - r))) ^ x1
+            x1, x2 = x1 + ks[(i + 1) % 3], x2 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+        return x1 ^ x2, x0[1]  # the second word passes through: one array written, not two
 
     start = zero.astype(jnp.int32)
-    b1, b2 = jax.lax.fori_loop(start, start + 5, body, (x1 + ks[0], x2 + ks[1]))
-    return b1 ^ b2
+    return jax.lax.fori_loop(start, start + 1, body, (x1 + ks[0], x2 + ks[1]))[0]
 
 
 def opaque_zero(x: jax.Array) -> jax.Array:
