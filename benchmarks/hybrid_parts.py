@@ -21,7 +21,10 @@ Two more parts are not pieces of the step but its floor (:func:`jaxstream_lab.ta
 * **GEMM chain**: the forward pass's matrix products alone (the full batch through every block's
   kernel, nothing else): the best FLOP rate this machine gives the step's widest product;
 * **draws**: the N micro-batches' tangents of every block, drawn with the step's keys and each
-  only summed (the least any use of a draw costs).
+  only summed (the least any use of a draw costs);
+* **draws by jax.random.bits**: the same tangents, their words hashed by ``jax.random.bits``
+  (on CPU a loop of five passes over the words) instead of
+  :func:`jaxstream.grad.threefry.random_words` (one pass): the baseline of the hash.
 """
 
 from __future__ import annotations
@@ -99,9 +102,32 @@ def part_functions(stack: Any, num_micro: int) -> dict[str, Callable]:
             return blocks + total(ends)
         return jax.lax.map(one, keys(k)).sum()
 
+    def draws_jax_random(p, b, k):
+        """``draws``, every leaf's ±1 signs unpacked from ``jax.random.bits`` words (the key
+        schedule of :func:`jaxstream.grad.tangents.leaf_tangents`, the unpacking of
+        :func:`jaxstream.grad.tangents.rademacher_bits`)."""
+        def leaf_total(key, tree):
+            out = jnp.float32(0)
+            for i, x in enumerate(jax.tree.leaves(tree)):
+                words = jax.random.bits(jax.random.fold_in(key, i), (-(-x.size // 32),),
+                                        jnp.uint32)
+                bits = (words[:, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+                out += (1.0 - 2.0 * bits.reshape(-1)[:x.size].astype(jnp.float32)).sum()
+            return out
+
+        def one(kk):
+            def layer(acc, pl):
+                return acc + leaf_total(tg.block_key(kk, pl[1]), pl[0]), None
+            layers = jnp.arange(jax.tree.leaves(p["blocks"])[0].shape[0])
+            blocks = jax.lax.scan(layer, jnp.float32(0), (p["blocks"], layers))[0]
+            return blocks + sum(leaf_total(jax.random.fold_in(kk, seg), p[name])
+                                for seg, name in ((tg.EMBED, "embed"), (tg.HEAD, "head")))
+        return jax.lax.map(one, keys(k)).sum()
+
     return {
         "GEMM chain": gemm_chain,
         "draws": draws,
+        "draws by jax.random.bits": draws_jax_random,
         "exact vmap(grad)": exact_vmap,
         "exact scan(grad)": exact_scan,
         "exact sweep": exact_sweep,

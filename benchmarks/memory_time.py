@@ -150,13 +150,15 @@ def run(depths: list[int], width: int, batch: int, repeats: int,
     return rows
 
 
-def round_spread(row: dict) -> str:
-    """min–max over the interleaved rounds of hybrid / backprop (each round's own pair)."""
+def round_spread(row: dict, base: str = "backprop", median: bool = False) -> str:
+    """min–max over the interleaved rounds of hybrid / ``base`` (each round's own pair;
+    ``median``: their median first)."""
     times = row.get("times_ms")
     if not times:
         return "–"
-    ratios = [h / b for h, b in zip(times["hybrid"], times["backprop"])]
-    return f"{min(ratios):.2f}–{max(ratios):.2f}"
+    ratios = [h / b for h, b in zip(times["hybrid"], times[base])]
+    spread = f"{min(ratios):.2f}–{max(ratios):.2f}"
+    return f"{statistics.median(ratios):.2f} ({spread})" if median else spread
 
 
 def format_rows(rows: list[dict], header: bool = True) -> str:
@@ -168,7 +170,8 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
     cols += [(f"ms {short.get(m, m[:4])}", 9) for m in MODES]
     cols += [("fwd/bp", 7), ("fwd/inf", 7), ("hyb/bp", 7), ("rmat/bp", 7)]
     cols += [("GF bp", 7), ("flop fwd/bp", 11), ("flop hyb/bp", 11), ("flop rmat/bp", 12),
-             ("hyb floor/bp", 12), ("hyb/bp per round", 17), ("cpu hyb/bp", 10),
+             ("hyb floor/bp", 12), ("hyb/bp per round", 17), ("hyb/rmat per round", 19),
+             ("cpu hyb/bp", 10),
              ("cpu rmat/bp", 11), ("cpu fwd/bp", 10)]
     lines = []
     if header:
@@ -187,7 +190,8 @@ def format_rows(rows: list[dict], header: bool = True) -> str:
         f = r["flops"]
         vals += [f"{f['backprop'] / 1e9:.2f}"]
         vals += [f"{f[m] / f['backprop']:.3f}" for m in ("forward", "hybrid", "backprop_remat")]
-        vals += [f"{time_floor(r)['floor']:.2f}", round_spread(r)]
+        vals += [f"{time_floor(r)['floor']:.2f}", round_spread(r),
+                 round_spread(r, "backprop_remat", median=True)]
         cpu = r.get("cpu_ms") or {}
         vals += [f"{cpu[m] / cpu['backprop']:.2f}" if m in cpu else "–"
                  for m in ("hybrid", "backprop_remat", "forward")]

@@ -46,6 +46,25 @@ def test_draws_part_sums_the_steps_tangents_and_the_chain_is_the_forward_product
     assert matmul_flops(chain) == 2 * N * BATCH * WIDTH * WIDTH * DEPTH
 
 
+def test_the_hash_baseline_draws_the_same_tangents_at_a_size_that_takes_the_cpu_loop():
+    """``draws by jax.random.bits`` sums the same signs as ``draws``, whose 384 x 384 kernels
+    (4,608 words, above ``MIN_WORDS``) take :func:`~jaxstream.grad.threefry.random_words`' own
+    hashing loop: the two hashes agree bit for bit there."""
+    from hybrid_parts import part_functions
+
+    from jaxstream.grad.threefry import MIN_WORDS
+
+    width = 384
+    assert width * width // 32 >= MIN_WORDS
+    stack = mlp(in_dim=width, width=width, depth=2, num_classes=3)
+    params = stack.init(jax.random.key(0))
+    micro = {"x": jnp.zeros((2, 1, width)), "y": jnp.zeros((2, 1), jnp.int32)}
+    parts = part_functions(stack, 2)
+    ours, baseline = (int(jax.jit(parts[name])(params, micro, jax.random.key(9)))
+                      for name in ("draws", "draws by jax.random.bits"))
+    assert ours == baseline and abs(ours) > 0  # sums of ±1, exact in float32 at this size
+
+
 def test_floor_is_the_flops_at_the_chain_rate_plus_two_fastest_draw_rounds():
     row = {"depth": 32, "flops": {"hybrid": 600}, "step_ms": {"backprop_remat": 40.0},
            "parts": {"GEMM chain": [0, 10.0, 200], "draws": [0, 7.0, 0],

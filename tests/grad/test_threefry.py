@@ -17,6 +17,19 @@ def test_random_words_equal_jax_bits(shape):  # below MIN_WORDS: jax.random.bits
     np.testing.assert_array_equal(jax.jit(random_words, static_argnums=1)(KEY, shape), want)
 
 
+def test_random_words_under_vmap_and_scan_equal_jax_bits():
+    """As the forward pass draws them: vmapped over micro-batch keys (the loop's bounds then
+    batched) and in a scan over layers, every row is ``jax.random.bits`` of its own key."""
+    keys = jax.random.split(KEY, 3)
+    shape = (2, MIN_WORDS)
+    rows = jax.jit(jax.vmap(lambda k: random_words(k, shape)))(keys)
+    scanned = jax.jit(lambda ks: jax.lax.scan(lambda c, k: (c, random_words(k, shape)), 0, ks)[1])(keys)
+    for i in range(3):
+        want = jax.random.bits(keys[i], shape, jnp.uint32)
+        np.testing.assert_array_equal(rows[i], want)
+        np.testing.assert_array_equal(scanned[i], want)
+
+
 def test_other_impls_fall_back_to_jax_random():
     key = jax.random.key(7, impl="rbg")
     np.testing.assert_array_equal(random_words(key, (2, 4000)), jax.random.bits(key, (2, 4000)))
