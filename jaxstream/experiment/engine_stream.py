@@ -115,8 +115,9 @@ class StreamEngineConfig(EngineConfig):
         return n + 2, f"embed, {n} units of up to {g} blocks, head"
 
     def check_model(self, model: Any) -> None:
-        """Read-ahead within the model: at most its units after the computing one, and units
-        of at most its blocks, when the model section says its depth."""
+        """Read-ahead and queued updates within the model: at most its units after the
+        computing one, at most its units' updates queued, and units of at most its blocks,
+        when the model section says its depth."""
         depth = getattr(model, "depth", None)
         if not isinstance(depth, int):
             return
@@ -127,6 +128,10 @@ class StreamEngineConfig(EngineConfig):
         if self.prefetch > n - 1:
             raise ValueError(f"engine.prefetch: {self.prefetch} reads past the model's {n} "
                              f"units ({what}); allowed: 0..{n - 1}")
+        if self.updates_in_flight > n:  # a unit's next read waits for its own update
+            raise ValueError(f"engine.updates_in_flight: {self.updates_in_flight} host "
+                             f"updates queued, a step has {n} units ({what}); "
+                             f"allowed: 1..{n}")
 
     def with_store(self, path: str) -> StreamEngineConfig:
         """This section with its store at ``path`` (a sweep lane's scratch store)."""

@@ -44,6 +44,8 @@ CASES = [
     (STREAM, ["engine.micro_batches=7"], r"engine.micro_batches: batch_size=64 is not divisible"),
     (STREAM, ["engine.prefetch=6"], (r"engine.prefetch: 6 reads past the model's 6 units "
                                      r"\(embed, 4 blocks, head\); allowed: 0..5")),
+    (STREAM, ["engine.updates_in_flight=7"], (r"engine.updates_in_flight: 7 host updates "
+                                              r"queued, a step has 6 units .*allowed: 1\.\.6")),
     (STREAM, ["engine.layers_per_unit=5", "arms=[{name: fw, estimator: {type: forward}}]"],
      r"engine.layers_per_unit: 5 layers per unit, the model has 4 blocks; allowed: 1\.\.4"),
     (QUICKSTART, ["engine={type: dataparallel, devices: 1000}"],
