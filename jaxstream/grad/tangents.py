@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.random import fold_in
 
-from jaxstream.grad.threefry import random_words, tied, vmap_exact
+from jaxstream.grad.threefry import random_normal, random_words, tied, vmap_exact
 from jaxstream.models.stack import is_stack_params, loss_dtype
 
 ANTITHETIC = ("antithetic: refused for jvp estimates: (∇L·(−v))(−v) = (∇L·v)v, so an antithetic "
@@ -95,7 +95,7 @@ class TangentSpec:
         """``(num, size)`` iid float32 entries of the distribution (zero mean, unit variance)."""
         if self.distribution == "rademacher":
             return vmap_exact(lambda k: rademacher_bits(k, self.num, size), key)
-        return vmap_exact(lambda k: jax.random.normal(k, (self.num, size), jnp.float32), key)
+        return vmap_exact(lambda k: random_normal(k, (self.num, size)), key)
 
     def _low_rank(self, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         """``num`` tangents A Bᵀ / √r of an (m, n) leaf, the factors A (m, r) and B (n, r) drawn

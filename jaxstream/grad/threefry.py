@@ -8,14 +8,16 @@ hoists out of a scan over layers and keeps through it. Here:
 
 * :func:`random_words` hashes, on CPU, all 20 rounds in one pass over the words: the body of a
   loop that runs once (a loop, so that XLA materialises the words once; hashed elementwise
-  inside their consumer they would be rehashed for each of the 32 signs a word gives). Its
-  every input (counters, rotations, start index) is derived from the key: computed where the
-  words are drawn, not hoisted or copied ahead of time. ``jax.random``'s loop of 5 × 4 rounds
-  passes over the words five times, one pass once (the words are the same; the "draws" part of
-  ``benchmarks/memory_time.py --parts`` times a round of a step's draws). Other platforms, and draws below ``MIN_WORDS`` (a few KiB, where the
-  loop's compile time costs more than its buffers), use ``jax.random.bits``. The key
-  schedule's ``fold_in`` stays ``jax.random.fold_in``: written out as scalar rounds it saved
-  about 4 KiB of loop constants and doubled compile times.
+  inside their consumer they would be rehashed for each of the 32 signs a word gives). The
+  loop's state and bounds (counters, start index) are derived from the key: computed where
+  the words are drawn, not hoisted or copied ahead of time. ``jax.random``'s loop of 5 × 4
+  rounds passes over the words five times, this one once (the words are the same). Other
+  platforms, and draws below ``MIN_WORDS`` (a few KiB, where the loop's compile time costs
+  more than its buffers), use ``jax.random.bits``. The key schedule's ``fold_in`` stays
+  ``jax.random.fold_in``: written out as scalar rounds it saved about 4 KiB of loop
+  constants and doubled compile times.
+* :func:`random_normal` is ``jax.random.normal`` (float32) drawn from those words, op for op
+  (Gaussian tangents). ``python benchmarks/draws.py`` times both draws against ``jax.random``'s.
 
 Keys of another implementation, raw ``uint32`` keys or ``jax_threefry_partitionable=False`` use
 ``jax.random`` directly; :func:`vmap_exact` makes draws with ``rbg`` keys the same under
@@ -35,6 +37,7 @@ from collections.abc import Callable
 import jax
 import jax.custom_batching
 import jax.numpy as jnp
+import numpy as np
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 # Below this many words a draw uses ``jax.random.bits``: its buffers are a few KiB, and the
@@ -62,6 +65,23 @@ def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.lax.platform_dependent(
         cpu=lambda: _one_pass_words(k[0], k[1], hi, lo, zero),
         default=lambda: jax.random.bits(key, shape, jnp.uint32))
+
+
+def random_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``jax.random.normal(key, shape, jnp.float32)``, bit for bit, its words from
+    :func:`random_words` (the same uniform from the words' top 23 bits, the same inverse
+    error function); other keys, other sizes and other platforms as :func:`random_words`."""
+    size = math.prod(shape)
+    if not _is_threefry(key) or size >= 2**32 or size < MIN_WORDS:
+        return jax.random.normal(key, shape, jnp.float32)
+    # jax.random.uniform's open interval (nextafter(-1, 0), 1) and its arithmetic, op for op
+    lo = jnp.float32(np.nextafter(np.float32(-1.0), np.float32(0.0)))
+    hi = jnp.float32(1.0)
+    mantissa = jax.lax.shift_right_logical(random_words(key, shape), jnp.uint32(32 - 23))
+    floats = jax.lax.bitcast_convert_type(mantissa | jnp.uint32(0x3F800000), jnp.float32) \
+        - jnp.float32(1.0)
+    u = jax.lax.max(lo, floats * (hi - lo) + lo)
+    return jnp.float32(np.sqrt(2)) * jax.lax.erf_inv(u)
 
 
 def _one_pass_words(k1, k2, x1, x2, zero):

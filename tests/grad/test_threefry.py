@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxstream.grad.tangents import TangentSpec
-from jaxstream.grad.threefry import MIN_WORDS, random_words, tied
+from jaxstream.grad.threefry import MIN_WORDS, random_normal, random_words, tied
 
 KEY = jax.random.fold_in(jax.random.key(3), 5)
 
@@ -28,6 +28,20 @@ def test_random_words_under_vmap_and_scan_equal_jax_bits():
         want = jax.random.bits(keys[i], shape, jnp.uint32)
         np.testing.assert_array_equal(rows[i], want)
         np.testing.assert_array_equal(scanned[i], want)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3000), (3, 777, 11)])
+def test_random_normal_equals_jax_normal_bit_for_bit(shape):
+    """Gaussian tangents: the uniform from the words' top bits and the inverse error function,
+    op for op as ``jax.random.normal`` (compared as bits), alone and vmapped over keys."""
+    bits = lambda a: np.asarray(a).view(np.uint32)
+    want = jax.random.normal(KEY, shape, jnp.float32)
+    np.testing.assert_array_equal(bits(jax.jit(random_normal, static_argnums=1)(KEY, shape)),
+                                  bits(want))
+    keys = jax.random.split(KEY, 2)
+    rows = jax.jit(jax.vmap(lambda k: random_normal(k, shape)))(keys)
+    for i in range(2):
+        np.testing.assert_array_equal(bits(rows[i]), bits(jax.random.normal(keys[i], shape)))
 
 
 def test_other_impls_fall_back_to_jax_random():
