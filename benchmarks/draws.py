@@ -1,6 +1,7 @@
 """Tangent draws: the library's one-pass hash against ``jax.random``'s, in the same rounds.
 
     python benchmarks/draws.py --json draws.json
+    python benchmarks/draws.py --doc docs/quality.md    # writes its table there
 
 A round draws ``--draws`` tangents of a ``--size``-entry leaf (default 512 x 512, a width-512
 kernel), each from its own key in a ``lax.scan`` and summed (the least any use of a draw costs),
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draws", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--doc", help="write the table into this doc's draws.py block")
     args = ap.parse_args(argv)
     ms = measure(args.size, args.draws, args.rounds)
     print(f"{args.draws} draws of {args.size} entries per round, {args.rounds} rounds; {machine()}")
@@ -97,6 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
            "machine": machine()}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
+    if args.doc:
+        from jaxstream.experiment.docblock import write_tables
+
+        what = f"{args.draws} draws of {args.size} entries per round, medians of {args.rounds} rounds."
+        cmd = "python benchmarks/draws.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        if not write_tables(args.doc, "draws.py", {"table": f"{table(ms)}\n\n{what}"},
+                            cmd.strip()):
+            raise SystemExit(f"error: {args.doc} has no <!-- generated: draws.py table --> block")
     return out
 
 

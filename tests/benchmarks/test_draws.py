@@ -23,6 +23,17 @@ def test_draws_rows(tmp_path):
     assert "| gaussian, jax.random.normal |" in draws.table(out["ms"])
 
 
+def test_the_table_goes_into_its_doc_block(tmp_path):
+    import draws
+
+    doc = tmp_path / "d.md"
+    doc.write_text("before\n<!-- generated: draws.py table -->\nold\n<!-- end generated -->\n")
+    draws.main(["--size", "5000", "--draws", "1", "--rounds", "1", "--doc", str(doc)])
+    text = doc.read_text()
+    assert "old" not in text and "| rademacher |" in text and text.startswith("before\n")
+    assert "Written by `python benchmarks/draws.py --size 5000" in text
+
+
 def test_a_draw_unlike_its_baseline_is_refused(monkeypatch):
     import draws
 
