@@ -82,7 +82,7 @@ def engine_for(cfg: TrainConfig, arm: ArmConfig, stack: Any, example_batch: dict
     one batch of the data, for engines whose state takes shapes from it (not the config's
     data, which an engine never loads itself)."""
     opt_cfg = cfg.arm_optimizer(arm)
-    n_micro = getattr(arm.estimator, "micro_batches", 1)
+    n_micro = arm.estimator.micro_batches
     if type(cfg.engine) is LocalEngineConfig:  # its step reads none of the other arguments
         needs_steps = opt_cfg.schedule != "constant" or opt_cfg.warmup_steps
         return _local_engine(cfg.engine, stack, arm.estimator, opt_cfg, arm.lr,

@@ -24,9 +24,13 @@ Estimator = Callable  # estimator(loss_fn, params, batch, key) -> (loss, grads)
 
 
 class EstimatorConfig(Checked):
-    """Base of the polymorphic ``estimator:`` section (variants are registered below)."""
+    """Base of the polymorphic ``estimator:`` section (variants are registered below).
+
+    ``micro_batches`` (N) and ``num_tangents`` (K per micro-batch) are 1 unless a variant
+    declares them as fields: every section answers both, a plugin's included."""
 
     micro_batches: int = 1
+    num_tangents: int = 1
 
     def build(self) -> Estimator:  # pragma: no cover - interface
         raise NotImplementedError

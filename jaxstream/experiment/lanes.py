@@ -111,7 +111,7 @@ class Lanes:
 
     @property
     def micro_batches(self) -> int:
-        return getattr(self.estimator, "micro_batches", 1)
+        return self.estimator.micro_batches
 
     def run(self, lanes: Sequence[Lane], every: int, evaluate: Callable[[Any], Any],
             on_eval: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> LaneResult:

@@ -166,7 +166,7 @@ def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) ->
     key = jax.random.key(0)
     for i, arm in enumerate(cfg.arms):
         est = arm.estimator.build()
-        micro = split_micro_batches(batch, getattr(arm.estimator, "micro_batches", 1))
+        micro = split_micro_batches(batch, arm.estimator.micro_batches)
         try:
             jax.eval_shape(lambda p, b, k, est=est: est(model, p, b, k)[:2], params, micro, key)
         except (TypeError, ValueError) as e:

@@ -180,13 +180,13 @@ def check_disk(model: Any, where: str | None, field: str = "model") -> None:
 
 def max_tangents(estimators: Any) -> int:
     """The most jvp tangents any of ``estimators`` (config sections) draws at once."""
-    return max([getattr(e, "num_tangents", 1) for e in estimators] + [1])
+    return max([e.num_tangents for e in estimators] + [1])
 
 
 def tangents_field(arms: Any, prefix: str = "arms") -> str | None:
     """The dotted field of the arm whose estimator draws the most tangents (None: none draws
     more than one), for an error to name."""
-    counts = [getattr(a.estimator, "num_tangents", 1) for a in arms]
+    counts = [a.estimator.num_tangents for a in arms]
     if not counts or max(counts) <= 1:
         return None
     return f"{prefix}.{counts.index(max(counts))}.estimator.num_tangents"

@@ -149,7 +149,8 @@ def test_exact_from_is_checked_at_load():
 
 def test_a_users_estimator_registers_with_the_decorator_every_choice_has():
     """``@register_estimator(name)`` (from the plugin API) on a config class with ``build``:
-    selectable from YAML, its fields checked like the library's."""
+    selectable from YAML, its fields checked like the library's, and the counts it does not
+    declare (micro-batches, tangents) are 1."""
     from jaxstream.experiment import config as config_mod
     from jaxstream.experiment.plugins import register_estimator
 
@@ -164,6 +165,13 @@ def test_a_users_estimator_registers_with_the_decorator_every_choice_has():
     try:
         cfg = from_dict(EstimatorConfig, yaml.safe_load("type: test_forward_k\nk: 3"))
         assert isinstance(cfg, ForwardK) and cfg.build() == jg.forward(3)
+        # fields it does not declare: one micro-batch, one tangent (what the engines and the
+        # memory checks read of every section)
+        assert (cfg.micro_batches, cfg.num_tangents) == (1, 1)
+        from jaxstream.experiment.train_config import max_tangents
+
+        assert max_tangents([cfg, from_dict(EstimatorConfig, {"type": "forward",
+                                                              "num_tangents": 5})]) == 5
         with pytest.raises(ConfigError, match=r"^k: must be >= 1, got 0"):
             from_dict(EstimatorConfig, {"type": "test_forward_k", "k": 0})
     finally:
