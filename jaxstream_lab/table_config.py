@@ -203,7 +203,7 @@ class ForwardTableConfig(Checked):
                     continue
                 what, n = a.estimator.batch_divisor()
                 field = f"arms.{j}.estimator"
-                if n == 1 and getattr(a.engine, "micro_batches", 1) > 1:  # the engine's N
+                if n == 1 and a.engine.micro_batches > 1:  # the engine's N
                     what, n, field = "micro_batches", a.engine.micro_batches, f"arms.{j}.engine"
                 if d.batch_size % n:
                     raise ValueError(f"{field}.{what}: {n} must divide "

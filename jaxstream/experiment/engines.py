@@ -85,10 +85,13 @@ class EngineConfig(Checked):
       places_blocks: the engine places or streams a stack's blocks, so a sequential model runs
         as a stack (:func:`jaxstream.models.to_stack`).
       streams_layers: the engine holds one layer at a time (the memory check counts one layer).
+      micro_batches: how many micro-batches the engine cuts a batch into for an estimator of
+        one (1 unless a variant declares it as a field).
     """
 
     places_blocks: ClassVar[bool] = False
     streams_layers: ClassVar[bool] = False
+    micro_batches: int = 1
 
     def check_arm(self, arm: Any, field: str) -> None:
         """Raises ValueError naming ``field`` if the engine cannot run the arm's estimator."""

@@ -97,7 +97,7 @@ class TrainConfig(Checked):
                 raise ValueError(f"arms.{i}.name: {arm.name!r} is used twice; names must be unique")
             what, n = arm.estimator.batch_divisor()
             field = f"arms.{i}.estimator"
-            if n == 1 and getattr(self.engine, "micro_batches", 1) > 1:  # the engine's N
+            if n == 1 and self.engine.micro_batches > 1:  # the engine's N
                 what, n, field = "micro_batches", self.engine.micro_batches, "engine"
             if self.batch_size % n:
                 raise ValueError(f"{field}.{what}: batch_size={self.batch_size}"
