@@ -46,8 +46,21 @@ class EstimatorConfig(Checked):
 
 def register_estimator(name: str) -> Callable[[type], type]:
     """Decorator: a frozen dataclass subclassing :class:`EstimatorConfig`, whose ``build()``
-    returns the estimator, becomes ``estimator: {type: name, ...}``."""
-    return register_choice(EstimatorConfig, name)
+    returns the estimator, becomes ``estimator: {type: name, ...}``; another class, or one
+    without ``build``, is refused by name (the runner asks every section for its counts,
+    batch divisor and label)."""
+
+    def deco(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, EstimatorConfig)):
+            raise TypeError(f"register_estimator({name!r}): the config class must subclass "
+                            f"jaxstream.experiment.EstimatorConfig (class "
+                            f"{getattr(cls, '__name__', cls)}(EstimatorConfig)), got {cls!r}")
+        if cls.build is EstimatorConfig.build:
+            raise TypeError(f"register_estimator({name!r}): {cls.__name__} has no build method "
+                            "(def build(self) -> estimator)")
+        return register_choice(EstimatorConfig, name, cls)
+
+    return deco
 
 
 @register_estimator("backprop")

@@ -176,3 +176,26 @@ def test_a_users_estimator_registers_with_the_decorator_every_choice_has():
             from_dict(EstimatorConfig, {"type": "test_forward_k", "k": 0})
     finally:
         config_mod._CHOICES[EstimatorConfig].pop("test_forward_k")
+
+
+def test_a_section_that_is_not_an_estimator_config_is_refused_at_registration():
+    """The runner asks every section for its counts, batch divisor and label: a class that
+    does not subclass EstimatorConfig, or has no build, is refused by name when registered."""
+    from jaxstream.experiment.plugins import register_estimator
+
+    @dataclasses.dataclass(frozen=True)
+    class Plain:
+        def build(self):
+            return jg.forward()
+
+    with pytest.raises(TypeError, match=r"register_estimator\('plain'\): the config class must "
+                                        r"subclass jaxstream.experiment.EstimatorConfig"):
+        register_estimator("plain")(Plain)
+
+    @dataclasses.dataclass(frozen=True)
+    class NoBuild(EstimatorConfig):
+        pass
+
+    with pytest.raises(TypeError, match=r"NoBuild has no build method"):
+        register_estimator("no_build")(NoBuild)
+    assert "plain" not in choices(EstimatorConfig) and "no_build" not in choices(EstimatorConfig)
