@@ -33,7 +33,7 @@ from jaxstream.grad.tangents import rademacher_bits
 from jaxstream.grad.threefry import random_normal
 
 
-def _jax_signs(key: jax.Array, size: int) -> jax.Array:
+def jax_signs(key: jax.Array, size: int) -> jax.Array:
     """``rademacher_bits(key, 1, size)`` unpacked from ``jax.random.bits`` words."""
     words = jax.random.bits(key, (1, -(-size // 32)), jnp.uint32)
     bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
@@ -42,10 +42,11 @@ def _jax_signs(key: jax.Array, size: int) -> jax.Array:
 
 DRAWS: dict[str, Callable[[jax.Array, int], jax.Array]] = {
     "rademacher": lambda k, n: rademacher_bits(k, 1, n),
-    "rademacher, jax.random.bits": _jax_signs,
+    "rademacher, jax.random.bits": jax_signs,
     "gaussian": lambda k, n: random_normal(k, (1, n)),
     "gaussian, jax.random.normal": lambda k, n: jax.random.normal(k, (1, n), jnp.float32),
 }
+BASELINE = {"rademacher": "rademacher, jax.random.bits", "gaussian": "gaussian, jax.random.normal"}
 
 
 def round_of(draw: Callable, size: int, draws: int) -> Callable[[jax.Array], jax.Array]:
@@ -59,8 +60,7 @@ def round_of(draw: Callable, size: int, draws: int) -> Callable[[jax.Array], jax
 def measure(size: int, draws: int, rounds: int) -> dict:
     """Median ms per round of each draw, timed in interleaved rounds."""
     key = jax.random.key(0)
-    for ours, base in (("rademacher", "rademacher, jax.random.bits"),
-                       ("gaussian", "gaussian, jax.random.normal")):
+    for ours, base in BASELINE.items():
         a, b = (np.asarray(DRAWS[n](jax.random.fold_in(key, 1), size)) for n in (ours, base))
         if not np.array_equal(a.view(np.uint32), b.view(np.uint32)):
             raise AssertionError(f"{ours}: the library's draw differs from {base}'s")
@@ -80,8 +80,8 @@ def table(ms: dict) -> str:
     """Markdown: ms per round, and the library's time over ``jax.random``'s."""
     lines = ["| draw | ms per round | / jax.random |", "|---|---:|---:|"]
     for name, t in ms.items():
-        base = ms.get(f"{name}, jax.random.bits") or ms.get(f"{name}, jax.random.normal")
-        lines.append(f"| {name} | {t:.1f} | {t / base:.2f} |" if base else f"| {name} | {t:.1f} | 1 |")
+        ratio = f"{t / ms[BASELINE[name]]:.2f}" if name in BASELINE else "1"
+        lines.append(f"| {name} | {t:.1f} | {ratio} |")
     return "\n".join(lines)
 
 

@@ -103,17 +103,14 @@ def part_functions(stack: Any, num_micro: int) -> dict[str, Callable]:
         return jax.lax.map(one, keys(k)).sum()
 
     def draws_jax_random(p, b, k):
-        """``draws``, every leaf's ±1 signs unpacked from ``jax.random.bits`` words (the key
-        schedule of :func:`jaxstream.grad.tangents.leaf_tangents`, the unpacking of
-        :func:`jaxstream.grad.tangents.rademacher_bits`)."""
+        """``draws``, every leaf's ±1 signs unpacked from ``jax.random.bits`` words
+        (``draws.py``'s baseline draw, with the key schedule of
+        :func:`jaxstream.grad.tangents.leaf_tangents`)."""
+        from draws import jax_signs
+
         def leaf_total(key, tree):
-            out = jnp.float32(0)
-            for i, x in enumerate(jax.tree.leaves(tree)):
-                words = jax.random.bits(jax.random.fold_in(key, i), (-(-x.size // 32),),
-                                        jnp.uint32)
-                bits = (words[:, None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
-                out += (1.0 - 2.0 * bits.reshape(-1)[:x.size].astype(jnp.float32)).sum()
-            return out
+            return sum((jax_signs(jax.random.fold_in(key, i), x.size).sum()
+                        for i, x in enumerate(jax.tree.leaves(tree))), jnp.float32(0))
 
         def one(kk):
             def layer(acc, pl):

@@ -51,10 +51,15 @@ def _is_threefry(key: jax.Array) -> bool:
             and bool(jax.config.jax_threefry_partitionable))
 
 
+def _hashed_here(key: jax.Array, size: int) -> bool:
+    """Whether a draw of ``size`` words with ``key`` is hashed here (else by ``jax.random``)."""
+    return _is_threefry(key) and MIN_WORDS <= size < 2**32
+
+
 def random_words(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``jax.random.bits(key, shape, jnp.uint32)``, bit for bit (one key, a static shape)."""
     size = math.prod(shape)
-    if not _is_threefry(key) or size >= 2**32 or size < MIN_WORDS:
+    if not _hashed_here(key, size):
         return jax.random.bits(key, shape, dtype=jnp.uint32)
     k = jax.random.key_data(key)
     zero = opaque_zero(k)
@@ -71,8 +76,7 @@ def random_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """``jax.random.normal(key, shape, jnp.float32)``, bit for bit, its words from
     :func:`random_words` (the same uniform from the words' top 23 bits, the same inverse
     error function); other keys, other sizes and other platforms as :func:`random_words`."""
-    size = math.prod(shape)
-    if not _is_threefry(key) or size >= 2**32 or size < MIN_WORDS:
+    if not _hashed_here(key, math.prod(shape)):
         return jax.random.normal(key, shape, jnp.float32)
     # jax.random.uniform's open interval (nextafter(-1, 0), 1) and its arithmetic, op for op
     lo = jnp.float32(np.nextafter(np.float32(-1.0), np.float32(0.0)))
