@@ -42,9 +42,17 @@ def machine(env: dict[str, Any] | None = None) -> str:
             f"({env.get('device_count', '?')} x {env.get('device', '?')})")
 
 
+def portable(command: str) -> str:
+    """``command`` with each absolute path cut to its file name: a doc names no place outside
+    the repository (``--json /tmp/ns.json`` is written ``--json ns.json``)."""
+    return " ".join(Path(w).name if w.startswith("/") else w for w in command.split(" "))
+
+
 def footer(command: str, where: str | None = None) -> str:
     """The line under a written table: the command, the machine and, for a table measured now,
-    the day (``where`` names the machine of an earlier run, whose day is not known here)."""
+    the day (``where`` names the machine of an earlier run, whose day is not known here).
+    Absolute paths in ``command`` are cut to their file names (`portable`)."""
+    command = portable(command)
     if where is not None:
         return f"Written by `{command}` on {where}."
     return f"Written by `{command}` on {machine()}, {datetime.date.today().isoformat()}."

@@ -75,3 +75,19 @@ def test_every_doc_uses_the_one_marker():
         assert len(starts) == marks.count("end generated"), doc
         assert not [m for m in marks if "benchmark" in m or "written" in m or "table:" in m], doc
         assert len(docblock.BLOCK.findall(text)) == len(starts), doc
+
+
+def test_a_footer_names_no_place_outside_the_repository(tmp_path):
+    doc = tmp_path / "d.md"
+    doc.write_text(DOC)
+    docblock.write_tables(doc, "b.py", {"one": "| b |"},
+                          f"b.py --json {tmp_path}/wip/r.json --doc docs/x.md", where="box")
+    assert "Written by `b.py --json r.json --doc docs/x.md` on box.\n" in doc.read_text()
+
+
+def test_no_generated_table_names_an_absolute_path():
+    for doc in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]:
+        for line in doc.read_text().splitlines():
+            if line.startswith("Written by `"):
+                command = line.split("`")[1]
+                assert not [w for w in command.split() if w.startswith("/")], (doc, line)
