@@ -27,12 +27,13 @@ import time
 from pathlib import Path
 
 import jaxstream.experiment  # noqa: F401  (registers data, model and estimator choices)
+from jaxstream.experiment.config import to_dict
 from jaxstream.experiment.docblock import machine
 from jaxstream_lab import budget_report
 from jaxstream_lab.budget_doc import document
 from jaxstream_lab.forward_table import run_table
 from jaxstream_lab.table_config import ROW_KEYS, load_table_config
-from jaxstream_lab.table_plots import equivalents_plot, frontier_plot
+from jaxstream_lab.table_plots import equivalents_plot, frontier_plot, plot_arms
 from jaxstream_lab.table_report import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         t0 = time.perf_counter()
         rows = run_table(cfg, args.datasets, args.arms)
         payload = {"command": command, "config": str(Path(path).name), "machine": machine(),
-                   "seconds": time.perf_counter() - t0, "rows": rows}
+                   "seconds": time.perf_counter() - t0, "rows": rows,
+                   "report": to_dict(cfg.report)}
         print(f"total {payload['seconds']:.0f} s")
     if args.json:  # the rows; the run's command, machine and time beside them in PATH.meta
         Path(args.json).write_text(json.dumps(payload["rows"], indent=1))
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         Path(args.json + ".meta").write_text(json.dumps(meta, indent=1))
     if args.plot:
         frontier_plot(payload["rows"], args.plot)
-    cost = args.cost_plot if args.cost_plot and equivalents_plot(payload["rows"], args.cost_plot) else None
+    cost = (args.cost_plot if args.cost_plot and equivalents_plot(
+        payload["rows"], args.cost_plot, plot_arms(payload)) else None)
     memory = None
     if args.memory_json:
         meta = Path(args.memory_json + ".meta")

@@ -33,6 +33,13 @@ seed and step), the same for every arm and learning rate. The run directory gets
 in forward passes (``forward_equivalents_per_step``, from the compiled step's matmul FLOPs),
 and ``cost.png`` plots test error against it.
 
+The report knows no arm by name. The table's ``report:`` section
+(:class:`jaxstream_lab.table_config.TableReport`) says which arm plays which part: the exact
+reference, the arms that run Ren et al.'s published methods (their figures and claimed ordering
+are data: ``published.json``), the hybrids and their ingredients, the local-loss designs. Every
+name in it must be an arm of the table. It is recorded beside the rows (``--json``'s ``.meta``),
+so a report written later from those rows reads the same section.
+
 Example (YAML):
     kind: forward_table
     seeds: 3
@@ -42,6 +49,7 @@ Example (YAML):
       - {name: FG-A, estimator: {type: forward, perturb: activations}, lrs: [0.001]}
       - {name: FG-A-pipe, estimator: {type: forward, perturb: activations}, lrs: [0.001],
          engine: {type: pipeline, stages: 2, micro_batches: 4}}
+    report: {reference: BP, methods: {BP: [BP], FG-A: [FG-A, FG-A-pipe]}}
 """
 
 from __future__ import annotations
@@ -59,10 +67,7 @@ import jax
 import numpy as np
 
 from jaxstream.data.batches import batch_at
-from jaxstream.experiment.config import (
-    ConfigError,
-    registered_name,
-)
+from jaxstream.experiment.config import ConfigError, registered_name, to_dict
 from jaxstream.experiment.docblock import machine
 from jaxstream.experiment.lanes import Lane, Lanes, init_key
 from jaxstream.experiment.registry import register_experiment
@@ -391,10 +396,11 @@ def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "ja
 
     def write(rows: list[dict]) -> None:
         payload = {"command": command, "machine": machine(), "rows": rows,
-                   "seconds": time.perf_counter() - t0}
+                   "seconds": time.perf_counter() - t0, "report": to_dict(cfg.report)}
         write_json(run_dir / "rows.json", rows)
         frontier_plot(rows, str(run_dir / "frontier.png"))
-        cost = str(run_dir / "cost.png") if equivalents_plot(rows, str(run_dir / "cost.png")) else None
+        cost = (str(run_dir / "cost.png") if equivalents_plot(
+            rows, str(run_dir / "cost.png"), cfg.report.plot) else None)
         (run_dir / "results.md").write_text(markdown(payload, str(run_dir / "frontier.png"),
                                                      cost_plot=cost))
 

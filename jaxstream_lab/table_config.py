@@ -46,7 +46,7 @@ class TableArm(Checked):
     arm (rematerialised backprop) matches by gradient accumulation: the fewest chunks of the
     batch whose step needs no more (:func:`jaxstream_lab.forward_table.matched_arm`)."""
 
-    name: str = "BP"
+    name: str = "backprop"
     estimator: EstimatorConfig = dataclasses.field(default_factory=BackpropConfig)
     lrs: tuple[Positive, ...] = (1e-3,)
     lrs_by_dataset: dict[str, tuple[Positive, ...]] = dataclasses.field(default_factory=dict)
@@ -139,13 +139,65 @@ class TableDataset(Checked):
 
 
 @dataclasses.dataclass(frozen=True)
+class TableReport(Checked):
+    """Which arm plays which part in the report: the report knows no arm by name, the table
+    says here which is which (every name an arm of the table; a part none of whose arms ran
+    on a data set is skipped there, saying so).
+
+    ``reference``: exact backprop, read at each arm's compute (the equal-compute table);
+    ``methods``: a published method (a key of ``published.json``'s figures) -> the arms that
+    run it, preferred first: its published figures go beside them, and the published ordering
+    is checked on the first of them that ran; ``forward``: the forward-gradient arms, the best
+    of which is the hybrids' forward ingredient; ``exact_subset``: the hybrids' exact
+    ingredient; ``hybrids``: the arms judged against both; ``shared_head``: an arm with the
+    model's head shared by every block and the same design with heads of their own;
+    ``base_design``: the local-loss design that ``designs`` are judged against; ``plot``: the
+    arms the cost plot draws; ``about``: what the arms are, printed before the tables."""
+
+    reference: str | None = None
+    methods: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    forward: tuple[str, ...] = ()
+    exact_subset: str | None = None
+    hybrids: tuple[str, ...] = ()
+    shared_head: tuple[str, str] | None = None
+    base_design: str | None = None
+    designs: tuple[str, ...] = ()
+    plot: tuple[str, ...] = ()
+    about: str = ""
+
+    def named(self) -> list[tuple[str, str]]:
+        """Every ``(dotted field, arm name)`` the section gives."""
+        out = [(f, getattr(self, f)) for f in ("reference", "exact_subset", "base_design")
+               if getattr(self, f) is not None]
+        for f in ("forward", "hybrids", "shared_head", "designs", "plot"):
+            out += [(f"{f}.{i}", a) for i, a in enumerate(getattr(self, f) or ())]
+        for method, arms in self.methods.items():
+            out += [(f"methods.{method}.{i}", a) for i, a in enumerate(arms)]
+        return out
+
+    def check_arms(self, names: list[str], published: tuple[str, ...]) -> None:
+        """Refuse, by field, an arm that is not one of ``names`` or a method not ``published``."""
+        for field, arm in self.named():
+            if arm not in names:
+                raise ValueError(f"report.{field}: {arm!r} is not an arm of the table; "
+                                 f"allowed: {names} (a table whose arms are overridden gives "
+                                 "its report section too: report={...}, or report={} for "
+                                 "none)")
+        for method in self.methods:
+            if method not in published:
+                raise ValueError(f"report.methods.{method}: not a published method; allowed: "
+                                 f"{list(published)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ForwardTableConfig(Checked):
     """The whole table: data sets x arms, ``seeds`` seeds each; ``extend_sweeps``: rates a
     sweep may add past its edge (:func:`jaxstream_lab.forward_table.run_arm`); ``baselines``: add each data set's baseline
     rows (:mod:`.table_baselines`); ``optimizer``: every arm's (unless it brings its own; the
     rate is the arm's swept one); ``mid_probe_lr``: also measure each estimator against the
     exact gradient at mid-training (after half the steps of backprop with Adam at this rate;
-    null: at initialisation only)."""
+    null: at initialisation only); ``report``: which arm plays which part in the report
+    (:class:`TableReport`)."""
 
     seed: Seed = 0
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -157,6 +209,7 @@ class ForwardTableConfig(Checked):
     mid_probe_lr: Positive | None = None  # Adam rate of the backprop run to mid-training
     datasets: tuple[TableDataset, ...] = (TableDataset(),)
     arms: tuple[TableArm, ...] = (TableArm(),)
+    report: TableReport = TableReport()
 
     def _check_match(self, j: int, a: TableArm) -> None:
         """``arms.j.match_memory_of`` names another arm on the local engine that runs on every
@@ -186,6 +239,9 @@ class ForwardTableConfig(Checked):
             raise ValueError(f"arms: {sorted(taken)} name(s) a baseline row; rename the arm "
                              f"(baseline names: {list(BASELINE_NAMES)})")
         check_optimizer(self.optimizer, "optimizer")
+        from jaxstream_lab.table_rows import PUBLISHED_METHODS
+
+        self.report.check_arms([a.name for a in self.arms], PUBLISHED_METHODS)
         names = [d.name for d in self.datasets]
         for j, a in enumerate(self.arms):
             for k, name in enumerate(a.datasets):

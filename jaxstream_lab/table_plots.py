@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import math
 
-from jaxstream_lab.table_rows import MAIN_ARMS, _is_loss, _m, is_baseline
+from jaxstream_lab.table_rows import _is_loss, _m, is_baseline, report_roles
 
 
-def equivalents_plot(rows: list[dict], path: str, arms: tuple[str, ...] = MAIN_ARMS) -> bool:
+def plot_arms(payload: dict) -> tuple[str, ...]:
+    """The arms the cost plot draws: every run's ``report.plot``
+    (:func:`jaxstream_lab.table_rows.report_roles`)."""
+    return tuple(dict.fromkeys(a for r in report_roles(payload).values() for a in r.plot))
+
+
+def equivalents_plot(rows: list[dict], path: str, arms: tuple[str, ...] = ()) -> bool:
     """Test error (log scale; test loss for data sets judged by loss) against training cost
     in forward passes (steps × the step's matmul FLOPs over one forward pass's), mean over
     seeds at the picked rate, one line per arm of ``arms`` (every arm where the rows have

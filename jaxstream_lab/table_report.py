@@ -14,8 +14,11 @@ import re
 
 from jaxstream_lab import budget_report
 from jaxstream_lab.stability import flagged
+from jaxstream_lab.table_config import TableReport
 from jaxstream_lab.table_cost import memory_table
 from jaxstream_lab.table_rows import (
+    REN_COLUMNS,
+    REN_ORDERING,
     REN_SETTINGS,
     _fmt,
     _is_loss,
@@ -23,6 +26,7 @@ from jaxstream_lab.table_rows import (
     is_baseline,
     markdown_table,
     ren_figures,
+    report_roles,
 )
 from jaxstream_lab.table_verdicts import (
     ALPHA,
@@ -121,7 +125,7 @@ def designs(rows: list[dict], dataset: str) -> str:
     """A sentence listing the data set's local-loss designs ("" without any)."""
     mine = [(r["arm"], design(r)) for r in rows if r["dataset"] == dataset]
     said = [f"{arm}: {d}" for arm, d in mine if d]
-    return ("Local losses of the -Ren arms: " + "; ".join(said) + ".") if said else ""
+    return ("Local losses of the arms with heads of their own: " + "; ".join(said) + ".") if said else ""
 
 
 def loss_table(rows: list[dict], dataset: str) -> str:
@@ -171,8 +175,9 @@ def _common(r: dict) -> dict[str, str]:
             "rel. sq. error at init": _fmt(r.get("relative_mse"), ".3g")}
 
 
-def table(rows: list[dict], dataset: str) -> str:
-    """A markdown table for one data set, Ren et al.'s MNIST rows beside it."""
+def table(rows: list[dict], dataset: str, report: TableReport) -> str:
+    """A markdown table for one data set, Ren et al.'s MNIST figures beside the arms that run
+    their methods (``report.methods``)."""
     if any(_is_loss(r) for r in rows if r["dataset"] == dataset):
         return loss_table(rows, dataset)
     return markdown_table([{
@@ -181,7 +186,7 @@ def table(rows: list[dict], dataset: str) -> str:
         "train error %": _pm(r["train_error_mean"], r.get("train_error_sd", 0.0)),
         "test loss": f"{r.get('test_loss_mean', float('nan')):.3f}",
         "steps to target (seeds)": _steps(r), **_common(r),
-        **{f"Ren MNIST {s}": _fmt(ren_figures(r).get(s), ".2f") for s in REN_SETTINGS},
+        **{f"Ren MNIST {s}": _fmt(ren_figures(r, report).get(s), ".2f") for s in REN_SETTINGS},
     } for r in rows if r["dataset"] == dataset])
 
 
@@ -246,17 +251,19 @@ K_AXIS = ("Tangents per step K as an axis: test {what} at each K (forward passes
 
 
 EQUAL_COMPUTE = (
-    "Backprop at each arm's compute: BP's own run read at the step where it had spent what the "
-    "arm spent in its whole run (steps × forward passes per step, counted from the compiled "
+    "Backprop at each arm's compute: {ref}'s own run read at the step where it had spent what "
+    "the arm spent in its whole run (steps × forward passes per step, counted from the compiled "
     "steps), its last evaluation at or before that step (mean over seeds); an arm that costs "
-    "more than BP's whole run is compared with BP's end (≥: BP would have had more).")
+    "more than {ref}'s whole run is compared with {ref}'s end (≥: {ref} would have had more).")
 
 
-def equal_compute_table(rows: list[dict], dataset: str) -> str:
-    """Markdown: for every arm with a counted cost, BP's test figure at the same compute
-    (from BP's evaluations during its run); empty without a BP row with a curve."""
+def equal_compute_table(rows: list[dict], dataset: str, report: TableReport) -> str:
+    """Markdown: for every arm with a counted cost, the exact reference's (``report.reference``,
+    backprop) test figure at the same compute (from its evaluations during its run); empty
+    without a reference row with a curve."""
     mine = [r for r in rows if r["dataset"] == dataset and not is_baseline(r)]
-    bp = next((r for r in mine if r["arm"] == "BP" and r.get("curve_test_error_mean")), None)
+    bp = next((r for r in mine if r["arm"] == report.reference
+               and r.get("curve_test_error_mean")), None)
     if bp is None or not bp.get("forward_equivalents_per_step"):
         return ""
     loss = _is_loss(bp)
@@ -275,8 +282,8 @@ def equal_compute_table(rows: list[dict], dataset: str) -> str:
         more = "≥ " if steps > bp["steps"] else ""
         mean = r["test_loss_mean"] if loss else r["test_error_mean"]
         lines.append({"arm": _arm(r), "forward passes / step": f"{fe:.2f}",
-                      "BP steps at its compute": f"{more}{min(steps, bp['steps']):.0f}",
-                      f"BP {unit} there": at, f"arm's {unit}": fmt(mean)})
+                      f"{bp['arm']} steps at its compute": f"{more}{min(steps, bp['steps']):.0f}",
+                      f"{bp['arm']} {unit} there": at, f"arm's {unit}": fmt(mean)})
     return markdown_table(lines) if lines else ""
 
 
@@ -304,6 +311,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
     every = payload["rows"]
     rows = [r for r in every if not is_baseline(r)]
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    roles = report_roles(payload)
+    about = " ".join(dict.fromkeys(roles[ds].about for ds in datasets if roles[ds].about))
     parts = [
         "# Forward-gradient table, reproduced",
         "",
@@ -324,17 +333,8 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         "at or above it). Seconds to target: those steps times the median step time of one lane "
         "alone. Peak temp: XLA's temporary buffers of one compiled training step. Cosine: "
         "estimate vs exact gradient of one batch at initialisation, mean ± sd over keys. "
-        "LG-FG-W and LG-FG-A apply the model's final head, held fixed, to every block's output "
-        "(a shared head); the -Ren arms give every block a head of its own, learned by the "
-        "exact gradient of its local loss, as Ren et al. do. The last two columns are Ren et "
-        "al.'s (ICLR 2023) published supervised MNIST test errors (%) of their MLPs in their "
-        "settings S/1/1 and M/1/16 (size/patches/groups, patches per side of the image, as their "
-        "released configuration names L/32/64 the run with 32 patches per side and 64 groups; "
-        "in S/1/1 their LG-FG-W and LG-FG-A figures equal FG-W's and FG-A's), beside the arms "
-        "that run their method only, and for the "
-        "local-loss arms only in the setting whose number of groups the arm ran (an arm with "
-        "16 groups: M/1/16, Ren et al.'s grouped losses; one group: S/1/1); for comparison "
-        "only: different data set and models. Baselines: chance, logistic regression, and for "
+        + (about + " " if about else "") + REN_COLUMNS + " Baselines: chance, logistic "
+        "regression, and for "
         "text unigram and bigram tables, one deterministic fit each. Data sets judged by loss (the "
         "character transformer on the standard-library text corpus) report test and train "
         "cross-entropy (nats per character, mean ± sd over seeds) at the learning rate with "
@@ -347,6 +347,7 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         HYBRID_WHY,
     ]
     for ds in datasets:
+        report = roles[ds]
         r0 = next(r for r in rows if r["dataset"] == ds)
         loss = _is_loss(r0)
         target = (f"target test loss {r0['target_loss']:.2f}" if loss
@@ -355,7 +356,7 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
                   f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", ""]
         if seeds_note(rows, ds):
             parts += [seeds_note(rows, ds), ""]
-        parts += [table(rows, ds), "", _edges(rows, ds), ""]
+        parts += [table(rows, ds, report), "", _edges(rows, ds), ""]
         said = flagged(every, ds)
         if said:
             parts += [said, ""]
@@ -368,22 +369,24 @@ def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
         if k_table(rows, ds):
             parts += [K_AXIS.format(what="loss" if loss else "error %"), "", k_table(rows, ds),
                       ""]
-        if equal_compute_table(rows, ds):
-            parts += [EQUAL_COMPUTE, "", equal_compute_table(rows, ds), ""]
+        if equal_compute_table(rows, ds, report):
+            parts += [EQUAL_COMPUTE.format(ref=report.reference), "",
+                      equal_compute_table(rows, ds, report), ""]
         if layer_table(rows, ds):
             parts += [LAYERS, "", layer_table(rows, ds), ""]
         judged = "test loss" if loss else "test error"
-        m = family_size(rows, ds)
+        m = family_size(rows, ds, report)
         parts += [(f"Paired comparisons of this table ({judged}): {m} tests, Holm-adjusted as "
                    "one family (the verdict rules above)."), "",
-                  "Ordering FG-W < FG-A ≤ LG-FG-A ≈ BP:", ""]
-        parts += [f"- {line}" for line in ordering(rows, ds)]
-        if head_verdict(rows, ds):
+                  f"Ordering {REN_ORDERING['claim']}:", ""]
+        parts += [f"- {line}" for line in ordering(rows, ds, report)]
+        if head_verdict(rows, ds, report):
             parts += ["", "Shared head against heads of their own:", ""]
-            parts += [f"- {line}" for line in head_verdict(rows, ds)]
-        parts += ["", "Hybrids against their ingredients:", ""]
-        parts += [f"- {line}" for line in hybrid_verdict(rows, ds)]
-        judgements = design_verdicts(rows, ds)
+            parts += [f"- {line}" for line in head_verdict(rows, ds, report)]
+        if hybrid_verdict(rows, ds, report):
+            parts += ["", "Hybrids against their ingredients:", ""]
+            parts += [f"- {line}" for line in hybrid_verdict(rows, ds, report)]
+        judgements = design_verdicts(rows, ds, report)
         if judgements:
             parts += ["", "Local-loss designs against one loss per block:", ""]
             parts += [f"- {line}" for line in judgements]

@@ -10,33 +10,60 @@ from typing import Any
 
 import pandas as pd
 
-# Ren et al.'s published figures are data, with their source: published.json beside this file
+from jaxstream.experiment.config import from_dict, to_dict
+from jaxstream_lab.table_config import TableReport, load_table_config
+
+# Ren et al.'s published figures and claims are data, with their source: published.json
 _PUBLISHED = json.loads((Path(__file__).with_name("published.json")).read_text())["ren2023"]
 REN_SETTINGS = tuple(_PUBLISHED["settings"])
 REN_MNIST = _PUBLISHED["mnist_test_error_percent"]
-REN = "-Ren"  # suffix of the arms that run Ren et al.'s local losses (a head per block)
-FORWARD_ARMS = ("FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "LG-FG-W" + REN, "LG-FG-A" + REN)
-#: The arms :func:`jaxstream_lab.table_plots.equivalents_plot` draws where a table has them (the rest: the table).
-MAIN_ARMS = ("BP", "FG-W", "FG-A", "FG-A-K16", "LG-FG-A", "LG-FG-A" + REN,
-             "LG-FG-A" + REN + "-P16G4-agg", "local-guess",
-             "exact-subset", "hybrid-control_variate", "hybrid-weighted", "hybrid-activity")
+PUBLISHED_METHODS = tuple(REN_MNIST)
+#: Ren et al.'s claimed ordering of their methods: ``claim``, ``relations`` (``a``, ``b``,
+#: the sentence ``said``, the verdicts of ``a − b`` that answer ``yes`` / ``no``), ``best``,
+#: ``worst``.
+REN_ORDERING = _PUBLISHED["ordering"]
+REN_COLUMNS = _PUBLISHED["columns"]  # what the published columns are, for the report
 
 
-def ren_figures(row: dict) -> dict:
-    """Ren et al.'s published figures for a row's method: by arm name, beside MLP rows only
-    (their figures are of MLPs), the local-loss arms only where the row ran their design (its
-    own head per block: ``local_heads == "own"``) and only in the setting whose groups it ran
-    (S/1/1: one group; M/1/16: 16)."""
-    name = row["arm"]
-    if row.get("model", "mlp") != "mlp":
-        return {}  # their figures are of MLPs
-    if not name.startswith("LG-"):
-        return REN_MNIST.get(name, {})
+def method_of(arm: str, report: TableReport) -> str | None:
+    """The published method ``arm`` runs (``report.methods``), None if none."""
+    return next((m for m, arms in report.methods.items() if arm in arms), None)
+
+
+def ren_figures(row: dict, report: TableReport) -> dict:
+    """Ren et al.'s published figures for a row's method (``report.methods``), beside MLP rows
+    only (their figures are of MLPs); a local-loss method's only where the row ran their design
+    (its own head per block: ``local_heads == "own"``, groups of features) and only in the
+    setting whose groups it ran (S/1/1: one group; M/1/16: 16)."""
+    method = method_of(row["arm"], report)
+    if method is None or row.get("model", "mlp") != "mlp":
+        return {}  # not a published method, or not an MLP (their figures are of MLPs)
+    figures = REN_MNIST[method]
+    if method not in _PUBLISHED["local_methods"]:
+        return figures
     if row.get("local_heads") != "own" or row.get("local_over", "features") != "features":
         return {}  # not their design, or patch-wise groups (their MLP rows group features)
-    figures = REN_MNIST.get(name.split(REN)[0], {})
     groups = row.get("local_groups", 1)
     return {s: v for s, v in figures.items() if int(s.rsplit("/", 1)[1]) == groups}
+
+
+def report_roles(payload: dict) -> dict[str, TableReport]:
+    """Each data set's :class:`TableReport`, from the run that wrote its rows: its
+    ``report`` (written beside the rows since runs record it), else the ``report:`` section
+    of the config its command names (``--config PATH``), else an empty one (no part of the
+    report that needs roles is written)."""
+    out = {}
+    for run in payload.get("runs") or [payload]:
+        report = run.get("report")
+        if report is None:
+            words = str(run.get("command", "")).split()
+            path = words[words.index("--config") + 1] if "--config" in words[:-1] else None
+            report = (to_dict(load_table_config(path).report) if path and Path(path).is_file()
+                      else {})
+        roles = from_dict(TableReport, report, "report")
+        for r in run.get("rows", payload["rows"]):
+            out.setdefault(r["dataset"], roles)
+    return out
 
 
 def markdown_table(lines: list[dict[str, str]]) -> str:

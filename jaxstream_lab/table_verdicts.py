@@ -5,7 +5,8 @@ sentences the report prints from them (ordering, shared head, hybrids, local-los
 from __future__ import annotations
 
 from jaxstream_lab import verdicts
-from jaxstream_lab.table_rows import FORWARD_ARMS, REN, _by, _d, _is_loss, _m, _show, is_baseline
+from jaxstream_lab.table_config import TableReport
+from jaxstream_lab.table_rows import REN_ORDERING, _by, _d, _is_loss, _m, _show, is_baseline
 
 ALPHA = verdicts.ALPHA  # level of every test
 MIN_SEEDS = verdicts.MIN_SEEDS_TEST  # paired seeds any test needs
@@ -15,7 +16,6 @@ MARGIN_LOSS = 0.01  # equivalence margin of test loss: 0.01 nats per character
 #: A paired comparison's words, by :func:`jaxstream_lab.verdicts.verdict` of ``a − b``.
 VERDICT = {"better": "better than", "worse": "worse than", "≈": "≈",
            "inconclusive": "inconclusive against"}
-BASE_DESIGN = "LG-FG-A" + REN  # the local-loss design the others are judged against
 VERDICT_RULES = (
     "Verdicts: each comparison is the paired by-seed difference a − b of the judged figure "
     "(seed i of one arm against seed i of the other: same initial key and batches), printed "
@@ -48,44 +48,66 @@ def paired(a: dict, b: dict) -> dict:
     return verdicts.paired_difference(a.get(key) or [], b.get(key) or [], margin(loss))
 
 
-def _lg(r: dict) -> str:
-    return "LG-FG-A" + REN if "LG-FG-A" + REN in r else "LG-FG-A"  # Ren's design where it ran
+def _playing(r: dict, report: TableReport) -> dict[str, str]:
+    """Published method -> the arm that plays it on this data set: the first of
+    ``report.methods[method]`` that ran (the first listed where none ran)."""
+    return {m: next((a for a in arms if a in r), arms[0])
+            for m, arms in report.methods.items() if arms}
 
 
-def _best_forward(r: dict) -> dict | None:
-    fwd = [r[a] for a in FORWARD_ARMS if a in r]
+def _ordering_arms(r: dict, report: TableReport) -> tuple[list[str], list[str]]:
+    """The arms that play the published ordering's methods, in the claim's order, and the
+    missing: an arm that did not run here, or a method no arm plays (named as the method)."""
+    plays = _playing(r, report)
+    methods = dict.fromkeys(m for rel in REN_ORDERING["relations"] for m in (rel["a"], rel["b"]))
+    arms = [plays.get(m, m) for m in methods]
+    return arms, [a for m, a in zip(methods, arms) if m not in plays or a not in r]
+
+
+def _best_forward(r: dict, report: TableReport) -> dict | None:
+    fwd = [r[a] for a in report.forward if a in r]
     return min(fwd, key=lambda x: _m(x)[0]) if fwd else None
 
 
-def _pairs(rows: list[dict], dataset: str) -> list[tuple[str, str]]:
+def _hybrids(r: dict, report: TableReport) -> list[str]:
+    return [n for n in r if n in report.hybrids]
+
+
+def _designs(r: dict, report: TableReport) -> list[str]:
+    return [n for n in r if n in report.designs]
+
+
+def _pairs(rows: list[dict], dataset: str, report: TableReport) -> list[tuple[str, str]]:
     """Every paired comparison the report makes on one data set, as ``(a, b)`` arm names."""
     r = _by(rows, dataset)
-    lg, pairs = _lg(r), []
-    if all(a in r for a in ("FG-W", "FG-A", lg, "BP")):
-        pairs += [("FG-W", "FG-A"), ("FG-A", lg), (lg, "BP")]
-    if "LG-FG-A" in r and BASE_DESIGN in r:
-        pairs.append(("LG-FG-A", BASE_DESIGN))  # shared head against heads of their own
-    best = _best_forward(r)
-    if "exact-subset" in r and best:
-        for name in (n for n in r if n.startswith("hybrid")):
-            pairs += [(name, "exact-subset"), (name, best["arm"])]
-    if BASE_DESIGN in r:
-        pairs += [(n, BASE_DESIGN) for n in r if n.startswith(BASE_DESIGN + "-")]
+    pairs = []
+    if not _ordering_arms(r, report)[1]:
+        plays = _playing(r, report)
+        pairs += [(plays[x["a"]], plays[x["b"]]) for x in REN_ORDERING["relations"]]
+    if report.shared_head and all(a in r for a in report.shared_head):
+        pairs.append(tuple(report.shared_head))  # shared head against heads of their own
+    best, sub = _best_forward(r, report), report.exact_subset
+    if sub in r and best:
+        for name in _hybrids(r, report):
+            pairs += [(name, sub), (name, best["arm"])]
+    if report.base_design in r:
+        pairs += [(n, report.base_design) for n in _designs(r, report)]
     return list(dict.fromkeys(pairs))
 
 
-def comparisons(rows: list[dict], dataset: str) -> dict[tuple[str, str], dict]:
+def comparisons(rows: list[dict], dataset: str,
+                report: TableReport) -> dict[tuple[str, str], dict]:
     """Every paired comparison of the data set's table (:func:`paired`), Holm-adjusted as one
     family (:func:`jaxstream_lab.verdicts.family`: ``p_holm``, ``p_tost_holm``, ``m``,
     ``verdict``), by ``(a, b)``."""
     r = _by(rows, dataset)
-    pairs = _pairs(rows, dataset)
+    pairs = _pairs(rows, dataset, report)
     return dict(zip(pairs, verdicts.family([paired(r[a], r[b]) for a, b in pairs])))
 
 
-def family_size(rows: list[dict], dataset: str) -> int:
+def family_size(rows: list[dict], dataset: str, report: TableReport) -> int:
     """How many paired tests the data set's table makes (Holm's m)."""
-    return sum("p" in t for t in comparisons(rows, dataset).values())
+    return sum("p" in t for t in comparisons(rows, dataset, report).values())
 
 
 def _ci(test: dict, loss: bool) -> str:
@@ -109,46 +131,48 @@ def _stat(test: dict, loss: bool) -> str:
             f"{test['n']} paired seeds{few}")
 
 
-def ordering(rows: list[dict], dataset: str) -> list[str]:
-    """Check FG-W < FG-A ≤ LG-FG-A ≈ BP (in test error, or test loss for ``metric: loss``) on
-    one data set, plus BP best and FG-W worst of these four (by means, untested); one line
-    per relation, each answered yes / no / inconclusive from the verdict of its paired
-    comparison (:func:`comparisons`)."""
+def ordering(rows: list[dict], dataset: str, report: TableReport) -> list[str]:
+    """Check Ren et al.'s claimed ordering of their methods (``published.json``: FG-W < FG-A ≤
+    LG-FG-A ≈ BP, in test error, or test loss for ``metric: loss``) on the arms that play them
+    (``report.methods``) on one data set, plus the claimed best and worst of them (by means,
+    untested); one line per relation, each answered yes / no / inconclusive from the verdict
+    of its paired comparison (:func:`comparisons`)."""
     r = _by(rows, dataset)
-    lg = _lg(r)
-    need = ("FG-W", "FG-A", lg, "BP")
-    if any(a not in r for a in need):
-        return [f"(ordering not checked: arms {[a for a in need if a not in r]} missing)"]
-    loss = _is_loss(r["BP"])
-    tests = comparisons(rows, dataset)
-    # the relation's answer by the comparison's verdict (inconclusive: inconclusive)
-    relations = (("FG-W", "FG-A", "FG-W worse than FG-A", {"worse"}, {"better", "≈"}),
-                 ("FG-A", lg, f"FG-A no better than {lg}", {"worse", "≈"}, {"better"}),
-                 (lg, "BP", f"{lg} ≈ BP (equivalent within the margin)", {"≈"},
-                  {"better", "worse"}))
+    need, missing = _ordering_arms(r, report)
+    if missing:
+        return [f"(ordering not checked: arms {missing} missing)"]
+    plays = _playing(r, report)
+    loss = _is_loss(r[need[-1]])
+    tests = comparisons(rows, dataset, report)
     out = []
-    for a, b, said, yes, no in relations:
+    for rel in REN_ORDERING["relations"]:  # answered by the verdict (inconclusive: inconclusive)
+        a, b = plays[rel["a"]], plays[rel["b"]]
         t = tests[(a, b)]
-        answer = "yes" if t["verdict"] in yes else "no" if t["verdict"] in no else "inconclusive"
-        out.append(f"{said}: {answer} ({_stat(t, loss)})")
+        answer = ("yes" if t["verdict"] in rel["yes"] else
+                  "no" if t["verdict"] in rel["no"] else "inconclusive")
+        out.append(f"{rel['said'].format(a=a, b=b)}: {answer} ({_stat(t, loss)})")
     means = {a: _m(r[a])[0] for a in need}
     best, worst = min(means, key=means.get), max(means, key=means.get)
-    out.append(f"BP best and FG-W worst of these four: "
-               f"{'yes' if best == 'BP' and worst == 'FG-W' else 'no'}"
+    said_best, said_worst = plays[REN_ORDERING["best"]], plays[REN_ORDERING["worst"]]
+    these = {2: "two", 3: "three", 4: "four", 5: "five"}.get(len(need), str(len(need)))
+    out.append(f"{said_best} best and {said_worst} worst of these {these}: "
+               f"{'yes' if best == said_best and worst == said_worst else 'no'}"
                f" (best {best}, worst {worst}; means, not a test)")
     return out
 
 
-def head_verdict(rows: list[dict], dataset: str) -> list[str]:
-    """LG-FG-A (the model's final head shared by every block) against LG-FG-A-Ren (a head of
-    its own per block, as Ren et al.), paired by seed; [] without both arms."""
+def head_verdict(rows: list[dict], dataset: str, report: TableReport) -> list[str]:
+    """An arm with the model's final head shared by every block against the same design with a
+    head of its own per block, as Ren et al. (``report.shared_head``), paired by seed; []
+    without both arms."""
     r = _by(rows, dataset)
-    if "LG-FG-A" not in r or BASE_DESIGN not in r:
+    if not report.shared_head or any(a not in r for a in report.shared_head):
         return []
-    loss = _is_loss(r[BASE_DESIGN])
-    t = comparisons(rows, dataset)[("LG-FG-A", BASE_DESIGN)]
-    return [(f"LG-FG-A (shared head) {_show(r['LG-FG-A'])} — {VERDICT[t['verdict']]} "
-            f"{BASE_DESIGN} (heads of their own) {_show(r[BASE_DESIGN])} ({_stat(t, loss)})")]
+    shared, own = report.shared_head
+    loss = _is_loss(r[own])
+    t = comparisons(rows, dataset, report)[(shared, own)]
+    return [(f"{shared} (shared head) {_show(r[shared])} — {VERDICT[t['verdict']]} "
+            f"{own} (heads of their own) {_show(r[own])} ({_stat(t, loss)})")]
 
 
 HYBRID_WHY = ("Whether a hybrid can beat both its ingredients at this scale: "
@@ -157,23 +181,26 @@ HYBRID_WHY = ("Whether a hybrid can beat both its ingredients at this scale: "
               "covers the batch, and what correlation a forward part would need below that).")
 
 
-def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
-    """Each hybrid against both its ingredients, the exact subset and the best forward arm
-    (by mean), from the verdicts of the paired comparisons (:func:`comparisons`): BEATS BOTH
-    where better than both, does not beat both where worse than or ≈ either, else
-    inconclusive."""
+def hybrid_verdict(rows: list[dict], dataset: str, report: TableReport) -> list[str]:
+    """Each hybrid (``report.hybrids``) against both its ingredients, the exact subset
+    (``report.exact_subset``) and the best forward arm (of ``report.forward``, by mean), from
+    the verdicts of the paired comparisons (:func:`comparisons`): BEATS BOTH where better than
+    both, does not beat both where worse than or ≈ either, else inconclusive; [] where no
+    hybrid ran."""
     r = _by(rows, dataset)
-    best_fwd = _best_forward(r)
-    if "exact-subset" not in r or not best_fwd:
-        return ["(verdict not computed: exact-subset or forward arms missing)"]
-    sub = r["exact-subset"]
+    best_fwd = _best_forward(r, report)
+    if not _hybrids(r, report):
+        return []
+    if report.exact_subset not in r or not best_fwd:
+        return [(f"(verdict not computed: the exact subset ({report.exact_subset or 'none'}) "
+                f"or the forward arms ({', '.join(report.forward) or 'none'}) did not run)")]
+    sub = r[report.exact_subset]
     loss = _is_loss(sub)
-    tests = comparisons(rows, dataset)
-    out = [(f"ingredients: exact-subset {_show(sub)}, best forward arm {best_fwd['arm']} "
+    tests = comparisons(rows, dataset, report)
+    out = [(f"ingredients: {sub['arm']} {_show(sub)}, best forward arm {best_fwd['arm']} "
            f"{_show(best_fwd)}")]
-    for name, h in r.items():
-        if not name.startswith("hybrid"):
-            continue
+    for name in _hybrids(r, report):
+        h = r[name]
         said, words = [], []
         for other in (sub, best_fwd):
             t = tests[(name, other["arm"])]
@@ -185,18 +212,18 @@ def hybrid_verdict(rows: list[dict], dataset: str) -> list[str]:
     return out
 
 
-def design_verdicts(rows: list[dict], dataset: str) -> list[str]:
-    """Each other local-loss design with activity tangents and heads of its own (an
-    ``LG-FG-A-Ren-*`` arm: groups, patch groups, cells, the feature aggregator) against
-    LG-FG-A-Ren (one loss per block), from the verdicts of the paired comparisons
-    (:func:`comparisons`); [] where the data set has no such arm."""
+def design_verdicts(rows: list[dict], dataset: str, report: TableReport) -> list[str]:
+    """Each other local-loss design (``report.designs``: groups, patch groups, cells, the
+    feature aggregator) against ``report.base_design`` (one loss per block), from the
+    verdicts of the paired comparisons (:func:`comparisons`); [] where the data set has no
+    such arm."""
     r = _by(rows, dataset)
-    base = BASE_DESIGN
-    others = [x for name, x in r.items() if name.startswith(base + "-")]
+    base = report.base_design
+    others = [r[name] for name in _designs(r, report)]
     if base not in r or not others:
         return []
     loss = _is_loss(r[base])
-    tests = comparisons(rows, dataset)
+    tests = comparisons(rows, dataset, report)
     out = []
     for x in others:
         t = tests[(x["arm"], base)]

@@ -17,6 +17,24 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import forward_table as ft
 
+#: The test rows' arms in the parts they play, as a table's ``report:`` section says (the
+#: report knows no arm by name).
+SECTION = {"reference": "BP",
+           "methods": {"BP": ["BP"], "FG-W": ["FG-W"], "FG-A": ["FG-A"],
+                       "LG-FG-A": ["LG-FG-A-Ren", "LG-FG-A", "LG-FG-A-Ren-G16"]},
+           "forward": ["FG-W", "FG-A", "LG-FG-A", "LG-FG-A-Ren"], "exact_subset": "exact-subset",
+           "hybrids": ["hybrid-a", "hybrid-b", "hybrid-x"],
+           "shared_head": ["LG-FG-A", "LG-FG-A-Ren"], "base_design": "LG-FG-A-Ren",
+           "designs": ["LG-FG-A-Ren-G4", "LG-FG-A-Ren-P16G4-agg"]}
+
+
+def _report():
+    from jaxstream.experiment.config import from_dict
+    from jaxstream_lab.table_config import TableReport
+
+    return from_dict(TableReport, SECTION)
+
+
 ARMS = {"BP", "BP-remat", "FG-W", "FG-A", "LG-FG-W", "LG-FG-A", "exact-subset",
         "hybrid-replace", "hybrid-control_variate", "hybrid-weighted", "hybrid-guess"}
 
@@ -43,6 +61,16 @@ def test_bad_table_is_refused_before_compute():
         ft.load_table_config(ft.QUICK, ["datasets.0.metric=accuracy"])
     with pytest.raises(ValueError, match=r"datasets\.0\.target_loss: metric 'loss' needs a positive target"):
         ft.load_table_config(ft.QUICK, ["datasets.0.metric=loss"])
+    # the report section names arms of the table: a typo, or arms overridden without it
+    with pytest.raises(ValueError, match=r"report\.hybrids\.1: 'hybrid-wieghted' is not an arm "
+                                         r"of the table; allowed: \['BP', "):
+        ft.load_table_config(ft.QUICK, ["report.hybrids=[hybrid-replace, hybrid-wieghted]"])
+    with pytest.raises(ValueError, match=r"report\.methods\.FG-X: not a published method; "
+                                         r"allowed: \['BP', 'FG-W', 'FG-A', 'LG-FG-W', 'LG-FG-A'\]"):
+        ft.load_table_config(ft.QUICK, ["report.methods={FG-X: [FG-W]}"])
+    with pytest.raises(ValueError, match=r"report\.reference: 'BP' is not an arm of the table;"
+                                         r".*report=\{\}"):
+        ft.load_table_config(ft.QUICK, ["arms=[{name: B, estimator: {type: backprop}}]"])
 
 
 def test_cli_runs_a_tiny_table_judged_by_loss(tmp_path):
@@ -58,7 +86,8 @@ def test_cli_runs_a_tiny_table_judged_by_loss(tmp_path):
     arms = "[{name: BP, estimator: {type: backprop}, lrs: [0.00001, 0.03]}]"
     out = tmp_path / "run"
     assert main(["run", str(ft.QUICK), "--out", str(out), "seeds=2", "cosine_keys=1",
-                 "timing_steps=1", "extend_sweeps=0", f"datasets={text}", f"arms={arms}"]) == 0
+                 "timing_steps=1", "extend_sweeps=0", f"datasets={text}", f"arms={arms}",
+                 "report={reference: BP}"]) == 0
     *base, row = json.loads((out / "rows.json").read_text())
     assert [b["arm"] for b in base] == ["chance", "logistic regression"]
     assert {b["metric"] for b in base} == {"loss"}  # judged as the data set is
@@ -143,14 +172,14 @@ def test_paired_verdicts_are_students_t_on_the_by_seed_differences():
                                rtol=1e-10)
     few = [_row("exact-subset", 0.04, seeds=2), _row("FG-A", 0.05, seeds=2),
            _row("hybrid-x", 0.01, seeds=2)]
-    line = hybrid_verdict(few, "d")[1]
+    line = hybrid_verdict(few, "d", _report())[1]
     assert "inconclusive against exact-subset (no test: 2 paired seeds, 3 needed)" in line
     assert line.endswith("→ inconclusive")
     # every seed 1 pp apart (a discrete test set): no spread, no t, no verdict; equal: p = 1
     shifted = {**b, "test_error_by_seed": [x + 0.01 for x in b["test_error_by_seed"]]}
     assert paired(shifted, b) == {"n": 5, "mean": pytest.approx(0.01), "constant": True}
     line = hybrid_verdict([{**b, "arm": "exact-subset"}, _row("FG-A", 0.05, seeds=5),
-                           {**shifted, "arm": "hybrid-x"}], "d")[1]
+                           {**shifted, "arm": "hybrid-x"}], "d", _report())[1]
     assert ("inconclusive against exact-subset (no test: all 5 paired differences are "
             "+1.00 pp") in line and line.endswith("→ inconclusive")
     assert paired(b, b)["p"] == 1.0
@@ -161,7 +190,7 @@ def test_report_checks_follow_the_rows():
     from jaxstream_lab.table_verdicts import hybrid_verdict, ordering
 
     def answers(rows):
-        return [line.split(":")[1].split()[0] for line in ordering(rows, "d")]
+        return [line.split(":")[1].split()[0] for line in ordering(rows, "d", _report())]
 
     spec = [("BP", 0.03), ("FG-W", 0.20), ("FG-A", 0.05), ("LG-FG-A", 0.031),
             ("exact-subset", 0.04), ("hybrid-a", 0.025), ("hybrid-b", 0.041)]
@@ -169,26 +198,26 @@ def test_report_checks_follow_the_rows():
     assert answers([_row(a, e, seeds=4) for a, e in spec]) == ["yes", "yes", "inconclusive",
                                                                 "yes"]
     rows = [_row(a, e, seeds=5) for a, e in spec]
-    lines = ordering(rows, "d")
+    lines = ordering(rows, "d", _report())
     assert answers(rows) == ["yes", "yes", "yes", "yes"]
     assert "95 % CI [" in lines[2] and "Holm p = " in lines[2] and "TOST at ±0.5 pp" in lines[2]
     rows[2]["test_error_mean"] = 0.25  # FG-A now worse than FG-W
     rows[2]["test_error_by_seed"] = [x + 0.20 for x in rows[2]["test_error_by_seed"]]
     assert answers(rows)[0] == "no"
-    verdict = hybrid_verdict(rows, "d")
+    verdict = hybrid_verdict(rows, "d", _report())
     assert "hybrid-a" in verdict[1] and verdict[1].endswith("BEATS BOTH")
     assert verdict[2].endswith("does not beat both")
     memory = {"rows": [{"depth": 8, "temp_bytes": {"backprop": 4, "backprop_remat": 1, "forward": 1,
                                                    "hybrid": 3, "inference": 1},
                         "step_ms": {"backprop": 2.0, "backprop_remat": 3.0, "forward": 2.0,
                                     "hybrid": 4.0, "inference": 1.0}}]}
-    text = compact(markdown({"rows": rows, "command": "c", "machine": "m"}, None, memory))
+    text = compact(markdown({"report": SECTION, "rows": rows, "command": "c", "machine": "m"}, None, memory))
     assert "| 8 |" in text and "0.250 | 1.50" in text and "Ren" in text
     assert "±0.5 pp of test error" in text  # the margin, stated once
     assert text.count("±0.5 pp of test error") == 1
     assert "Paired comparisons of this table (test error): 7 tests, Holm-adjusted" in text
     assert "Fewer than 5 seeds" not in text
-    few = markdown({"rows": [_row(a, e, seeds=4) for a, e in spec], "command": "c"})
+    few = markdown({"report": SECTION, "rows": [_row(a, e, seeds=4) for a, e in spec], "command": "c"})
     assert "**Fewer than 5 seeds**: every row (7 arms) has 4 seeds" in few
 
 
@@ -203,14 +232,14 @@ def test_report_judges_loss_data_sets_by_test_loss():
     rows = [row("BP", 2.0, 0.9), row("FG-W", 3.5, 0.1), row("FG-A", 3.0, 0.2),
             row("LG-FG-A", 2.005, 0.3), row("exact-subset", 2.2, 0.4),
             row("hybrid-a", 2.1, 0.5)]
-    lines = ordering(rows, "d")
+    lines = ordering(rows, "d", _report())
     assert [line.split(":")[1].split()[0] for line in lines] == ["yes", "yes", "yes", "yes"]
     assert "+0.500" in lines[0]  # FG-W - FG-A in nats
     rows[0]["test_loss_mean"] = 2.5  # BP no longer best, nor ≈ LG-FG-A
     rows[0]["test_loss_by_seed"] = [x + 0.5 for x in rows[0]["test_loss_by_seed"]]
-    lines = ordering(rows, "d")
+    lines = ordering(rows, "d", _report())
     assert lines[2].split(":")[1].split()[0] == "no" and "(best LG-FG-A, worst FG-W;" in lines[3]
-    verdict = hybrid_verdict(rows, "d")
+    verdict = hybrid_verdict(rows, "d", _report())
     assert "best forward arm LG-FG-A 2.005 ± 0.010" in verdict[0]
     assert "better than exact-subset (-0.100, 95 % CI [" in verdict[1] and "df = 4" in verdict[1]
     assert verdict[1].endswith("does not beat both")  # LG-FG-A (2.005) is better
@@ -227,7 +256,7 @@ def test_picks_at_the_edge_of_their_sweep_are_marked():
     rows[2].update(lr=3e-3, lrs=[1e-3, 3e-3, 1e-2])   # inside
     assert [lr_edge(r) for r in rows] == ["largest", "smallest", None]
     assert lr_edge({**rows[0], "lrs": [1e-2]}) == "only"  # one rate: at both edges
-    text = compact(markdown({"rows": rows, "command": "c", "machine": "m"}))
+    text = compact(markdown({"report": SECTION, "rows": rows, "command": "c", "machine": "m"}))
     assert "| BP | 1e-02 ↑ |" in text and "| FG-W | 1e-03 ↓ |" in text and "| FG-A | 3e-03 |" in text
     assert "2 of 3 swept arms picked the edge of their sweep" in text and "BP, FG-W" in text
 
@@ -242,7 +271,7 @@ def test_a_killed_table_keeps_its_rows_and_resume_runs_only_the_rest(tmp_path, m
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1",
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
             "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
-            ("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
+            "report={}", ("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
             "{name: FG-W, estimator: {type: forward, num_tangents: 2}, lrs: [0.001]}]")]
     real, calls = lib.run_arm, []
 
@@ -280,7 +309,7 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
             "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32, metric: loss, "
             "target_loss: 9.0}]"),
-            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003, 0.0001]}]"]
+            "report={}", "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003, 0.0001]}]"]
     (grown,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over + ["extend_sweeps=0"]))
     assert plain["lrs"] == [1e-4, 3e-4] and plain["lr"] == 3e-4 and plain["lr_at_edge"]
@@ -294,10 +323,10 @@ def test_a_pick_at_the_edge_extends_the_sweep_and_every_rate_keeps_its_seeds():
     np.testing.assert_allclose(by[-1], grown["test_error_by_seed"])  # the pick's own seeds
     from jaxstream_lab.table_report import markdown
 
-    text = markdown({"rows": [grown], "command": "c", "machine": "m"})
+    text = markdown({"report": SECTION, "rows": [grown], "command": "c", "machine": "m"})
     assert "BP (+9e-04, 3e-03)" in text and "1 of 1 swept arms picked the edge" in text
     # one rate: both neighbours at once
-    one = over[:-1] + ["arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003]}]",
+    one = over[:-1] + ["report={}", "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0003]}]",
                        "extend_sweeps=1"]
     (single,) = ft.run_table(ft.load_table_config(ft.QUICK, one))
     assert single["lrs"] == [1e-4, 3e-4, 9e-4] and single["lrs_added"] == [1e-4, 9e-4]
@@ -368,7 +397,7 @@ def test_a_report_shows_baselines_beside_the_arms(tmp_path):
             {**base, "arm": "chance", "test_error_mean": 0.9}, _row("BP", 0.03),
             *({**base, "dataset": "t", "metric": "loss", "arm": a, "test_error_mean": 0.7,
                "test_loss_mean": 2.5} for a in ("unigram", "bigram"))]  # 4 baselines in all
-    text = compact(markdown({"rows": rows, "command": "c", "machine": "m"}))
+    text = compact(markdown({"report": SECTION, "rows": rows, "command": "c", "machine": "m"}))
     assert "| logistic regression | 4.00 | 2.00 | 0.200 | h |" in text
     assert "| chance | 90.00 |" in text and "| BP |" in text
     frontier_plot(rows, str(tmp_path / "f.png"))
@@ -384,7 +413,7 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
             "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
-            ("arms=[{name: LG-FG-A, estimator: {type: forward, perturb: activations, "
+            "report={}", ("arms=[{name: LG-FG-A, estimator: {type: forward, perturb: activations, "
             "local_losses: true}, lrs: [0.001]}, {name: LG-FG-A-Ren, estimator: {type: forward, "
             "perturb: activations, local_losses: true}, local_heads: true, lrs: [0.001]}]")]
     shared, own = ft.run_table(ft.load_table_config(ft.QUICK, over))
@@ -396,25 +425,25 @@ def test_ren_arms_train_their_own_heads_and_get_ren_figures():
     assert abs(loc[0] - glob[0]) > 1e-3
     assert own["local_cosine_layers"][2] != pytest.approx(own["cosine_layers"][2], abs=1e-3)
     assert own["test_error_by_seed"] != shared["test_error_by_seed"]
-    text = compact(markdown({"rows": [shared, own], "command": "c", "machine": "m"}))
+    text = compact(markdown({"report": SECTION, "rows": [shared, own], "command": "c", "machine": "m"}))
     assert "| arm | embed | block 0 | block 1 | head |" in text
     assert f"| {glob[0]:+.3f} ({loc[0]:+.3f}) |" in text
     line = lambda arm: next(x for x in text.splitlines() if x.startswith(f"| {arm} |"))
     assert line("LG-FG-A").endswith("| — | — |")
     assert line("LG-FG-A-Ren").endswith("| 3.24 | — |")  # one group: S/1/1 only
     sixteen = {**own, "arm": "LG-FG-A-Ren-G16", "local_groups": 16}
-    text = compact(markdown({"rows": [shared, own, sixteen], "command": "c", "machine": "m"}))
+    text = compact(markdown({"report": SECTION, "rows": [shared, own, sixteen], "command": "c", "machine": "m"}))
     assert line("LG-FG-A-Ren-G16").endswith("| — | 2.55 |")  # 16 groups: M/1/16 only
     mixer = {**own, "model": "mixer"}  # their figures are of MLPs: none beside a Mixer
     cells = {**own, "arm": "cells", "model": "local_mixer", "local_groups": 4,
              "local_patch_groups": 16, "local_aggregate": True}
-    text = compact(markdown({"rows": [shared, mixer, cells], "command": "c", "machine": "m"}))
+    text = compact(markdown({"report": SECTION, "rows": [shared, mixer, cells], "command": "c", "machine": "m"}))
     assert line("LG-FG-A-Ren").endswith("| — | — |")
-    assert ("Local losses of the -Ren arms: LG-FG-A-Ren: a head of its own per block; cells: "
+    assert ("Local losses of the arms with heads of their own: LG-FG-A-Ren: a head of its own per block; cells: "
             "16 patch groups × 4 channel groups (64 cells per block), Ren et al.'s feature "
             "aggregator") in text
     with pytest.raises(ValueError, match=r"arms\.0\.local_heads: only local losses read local heads"):
-        ft.load_table_config(ft.QUICK, [("arms=[{name: BP, estimator: {type: backprop}, "
+        ft.load_table_config(ft.QUICK, ["report={}", ("arms=[{name: BP, estimator: {type: backprop}, "
                                         "local_heads: true}]")])
 
 
@@ -427,7 +456,7 @@ def test_a_step_counts_its_cost_in_forward_passes(tmp_path):
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false",
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
             "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
-            ("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
+            "report={}", ("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01]}, "
             "{name: FG-W, estimator: {type: forward, num_tangents: 1}, lrs: [0.001]}, "
             "{name: FG-W-K4, estimator: {type: forward, num_tangents: 4}, lrs: [0.001]}]")]
     bp, k1, k4 = ft.run_table(ft.load_table_config(ft.QUICK, over))
@@ -450,7 +479,7 @@ def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
     over = ["seeds=1", "cosine_keys=2", "timing_steps=1", "baselines=false", "extend_sweeps=0",
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 2}, "
             "steps: 2, batch_size: 8, eval_every: 2, train_eval_size: 32}]"),
-            ("arms=[{name: LG-FG-A-Ren-G4, estimator: {type: forward, perturb: activations, "
+            "report={}", ("arms=[{name: LG-FG-A-Ren-G4, estimator: {type: forward, perturb: activations, "
             "local_losses: true}, local_heads: true, local_groups: 4, lrs: [0.001]}]")]
     (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert (row["local_heads"], row["local_groups"]) == ("own", 4)
@@ -459,7 +488,7 @@ def test_a_grouped_ren_arm_runs_and_what_it_cannot_be_is_refused():
         ft.load_table_config(ft.QUICK, [over[-1].replace("local_heads: true", "local_heads: false")])
     with pytest.raises(ValueError, match=r"arms\.0\.local_groups: grouped local losses need "
                                          r"activity perturbation"):
-        ft.load_table_config(ft.QUICK, [("arms=[{name: W, estimator: {type: local_forward_weights}"
+        ft.load_table_config(ft.QUICK, ["report={}", ("arms=[{name: W, estimator: {type: local_forward_weights}"
                                         ", local_heads: true, local_groups: 4}]")])
 
 
@@ -474,7 +503,7 @@ def test_a_local_mixer_arm_with_aggregated_cells_runs_and_its_misuse_is_refused(
            "local_losses: true}, local_heads: true, local_groups: 2, local_patch_groups: 4, "
            "local_aggregate: true, lrs: [0.001]}]")
     over = ["seeds=1", "cosine_keys=2", "timing_steps=1", "baselines=false", "extend_sweeps=0",
-            mixer, arm]
+            mixer, "report={}", arm]
     (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert (row["model"], row["local_groups"], row["local_patch_groups"],
             row["local_aggregate"]) == ("local_mixer", 2, 4, True)
@@ -482,7 +511,7 @@ def test_a_local_mixer_arm_with_aggregated_cells_runs_and_its_misuse_is_refused(
     assert np.isfinite(row["test_loss_mean"])
     with pytest.raises(ValueError, match=r"arms\.0\.local_aggregate: the feature aggregator "
                                          r"needs cells"):
-        ft.load_table_config(ft.QUICK, [mixer, ("arms=[{name: a, estimator: {type: forward, "
+        ft.load_table_config(ft.QUICK, [mixer, "report={}", ("arms=[{name: a, estimator: {type: forward, "
                                         "perturb: activations, local_losses: true}, "
                                         "local_heads: true, local_aggregate: true}]")])
     with pytest.raises(ValueError, match=r"arms\.0\.local_patch_groups: local_over: "
@@ -500,7 +529,7 @@ def test_an_arm_runs_only_on_the_data_sets_it_names():
           "batch_size: 8, eval_every: 2, train_eval_size: 32}")
     over = ["seeds=1", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=0",
             f"datasets=[{ds % 'a'}, {ds % 'b'}]",
-            "arms=[{name: BP, lrs: [0.01]}, {name: BP-b, lrs: [0.01], datasets: [b]}]"]
+            "report={}", "arms=[{name: BP, lrs: [0.01]}, {name: BP-b, lrs: [0.01], datasets: [b]}]"]
     rows = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert [(r["dataset"], r["arm"]) for r in rows] == [("a", "BP"), ("b", "BP"), ("b", "BP-b")]
     with pytest.raises(ValueError, match=r"arms\.1\.datasets\.0: 'c' is not a data set of the "
@@ -517,12 +546,12 @@ def test_backprop_at_each_arms_compute_is_read_off_its_own_curve():
           "curve_test_error_mean": [0.5, 0.3, 0.2, 0.1]}
     cheap = {**_row("hybrid-weighted", 0.25), "steps": 40, "forward_equivalents_per_step": 1.5}
     dear = {**_row("FG-W-K16", 0.4), "steps": 40, "forward_equivalents_per_step": 6.0}
-    text = compact(equal_compute_table([bp, cheap, dear], "d"))
+    text = compact(equal_compute_table([bp, cheap, dear], "d", _report()))
     assert "| hybrid-weighted | 1.50 | 20 | 30.00 | 25.00 |" in text
     assert "| FG-W-K16 | 6.00 | ≥ 40 | 10.00 | 40.00 |" in text
-    assert equal_compute_table([cheap, dear], "d") == ""
+    assert equal_compute_table([cheap, dear], "d", _report()) == ""
     assert "Backprop at each arm's compute" in markdown(
-        {"rows": [bp, cheap], "command": "c", "machine": "m"})
+        {"report": SECTION, "rows": [bp, cheap], "command": "c", "machine": "m"})
 
 
 def test_k_is_an_axis_of_the_report():
@@ -554,7 +583,7 @@ def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
     base, cells = [0.20, 0.23, 0.19], [0.10, 0.12, 0.08]
     rows = [row("LG-FG-A-Ren", base), row("LG-FG-A-Ren-P16G4-agg", cells),
             row("LG-FG-A-Ren-G4", [0.21, 0.22, 0.20]), row("FG-A", [0.5, 0.5, 0.5])]
-    lines = design_verdicts(rows, "d")
+    lines = design_verdicts(rows, "d", _report())
     assert len(lines) == 2 and not any(x.startswith("FG-A") for x in lines)
     t, p = stats.ttest_rel(cells, base)
     p2 = stats.ttest_rel([0.21, 0.22, 0.20], base).pvalue  # Holm over the two: 2 p, then max
@@ -566,7 +595,7 @@ def test_local_designs_are_judged_against_one_loss_per_block_in_pairs():
     assert "3 paired seeds (fewer than 5: no ≈)" in lines[0]
     assert lines[1].split(" — ")[1].startswith("inconclusive against LG-FG-A-Ren")
     assert f"p = {p2:.3f}, Holm p = {max(min(1, 2 * p), p2):.3f} (of 2)" in lines[1]
-    assert design_verdicts(rows[1:], "d") == []  # no base arm: nothing to judge against
+    assert design_verdicts(rows[1:], "d", _report()) == []  # no base arm: nothing to judge against
 
 
 def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_family():
@@ -587,19 +616,19 @@ def test_the_shared_head_is_judged_against_heads_of_their_own_in_the_tables_fami
             row("LG-FG-A", [0.30, 0.33, 0.29, 0.31, 0.30]),
             row("LG-FG-A-Ren", [0.25, 0.26, 0.25, 0.27, 0.24]),
             row("LG-FG-A-Ren-G4", [0.20, 0.21, 0.26, 0.22, 0.25])]
-    tests = comparisons(rows, "d")
-    assert family_size(rows, "d") == 5 and len(tests) == 5
+    tests = comparisons(rows, "d", _report())
+    assert family_size(rows, "d", _report()) == 5 and len(tests) == 5
     ps = [stats.ttest_rel(rows[[r["arm"] for r in rows].index(a)]["test_error_by_seed"],
                           rows[[r["arm"] for r in rows].index(b)]["test_error_by_seed"]).pvalue
           for a, b in tests]
     assert [t["p_holm"] for t in tests.values()] == pytest.approx(holm(ps), rel=1e-10)
-    (line,) = head_verdict(rows, "d")
+    (line,) = head_verdict(rows, "d", _report())
     d = np.subtract(rows[3]["test_error_by_seed"], rows[4]["test_error_by_seed"])
     lo, hi = stats.t.interval(0.95, 4, loc=d.mean(), scale=stats.sem(d))
     assert line.startswith("LG-FG-A (shared head) 30.60 ± 1.52 % — worse than LG-FG-A-Ren")
     assert f"95 % CI [{100 * lo:+.2f}, {100 * hi:+.2f}] pp" in line and "(of 5)" in line
     assert "fewer than 5" not in line
-    assert head_verdict(rows[:4], "d") == []
+    assert head_verdict(rows[:4], "d", _report()) == []
     assert seeds_note(rows, "d") == ""
     rows[5] = row("LG-FG-A-Ren-G4", [0.20, 0.21, 0.26])
     assert seeds_note(rows, "d").startswith("**Fewer than 5 seeds**: LG-FG-A-Ren-G4 (3) have")
@@ -643,7 +672,7 @@ def test_a_table_with_a_validation_split_picks_on_it_and_says_so():
     over = ["seeds=2", "cosine_keys=1", "timing_steps=1", "baselines=false", "extend_sweeps=0",
             ("datasets=[{name: d, data: {type: digits}, model: {type: mlp, width: 8, depth: 1}, "
              "steps: 4, batch_size: 8, eval_every: 2, train_eval_size: 32, validation: 0.25}]"),
-            "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0001, 0.001, 0.01]}]"]
+            "report={}", "arms=[{name: BP, estimator: {type: backprop}, lrs: [0.0001, 0.001, 0.01]}]"]
     (row,) = ft.run_table(ft.load_table_config(ft.QUICK, over))
     assert row["picked_on"] == "validation"
     err = np.asarray(row["validation_error_by_lr_seed"])
@@ -654,9 +683,9 @@ def test_a_table_with_a_validation_split_picks_on_it_and_says_so():
     assert row["lr"] == row["lrs"][want]
     from jaxstream_lab.table_report import markdown
 
-    text = markdown({"rows": [row], "command": "c", "machine": "m"})
+    text = markdown({"report": SECTION, "rows": [row], "command": "c", "machine": "m"})
     assert "lowest mean final validation error" in text
-    (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over[:-2] + [
-        over[-2].replace(", validation: 0.25", ""), over[-1]]))
+    (plain,) = ft.run_table(ft.load_table_config(ft.QUICK, over[:-3] + [
+        over[-3].replace(", validation: 0.25", ""), *over[-2:]]))
     assert plain["picked_on"] == "train" and "validation_error_by_lr_seed" not in plain
-    assert "validation error" not in markdown({"rows": [plain], "command": "c", "machine": "m"})
+    assert "validation error" not in markdown({"report": SECTION, "rows": [plain], "command": "c", "machine": "m"})

@@ -180,6 +180,6 @@ def test_sweeps_check_their_lanes_against_memory(tmp_path):
     assert not out.exists()
     with pytest.raises(ConfigError, match=r"datasets.0.batch_size: 5000 exceeds the"):
         run_experiment(table, ["datasets.0.batch_size=5000", "datasets.0.steps=5000",
-                               "datasets.0.eval_every=50", "arms=[{name: BP, lrs: [0.001]}]"],
+                               "datasets.0.eval_every=50", "report={}", "arms=[{name: BP, lrs: [0.001]}]"],
                        out=out)
     assert not out.exists()
