@@ -304,109 +304,106 @@ def _run_lines(payload: dict, rows: list[dict]) -> list[str]:
     return parts
 
 
+HOW_READ = (
+    "Test and train error are at the end of training, mean ± sd over seeds, at the learning "
+    "rate with the lowest mean final train error among the arm's sweep{validation}. Steps to "
+    "target: mean over the seeds that reached the data set's target test accuracy (first "
+    "evaluation at or above it). Seconds to target: those steps times the median step time of "
+    "one lane alone. Peak temp: XLA's temporary buffers of one compiled training step. Cosine: "
+    "estimate vs exact gradient of one batch at initialisation, mean ± sd over keys. {about}"
+    "{published} Baselines: chance, logistic regression, and for text unigram and bigram "
+    "tables, one deterministic fit each. Data sets judged by loss (the character transformer "
+    "on the standard-library text corpus) report test and train cross-entropy (nats per "
+    "character, mean ± sd over seeds) at the learning rate with the lowest mean final train "
+    "loss, steps to a target test loss, and the token error; their ordering and hybrid checks "
+    "compare test losses.")
+VALIDATION = (" (on the data sets that hold out a validation split, the lowest mean final "
+              "validation error: the arms train on the rest of the training set)")
+
+
+def _preamble(payload: dict, rows: list[dict], roles: dict[str, TableReport]) -> list[str]:
+    """The report's head: its command and runs, how to read the tables, the verdict rules."""
+    about = " ".join(dict.fromkeys(t.about for t in roles.values() if t.about))
+    picked = any(r.get("picked_on") == "validation" for r in rows)
+    return [
+        "# Forward-gradient table, reproduced", "",
+        "Written by a command from run outputs; do not edit by hand.", "",
+        f"- report written by: `{payload.get('report_command', payload.get('command', '?'))}`",
+        *_run_lines(payload, rows), "",
+        HOW_READ.format(validation=VALIDATION if picked else "",
+                        about=about + " " if about else "", published=REN_COLUMNS), "",
+        VERDICT_RULES.format(alpha=ALPHA, pp=100 * MARGIN_ERROR, nats=MARGIN_LOSS,
+                             five=MIN_SEEDS_EQUIVALENT, three=MIN_SEEDS), "",
+        HYBRID_WHY,
+    ]
+
+
+def _tables(every: list[dict], rows: list[dict], ds: str, report: TableReport) -> list[str]:
+    """A data set's tables: the arms, their sweeps and stability, baselines, K, equal compute
+    and the layer-by-layer cosines."""
+    r0 = next(r for r in rows if r["dataset"] == ds)
+    loss = _is_loss(r0)
+    target = (f"target test loss {r0['target_loss']:.2f}" if loss
+              else f"target test accuracy {100 * r0['target_accuracy']:.0f} %")
+    parts = ["", f"## {ds}", "", f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", ""]
+    if seeds_note(rows, ds):
+        parts += [seeds_note(rows, ds), ""]
+    parts += [table(rows, ds, report), "", _edges(rows, ds), ""]
+    for said in (flagged(every, ds), designs(rows, ds)):
+        if said:
+            parts += [said, ""]
+    optional = (("Baselines (no training by the library; one deterministic fit):",
+                 baseline_table(every, ds)),
+                (K_AXIS.format(what="loss" if loss else "error %"), k_table(rows, ds)),
+                (EQUAL_COMPUTE.format(ref=report.reference), equal_compute_table(rows, ds, report)),
+                (LAYERS, layer_table(rows, ds)))
+    for head, body in optional:
+        if body:
+            parts += [head, "", body, ""]
+    return parts
+
+
+def _verdicts(rows: list[dict], ds: str, report: TableReport) -> list[str]:
+    """A data set's paired comparisons: the published ordering, the shared head, the hybrids,
+    the local-loss designs, and the equal-budget comparison."""
+    judged = "test loss" if _is_loss(next(r for r in rows if r["dataset"] == ds)) else "test error"
+    parts = [(f"Paired comparisons of this table ({judged}): {family_size(rows, ds, report)} "
+              "tests, Holm-adjusted as one family (the verdict rules above)."), "",
+             f"Ordering {REN_ORDERING['claim']}:", ""]
+    parts += [f"- {line}" for line in ordering(rows, ds, report)]
+    for head, lines in (("Shared head against heads of their own:", head_verdict(rows, ds, report)),
+                        ("Hybrids against their ingredients:", hybrid_verdict(rows, ds, report)),
+                        ("Local-loss designs against one loss per block:",
+                         design_verdicts(rows, ds, report))):
+        if lines:
+            parts += ["", head, ""] + [f"- {line}" for line in lines]
+    budget = budget_report.markdown(rows, ds)
+    return parts + (["", budget] if budget else [])
+
+
 def markdown(payload: dict, plot: str | None = None, memory: dict | None = None,
              cost_plot: str | None = None) -> str:
     """The whole report as markdown (``memory``: optional memory_time rows, see
     :func:`memory_table`; ``cost_plot``: an :func:`equivalents_plot` to show)."""
     every = payload["rows"]
     rows = [r for r in every if not is_baseline(r)]
-    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     roles = report_roles(payload)
-    about = " ".join(dict.fromkeys(roles[ds].about for ds in datasets if roles[ds].about))
-    parts = [
-        "# Forward-gradient table, reproduced",
-        "",
-        "Written by a command from run outputs; do not edit by hand.",
-        "",
-        f"- report written by: `{payload.get('report_command', payload.get('command', '?'))}`",
-    ]
-    parts += _run_lines(payload, rows)
-    parts += [
-        "",
-        ("Test and train error are at the end of training, mean ± sd over seeds, at the learning "
-        "rate with the lowest mean final train error among the arm's sweep"
-        + (" (on the data sets that hold out a validation split, the lowest mean final "
-           "validation error: the arms train on the rest of the training set)"
-           if any(r.get("picked_on") == "validation" for r in rows) else "")
-        + ". Steps to target: "
-        "mean over the seeds that reached the data set's target test accuracy (first evaluation "
-        "at or above it). Seconds to target: those steps times the median step time of one lane "
-        "alone. Peak temp: XLA's temporary buffers of one compiled training step. Cosine: "
-        "estimate vs exact gradient of one batch at initialisation, mean ± sd over keys. "
-        + (about + " " if about else "") + REN_COLUMNS + " Baselines: chance, logistic "
-        "regression, and for "
-        "text unigram and bigram tables, one deterministic fit each. Data sets judged by loss (the "
-        "character transformer on the standard-library text corpus) report test and train "
-        "cross-entropy (nats per character, mean ± sd over seeds) at the learning rate with "
-        "the lowest mean final train loss, steps to a target test loss, and the token error; "
-        "their ordering and hybrid checks compare test losses."),
-        "",
-        VERDICT_RULES.format(alpha=ALPHA, pp=100 * MARGIN_ERROR, nats=MARGIN_LOSS,
-                             five=MIN_SEEDS_EQUIVALENT, three=MIN_SEEDS),
-        "",
-        HYBRID_WHY,
-    ]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    parts = _preamble(payload, rows, {ds: roles[ds] for ds in datasets})
     for ds in datasets:
-        report = roles[ds]
-        r0 = next(r for r in rows if r["dataset"] == ds)
-        loss = _is_loss(r0)
-        target = (f"target test loss {r0['target_loss']:.2f}" if loss
-                  else f"target test accuracy {100 * r0['target_accuracy']:.0f} %")
-        parts += ["", f"## {ds}", "",
-                  f"{r0['steps']} steps, {r0['seeds']} seeds, {target}.", ""]
-        if seeds_note(rows, ds):
-            parts += [seeds_note(rows, ds), ""]
-        parts += [table(rows, ds, report), "", _edges(rows, ds), ""]
-        said = flagged(every, ds)
-        if said:
-            parts += [said, ""]
-        said = designs(rows, ds)
-        if said:
-            parts += [said, ""]
-        if baseline_table(every, ds):
-            parts += ["Baselines (no training by the library; one deterministic fit):", "",
-                      baseline_table(every, ds), ""]
-        if k_table(rows, ds):
-            parts += [K_AXIS.format(what="loss" if loss else "error %"), "", k_table(rows, ds),
-                      ""]
-        if equal_compute_table(rows, ds, report):
-            parts += [EQUAL_COMPUTE.format(ref=report.reference), "",
-                      equal_compute_table(rows, ds, report), ""]
-        if layer_table(rows, ds):
-            parts += [LAYERS, "", layer_table(rows, ds), ""]
-        judged = "test loss" if loss else "test error"
-        m = family_size(rows, ds, report)
-        parts += [(f"Paired comparisons of this table ({judged}): {m} tests, Holm-adjusted as "
-                   "one family (the verdict rules above)."), "",
-                  f"Ordering {REN_ORDERING['claim']}:", ""]
-        parts += [f"- {line}" for line in ordering(rows, ds, report)]
-        if head_verdict(rows, ds, report):
-            parts += ["", "Shared head against heads of their own:", ""]
-            parts += [f"- {line}" for line in head_verdict(rows, ds, report)]
-        if hybrid_verdict(rows, ds, report):
-            parts += ["", "Hybrids against their ingredients:", ""]
-            parts += [f"- {line}" for line in hybrid_verdict(rows, ds, report)]
-        judgements = design_verdicts(rows, ds, report)
-        if judgements:
-            parts += ["", "Local-loss designs against one loss per block:", ""]
-            parts += [f"- {line}" for line in judgements]
-        budget = budget_report.markdown(rows, ds)
-        if budget:
-            parts += ["", budget]
+        parts += _tables(every, rows, ds, roles[ds]) + _verdicts(rows, ds, roles[ds])
     if memory:
         parts += ["", "## Memory and time against backprop (deep MLP)", "", memory_table(memory)]
     if plot:
-        parts += ["", f"![frontier]({os.path.basename(plot)})",
-                  "", ("Final test accuracy (test loss for data sets judged by loss) against peak "
-                  "temporary memory and against training time (steps × step time), one point "
-                  "per arm.")]
+        parts += ["", f"![frontier]({os.path.basename(plot)})", "", FRONTIER]
     if cost_plot:
-        parts += ["", f"![cost]({os.path.basename(cost_plot)})", "",
-                  ("Test error (log scale; test loss for data sets judged by loss) during "
-                   "training against its cost in forward passes: steps × the matmul FLOPs of "
-                   "one compiled step over those of one forward pass of the batch (the "
-                   "'forward passes / step' column, counted from what XLA runs), mean over "
-                   "seeds at the picked rate; the main arms (the others: the tables).")]
+        parts += ["", f"![cost]({os.path.basename(cost_plot)})", "", COST]
     return "\n".join(parts) + "\n"
 
 
+FRONTIER = ("Final test accuracy (test loss for data sets judged by loss) against peak temporary "
+            "memory and against training time (steps × step time), one point per arm.")
+COST = ("Test error (log scale; test loss for data sets judged by loss) during training against "
+        "its cost in forward passes: steps × the matmul FLOPs of one compiled step over those of "
+        "one forward pass of the batch (the 'forward passes / step' column, counted from what "
+        "XLA runs), mean over seeds at the picked rate; the main arms (the others: the tables).")
