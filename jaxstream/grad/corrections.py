@@ -42,13 +42,6 @@ def _per_leaf(seg: dict, like: Any) -> Any:
     return {name: jax.tree.map(lambda _, v=seg[name]: v, like[name]) for name in like}
 
 
-def _segment_sum(per_leaf: Any, like: Any) -> dict:
-    """Sum per-leaf values (already reduced to the segment's shape) within each segment."""
-    if not is_stack_params(like):
-        return {"tree": sum(jax.tree.leaves(per_leaf))}
-    return {name: sum(jax.tree.leaves(per_leaf[name])) for name in like}
-
-
 def group_masks(like: Any, depth: jax.Array) -> dict:
     """Per-segment membership of the k selected micro-batches.
 

@@ -19,7 +19,7 @@ import optax
 from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
 from jaxstream.grad import segments as sg
-from jaxstream.grad.tangents import TangentSpec, combine, gram, micro_key, project
+from jaxstream.grad.tangents import TangentSpec, combine, gram, micro_key
 from jaxstream.models.stack import Stack
 
 
@@ -125,12 +125,6 @@ def embed_vjp(stack: Stack, p: Any, x: jax.Array, ct: jax.Array):
 def unit_estimate(spec: TangentSpec, seg_keys: jax.Array, coeffs: jax.Array, like: Any) -> Any:
     """Σ_n Σ_k coeffs[n, k] v_nk of one unit, the tangents regenerated from ``seg_keys`` (N,)."""
     return combine(spec, seg_keys, coeffs, like)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def unit_project(spec: TangentSpec, seg_keys: jax.Array, tree: Any) -> jax.Array:
-    """⟨tree, v_nk⟩ of one unit: (N, K)."""
-    return project(spec, seg_keys, tree)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -359,12 +353,6 @@ def unit_local_exact(stack: Stack, unit: str, p: Any, layer: jax.Array, inp: jax
 # ----------------------------------------------------------------------------- combine per unit
 # One unit is one segment of the core's combine (``{"tree": ...}``); ``member`` (S,) says which
 # selected micro-batches have this unit's exact gradient (nested per-layer groups).
-@jax.jit
-def unit_group(g_each: Any, member: jax.Array, like: Any) -> Any:
-    """h: the group's mean exact gradient of one unit."""
-    return cb.group_stats(g_each, {"tree": member}, like)[0]
-
-
 def unit_stats(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, like: Any, *, h: Any,
                member: jax.Array, idx: jax.Array, outside: jax.Array,
                total_size: jax.Array, direction: Any = None) -> cb.Stats:
@@ -372,13 +360,6 @@ def unit_stats(spec: TangentSpec, seg_keys: jax.Array, d: jax.Array, like: Any, 
     return cb.Stats(spec, seg_keys, d, like, h=h, counts={"tree": member.sum()},
                     outside=outside, total_size=total_size,
                     rows=cr.outside_rows({"tree": member}, idx, d.shape[0]), direction=direction)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def unit_partials(rule: cb.Rule, spec: TangentSpec, seg_keys: jax.Array, d: jax.Array,
-                  like: Any, stats: dict) -> dict:
-    """This unit's share of the rule's cross-unit sums (summed over units on the host)."""
-    return rule.partials(unit_stats(spec, seg_keys, d, like, **stats))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -77,6 +77,21 @@ def test_floors_and_the_doc_from_json(tmp_path):
     out = page.read_text()
     assert row in out and "Written by `python benchmarks/step_cpu.py --widths 8`" in out
     assert "a test machine" in out
+    # a run of several estimators: one table each, in the order measured
+    two = {**{k: v for k, v in doc.items() if k not in ("estimator", "results")},
+           "runs": {"backprop": doc["results"], "hybrid_eager": doc["results"]}}
+    src.write_text(json.dumps(two))
+    sc.main(["--from-json", str(src), "--doc", str(page)])
+    out = page.read_text()
+    assert out.index("streamed (backprop)") < out.index("streamed (hybrid_eager)")
+    assert out.count("| width | side |") == 2
+    # the goals: width 8 has none; at 1024 the floor 1.00 leaves 1.25 open, 1.30 excludes it
+    assert "out of reach on this machine by the second floor" in out and "none" in out
+    wide = {**doc["results"]["8"], "floor": {**f, "any_implementation": 1.30}}
+    said = sc.excluded({"backprop": {"1024": {**doc["results"]["8"]}}, "hybrid_eager": {"1024": wide}})
+    assert "excludes" not in said and "hybrid_eager at 1024 (1.30 > 1.25)" in said.split("Within")[0]
+    assert "backprop at 1024 (1.00 ≤ 1.25)" in said.split("Within")[1]
+    assert said.split("Of those")[1].count(" at ") == 1 and "backprop at 1024 (2.50)" in said
 
 
 def test_io_costs_are_positive(tmp_path):
