@@ -24,13 +24,12 @@ from jaxstream.grad.checks import check_local_losses
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
-from jaxstream.stream import kernels as K
 from jaxstream.stream import lazy
 from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
-from jaxstream.stream.host_queue import HostQueue, new_clock, to_host
+from jaxstream.stream.host_queue import HostQueue, new_clock
 from jaxstream.stream.pending import Pending
-from jaxstream.stream.placement import Grouped, OneDevice, Placement, check_grouped
+from jaxstream.stream.placement import Placement, placement_for
 from jaxstream.stream.prefetch import Event
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.sweeps import sweeps_of
@@ -78,23 +77,9 @@ class StreamedExecutor(Driver):
         self.spec: TangentSpec = self.plan.spec
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
-        check_grouped(self.plan, config.layers_per_unit, self.engine)
-        if placement is not None and config.layers_per_unit > 1:
-            raise ValueError(f"{self.engine}: layers_per_unit={config.layers_per_unit} groups a "
-                             f"one-device sweep's layers; {type(placement).__name__} makes its "
-                             f"own units; allowed with it: 1")
-        if placement is None and config.layers_per_unit > 1:
-            placement = Grouped(stack, self.spec, self.dtype, device or jax.local_devices()[0],
-                                config.stash_bytes, config.layers_per_unit)
-        self.placement = placement or OneDevice(stack, self.spec, self.dtype,
-                                                device or jax.local_devices()[0],
-                                                config.stash_bytes, config.residuals)
+        self.placement = placement_for(self.plan, stack, self.dtype, config, self.engine,
+                                       placement, device)
         self.placement.agree(store)
-        if self.plan.forward_pass.guess and not self.placement.runs_local_guess:
-            raise ValueError(f"{type(self.placement).__name__}: the local guess's sweeps (exact "
-                             "local gradients, then one jvp along them) run on one device "
-                             "(the stream engine), not on this placement; run it there or in "
-                             "memory")
         self.events: list[Event] = []
         self.queue = HostQueue(store, self.optimizer, self.host, config.overlap_update,
                                latest=lambda: self._latest,
@@ -241,14 +226,7 @@ class StreamedExecutor(Driver):
             jax.block_until_ready(loss)
         finally:
             self.store.abort()
-        layers = self.layers(step)
-        for u in ["embed", "head", *layers[:1]]:
-            params = self.store.read(u).result()
-            opt = self.store.read_opt(u).result()
-            with jax.default_device(self.host):
-                zeros = jax.tree.map(lambda a: np.zeros(np.shape(a), np.float32), params)
-                jax.block_until_ready(K.optax_step(self.optimizer, to_host(zeros, self.host), opt,
-                                                   params))
+        self.queue.warm_up(["embed", "head", *self.layers(step)[:1]])
 
     def forward(self, batch: dict, key: jax.Array, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """The streamed forward sweep alone (no update): per micro-batch losses (N,) and

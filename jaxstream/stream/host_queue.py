@@ -58,6 +58,16 @@ class HostQueue:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="jaxstream-host-update")
         self._inflight: list[Future] = []
 
+    def warm_up(self, units: list[LayerKey]) -> None:
+        """Compiles the optimizer update of each unit's shape, on zero gradients (the result
+        is discarded; nothing is staged)."""
+        for u in units:
+            params, opt = self.store.read(u).result(), self.store.read_opt(u).result()
+            with jax.default_device(self.host):
+                zeros = jax.tree.map(lambda a: np.zeros(np.shape(a), np.float32), params)
+                jax.block_until_ready(K.optax_step(self.optimizer, to_host(zeros, self.host),
+                                                   opt, params))
+
     def update(self, unit: LayerKey, grads: Any, params: Any = None, opt: Any = None) -> None:
         """Hands one unit's update to the worker (after the one in flight) and returns."""
         if not self.overlap:

@@ -329,3 +329,26 @@ def check_grouped(plan: Plan, group: int, who: str) -> None:
                           or (not fp.runs and plan.exact == "all")):
         raise ValueError(f"{who}: layers_per_unit={group} runs the forward estimator with "
                          f"weight tangents and backprop, not {plan.describe()}; allowed for it: 1")
+
+
+def placement_for(plan: Plan, stack: Any, dtype: Any, config: Any, who: str,
+                  placement: Placement | None = None, device: Any = None) -> Placement:
+    """The placement a streamed executor runs ``plan`` on: ``placement`` if given, else
+    :class:`Grouped` units of ``config.layers_per_unit`` layers or :class:`OneDevice` on
+    ``device`` (default: the first). Refuses, by field, grouping a plan it does not run,
+    grouping another placement's units, and the local guess off one device."""
+    group = config.layers_per_unit
+    check_grouped(plan, group, who)
+    if placement is not None and group > 1:
+        raise ValueError(f"{who}: layers_per_unit={group} groups a one-device sweep's layers; "
+                         f"{type(placement).__name__} makes its own units; allowed with it: 1")
+    device = device or jax.local_devices()[0]
+    if placement is None:
+        placement = (Grouped(stack, plan.spec, dtype, device, config.stash_bytes, group)
+                     if group > 1 else OneDevice(stack, plan.spec, dtype, device,
+                                                 config.stash_bytes, config.residuals))
+    if plan.forward_pass.guess and not placement.runs_local_guess:
+        raise ValueError(f"{type(placement).__name__}: the local guess's sweeps (exact local "
+                         "gradients, then one jvp along them) run on one device (the stream "
+                         "engine), not on this placement; run it there or in memory")
+    return placement
