@@ -171,12 +171,40 @@ def arm_summary(records: list[dict], sizes: dict[str, int], engine: Any) -> dict
 def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
     """Pretrain, write the stores, fine-tune every arm; write ``metrics.jsonl`` and
     ``finetune.json`` (see the module docstring) and return the summary."""
-    from jaxstream.experiment.plan_cli import measure_read_bandwidth
+    from jaxstream.experiment.finetune_report import format_tables
 
     t_run = time.perf_counter()
     run_dir = Path(run_dir)
     jax.devices()
     constant = rss()
+    where, data, stack, params, records = _pretrained(cfg, run_dir)
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    log.rewrite(records)
+    streamed = [i for i, a in enumerate(cfg.arms) if isinstance(a.engine, StreamEngineConfig)]
+    example = batch_at(data.train, cfg.batch_size, cfg.seed, 0)
+    for i in streamed:
+        status(f"{cfg.arms[i].name}: writing the pretrained model to a layer store")
+        write_layer_store(cfg, i, stack, params, run_dir, where, example)
+    abstract = jax.eval_shape(lambda: params)
+    results: dict[str, dict] = {}
+    for i in [i for i in range(len(cfg.arms)) if i not in streamed] + streamed:
+        if streamed and i == streamed[0]:
+            params = None  # the streamed arms hold no copy of the model
+        done = records + [r for a in results.values() for r in a["records"]]
+        results[cfg.arms[i].name] = _finetune_arm(cfg, i, i in streamed, stack, data, where,
+                                                  abstract if i in streamed else params,
+                                                  run_dir, log, done)
+    log.rewrite(records + [r for a in cfg.arms for r in results[a.name]["records"]])
+    summary = _summary(cfg, run_dir, model_bytes(stack), constant, where, records, results)
+    summary["run_time"] = time.perf_counter() - t_run
+    write_json(run_dir / SUMMARY, summary)
+    print(format_tables(summary))
+    return summary
+
+
+def _pretrained(cfg: FinetuneConfig, run_dir: Path) -> tuple[Path, Any, Any, Any, list[dict]]:
+    """The fine-tune data's store (written if absent), the model, its pretrained params and
+    the pretraining's records."""
     where = data_location(cfg, run_dir)
     pre = cfg.pretrain.data.dataset(cfg.seed)
     if (where / INFO).is_file():
@@ -187,54 +215,50 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
     data = open_data_store(where)
     stream_tc = dataclasses.replace(cfg.train_config(0, where), engine=StreamEngineConfig())
     stack = model_for(stream_tc, data.info, np.asarray(data.train["x"][:2]))  # a stack
-    sizes = model_bytes(stack)
-    root = jax.random.key(cfg.seed)
-    params = stack.init(jax.random.fold_in(root, 0))
+    params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
     params, records = pretrain(cfg, stack, params, pre)
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    log.rewrite(records)
-    example = batch_at(data.train, cfg.batch_size, cfg.seed, 0)
-    streamed = [i for i, a in enumerate(cfg.arms) if isinstance(a.engine, StreamEngineConfig)]
-    for i in streamed:
-        status(f"{cfg.arms[i].name}: writing the pretrained model to a layer store")
-        write_layer_store(cfg, i, stack, params, run_dir, where, example)
-    abstract = jax.eval_shape(lambda: params)
-    order = [i for i in range(len(cfg.arms)) if i not in streamed] + streamed
-    results: dict[str, dict] = {}
-    for i in order:
-        arm = cfg.arms[i]
-        if streamed and i == streamed[0]:
-            params = None  # the streamed arms hold no copy of the model
-        tc = cfg.train_config(i, where)
-        if i in streamed:
-            tc = dataclasses.replace(tc, engine=dataclasses.replace(tc.engine,
-                                                                    continue_store=True))
-        done = records + [r for a in results.values() for r in a["records"]]
-        peak: dict[str, Any] = {}
+    return where, data, stack, params, records
 
-        def on_start(recs: list[dict], done=done, peak=peak) -> None:
-            log.rewrite(done + recs)
-            reset_peak()  # after the step-0 evaluation
 
-        def before_step(info: Any, peak=peak) -> None:
-            if "start" not in peak:  # the first step, after the compilation (warm-up)
-                peak["warm_up"] = rss("VmHWM")
-                peak["reset"] = reset_peak()
-                peak["start"] = rss()
+def _finetune_arm(cfg: FinetuneConfig, i: int, streamed: bool, stack: Any, data: Any,
+                  where: Path, init: Any, run_dir: Path, log: MetricsLog,
+                  done: list[dict]) -> dict:
+    """Fine-tunes arm ``i`` (a streamed arm continues its layer store; ``init``: its params, or
+    their shapes for a streamed arm), with its resident memory at the start, after the
+    warm-up and at the peak."""
+    tc = cfg.train_config(i, where)
+    if streamed:
+        tc = dataclasses.replace(tc, engine=dataclasses.replace(tc.engine, continue_store=True))
+    peak: dict[str, Any] = {}
 
-        def after_step(info: Any, peak=peak) -> None:
-            peak["peak"] = rss("VmHWM")
+    def on_start(recs: list[dict]) -> None:
+        log.rewrite(done + recs)
+        reset_peak()  # after the step-0 evaluation
 
-        init = abstract if i in streamed else params
-        out = train_arm(tc, tc.arms[0], stack=stack, data=data, init_params=init,
-                        run_dir=run_dir, log=log, kept=[], resume=False, on_start=on_start,
-                        hooks=((before_step, {"before": True}), (after_step, {})))
-        results[arm.name] = {"records": out["records"], "diverged": out["diverged"],
-                             "compile_time": out["compile_time"],
-                             "rss_start": peak.get("start"),
-                             "rss_warm_up": peak.get("warm_up") if peak.get("reset") else None,
-                             "rss_peak": peak.get("peak") if peak.get("reset") else None}
-    log.rewrite(records + [r for a in cfg.arms for r in results[a.name]["records"]])
+    def before_step(info: Any) -> None:
+        if "start" not in peak:  # the first step, after the compilation (warm-up)
+            peak["warm_up"] = rss("VmHWM")
+            peak["reset"] = reset_peak()
+            peak["start"] = rss()
+
+    def after_step(info: Any) -> None:
+        peak["peak"] = rss("VmHWM")
+
+    out = train_arm(tc, tc.arms[0], stack=stack, data=data, init_params=init, run_dir=run_dir,
+                    log=log, kept=[], resume=False, on_start=on_start,
+                    hooks=((before_step, {"before": True}), (after_step, {})))
+    return {"records": out["records"], "diverged": out["diverged"],
+            "compile_time": out["compile_time"], "rss_start": peak.get("start"),
+            "rss_warm_up": peak.get("warm_up") if peak.get("reset") else None,
+            "rss_peak": peak.get("peak") if peak.get("reset") else None}
+
+
+def _summary(cfg: FinetuneConfig, run_dir: Path, sizes: dict, constant: Any, where: Path,
+             records: list[dict], results: dict[str, dict]) -> dict[str, Any]:
+    """``finetune.json``: the model's sizes, the host's constant memory and raw read
+    bandwidth, the pretraining, and each arm's figures."""
+    from jaxstream.experiment.plan_cli import measure_read_bandwidth
+
     raw = measure_read_bandwidth(str(run_dir))
     arms = {}
     for arm in cfg.arms:
@@ -245,14 +269,9 @@ def run_finetune(cfg: FinetuneConfig, run_dir: Path) -> dict[str, Any]:
                           "rss_start": res["rss_start"], "rss_peak": res["rss_peak"],
                           "rss_warm_up": res["rss_warm_up"],
                           "engine_config": dataclasses.asdict(arm.engine)}
-    summary = {"model": sizes, "rss_constant": constant, "raw_read_bandwidth": raw,
-               "data_store": str(where), "pretrain": {
-                   "steps": cfg.pretrain.steps, "loss_start": records[0]["train_loss"],
-                   "loss_end": records[-1]["train_loss"],
-                   "test_loss_end": records[-1]["test_loss"]},
-               "arms": arms, "run_time": time.perf_counter() - t_run}
-    write_json(run_dir / SUMMARY, summary)
-    from jaxstream.experiment.finetune_report import format_tables
-
-    print(format_tables(summary))
-    return summary
+    return {"model": sizes, "rss_constant": constant, "raw_read_bandwidth": raw,
+            "data_store": str(where), "pretrain": {
+                "steps": cfg.pretrain.steps, "loss_start": records[0]["train_loss"],
+                "loss_end": records[-1]["train_loss"],
+                "test_loss_end": records[-1]["test_loss"]},
+            "arms": arms}
