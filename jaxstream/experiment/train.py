@@ -98,19 +98,9 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         diag = (diagnostics_for(engine, stack, local=arm.estimator.build().plan.local_target)
                 if cfg.diag_every else None)
         tags = {"arm": arm.name}
-        loop = TrainLoop(engine.step, tags=tags,
-                         batch_at=batches,
-                         key_at=lambda s: jax.random.fold_in(step_root, s),
-                         stop_if=_diverged)
-
-        resume_ckpt = Resume(ckpt, sane=rollback)
-        if resume:
-            loop.add_start_hook(resume_ckpt)
-        resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
-        if resume_at is not None:
-            back = {"rollback": True} if rollback else {}
-            loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume,
-                                                        **back))
+        loop = TrainLoop(engine.step, tags=tags, batch_at=batches,
+                         key_at=lambda s: jax.random.fold_in(step_root, s), stop_if=_diverged)
+        resume_ckpt = _start_hooks(loop, engine, ckpt, run_dir, resume, rollback)
         state, start = loop.begin(state)
         if rollback:
             ckpt.drop_after(start)
@@ -136,15 +126,7 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         bar = arm_bar(arm.name, start=start, total=stop, enabled=cfg.progress)
         loop.add_hook(bar_hook(bar))
         loop.add_hook(lambda i: (records.append(i.record), log.append(i.record)))
-        settle = getattr(engine, "settle", None)  # a store committing on a thread
-
-        def save(i) -> None:
-            if settle is not None:
-                settle()  # the checkpoint is never ahead of the store it stands for
-            ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
-                                        "diverged": _diverged(i.record)})
-
-        loop.add_hook(save, every=cfg.checkpoint_every, at_end=True)
+        settle = _save_hook(loop, engine, ckpt, cfg.checkpoint_every)
         out = loop.run(state, start=start, stop=stop, train_time=resume_ckpt.train_time)
         if settle is not None:
             settle()  # the arm's last commit is on disk before the next arm or the summary
@@ -153,6 +135,38 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
                  cfg.progress, stopped_at=stopped, steps=cfg.steps)
         return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
+
+
+def _start_hooks(loop: TrainLoop, engine: Any, ckpt: ArmCheckpointer, run_dir: Path,
+                 resume: bool, rollback: bool) -> Resume:
+    """The loop's start: the arm's checkpoint restored when resuming (its last sane one with
+    ``rollback``), and an engine's parameters kept outside the checkpoint (a layer store)
+    brought to the same step."""
+    resume_ckpt = Resume(ckpt, sane=rollback)
+    if resume:
+        loop.add_start_hook(resume_ckpt)
+    resume_at = getattr(engine, "resume_at", None)  # parameters kept outside the checkpoint
+    if resume_at is not None:
+        back = {"rollback": True} if rollback else {}
+        loop.add_start_hook(lambda st, s: resume_at(st, s, run_dir=run_dir, resume=resume,
+                                                    **back))
+    return resume_ckpt
+
+
+def _save_hook(loop: TrainLoop, engine: Any, ckpt: ArmCheckpointer,
+               every: int) -> Callable[[], None] | None:
+    """Checkpoints every ``every`` steps and at the end, never ahead of the store the engine
+    commits on a thread (its ``settle``, returned; None for an engine without one)."""
+    settle = getattr(engine, "settle", None)  # a store committing on a thread
+
+    def save(i) -> None:
+        if settle is not None:
+            settle()  # the checkpoint is never ahead of the store it stands for
+        ckpt.save(i.step, i.state, {"train_time": i.record["train_time"],
+                                    "diverged": _diverged(i.record)})
+
+    loop.add_hook(save, every=every, at_end=True)
+    return settle
 
 
 def _check_arms_trace(cfg: TrainConfig, model: Any, params: Any, batch: dict) -> None:
