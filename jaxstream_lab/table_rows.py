@@ -58,8 +58,13 @@ def report_roles(payload: dict) -> dict[str, TableReport]:
         if report is None:
             words = str(run.get("command", "")).split()
             path = words[words.index("--config") + 1] if "--config" in words[:-1] else None
-            report = (to_dict(load_table_config(path).report) if path and Path(path).is_file()
-                      else {})
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(
+                    f"report: the run `{run.get('command')}` predates its rows' report section "
+                    f"and its config {path} is not found from {Path.cwd()}; run this from where "
+                    "that command ran (the repository root), or add its report section to the "
+                    "rows' .meta")
+            report = to_dict(load_table_config(path).report) if path else {}
         roles = from_dict(TableReport, report, "report")
         for r in run.get("rows", payload["rows"]):
             out.setdefault(r["dataset"], roles)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from tests.markdown import compact
@@ -113,6 +114,12 @@ def test_the_report_reads_each_runs_roles_from_its_meta_or_its_config(tmp_path):
     assert "- FG-W worse than FG-A: yes (" in q and "| 2.66 | 2.41 |" in q
     assert "(ordering not checked: arms ['FG-W', 'FG-A', 'LG-FG-A', 'BP'] missing)" in z
     assert "| 2.66 | 2.41 |" not in z  # no section: no published figures beside a namesake
+    # a config named but not found from here: said, not read as "no roles"
+    (tmp_path / "old.json.meta").write_text(json.dumps(
+        {"command": "python benchmarks/forward_table.py --config nowhere/t.yaml"}))
+    with pytest.raises(FileNotFoundError, match=r"report: the run .* config nowhere/t\.yaml is "
+                                                r"not found from"):
+        ft.main(["--from-json", str(tmp_path / "old.json"), "--docs", str(tmp_path / "r3.md")])
 
 
 def test_a_run_records_its_section_beside_its_rows(tmp_path):
