@@ -209,7 +209,7 @@ def section(rows: list[dict], dataset: str) -> str:
     tests = comparisons(rows, dataset)
     sizes = ", ".join(f"K = {k}: {sum('p' in t for _, _, t in per_k)}"
                       for k, per_k in tests.items())
-    parts = [frame(rows, dataset).to_markdown(index=False), ""]
+    parts = [frame(rows, dataset).to_markdown(index=False, disable_numparse=True), ""]
     parts += [f"- {line}" for line in memory_lines(rows, dataset)]
     said = (f"Which family wins per K ({judged}; the paired tests of each K are one family, "
             f"Holm-adjusted: {sizes}):")

@@ -88,6 +88,8 @@ def test_the_budget_document_and_plot_are_written_from_rows(tmp_path):
     assert budget_report.plot(rows, str(png)) and png.stat().st_size > 1000
     text = document({"rows": rows, "command": "c", "machine": "m", "seconds": 1.0}, str(png))
     assert text.startswith("# Forward-mode against zeroth-order") and "![budget](b.png)" in text
+    # cells as formatted (3.00 forward passes, rate 1e-03), not re-parsed as numbers by tabulate
+    assert "| 3.00 " in text and "| 1e-03 " in text
     assert "## d" in text and "rates picked on the validation split" in text
     assert "the paired comparisons of one K (the family" in text
     one_family = [r for r in rows if r["family"] in ("exact", "SPSA")]
