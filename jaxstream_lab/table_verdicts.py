@@ -55,13 +55,18 @@ def _playing(r: dict, report: TableReport) -> dict[str, str]:
             for m, arms in report.methods.items() if arms}
 
 
-def _ordering_arms(r: dict, report: TableReport) -> tuple[list[str], list[str]]:
-    """The arms that play the published ordering's methods, in the claim's order, and the
-    missing: an arm that did not run here, or a method no arm plays (named as the method)."""
+def _ordering_arms(r: dict, report: TableReport) -> tuple[list[str], str]:
+    """The arms that play the published ordering's methods, in the claim's order, and what is
+    missing ("" if nothing): the methods no arm plays (``report.methods``), the arms that
+    play one and did not run here."""
     plays = _playing(r, report)
-    methods = dict.fromkeys(m for rel in REN_ORDERING["relations"] for m in (rel["a"], rel["b"]))
-    arms = [plays.get(m, m) for m in methods]
-    return arms, [a for m, a in zip(methods, arms) if m not in plays or a not in r]
+    methods = list(dict.fromkeys(m for rel in REN_ORDERING["relations"]
+                                 for m in (rel["a"], rel["b"])))
+    unplayed = [m for m in methods if m not in plays]
+    absent = [plays[m] for m in methods if m in plays and plays[m] not in r]
+    said = ([f"no arm plays {unplayed} (the table's report.methods)"] if unplayed else []) + (
+        [f"arms {absent} missing"] if absent else [])
+    return [plays.get(m, m) for m in methods], "; ".join(said)
 
 
 def _best_forward(r: dict, report: TableReport) -> dict | None:
@@ -140,7 +145,7 @@ def ordering(rows: list[dict], dataset: str, report: TableReport) -> list[str]:
     r = _by(rows, dataset)
     need, missing = _ordering_arms(r, report)
     if missing:
-        return [f"(ordering not checked: arms {missing} missing)"]
+        return [f"(ordering not checked: {missing})"]
     plays = _playing(r, report)
     loss = _is_loss(r[need[-1]])
     tests = comparisons(rows, dataset, report)

@@ -98,6 +98,13 @@ def test_the_report_reads_each_runs_roles_from_its_meta_or_its_config(tmp_path):
     assert "- ref best and w worst of these four: yes" in text
     assert "ingredients: sub 4.00 ± 1.00 %, best forward arm local" in text
     assert "| ref | 1e-03 |" in text and "| 2.66 | 2.41 |" in text  # BP's published figures
+    from jaxstream.experiment.config import from_dict
+    from jaxstream_lab.table_config import TableReport
+    from jaxstream_lab.table_verdicts import ordering
+
+    roles = from_dict(TableReport, section)
+    assert ordering([r for r in rows if r["arm"] != "w"], "d", roles) == [
+        "(ordering not checked: arms ['w'] missing)"]  # plays FG-W, did not run here
 
     # an older run: no section in its meta, the config its command names has one
     old = [_row("BP", 0.03, "q"), _row("FG-W", 0.2, "q"), _row("FG-A", 0.05, "q"),
@@ -112,7 +119,8 @@ def test_the_report_reads_each_runs_roles_from_its_meta_or_its_config(tmp_path):
     text = compact((tmp_path / "r2.md").read_text())
     q, z = text.split("## q")[1].split("## z")
     assert "- FG-W worse than FG-A: yes (" in q and "| 2.66 | 2.41 |" in q
-    assert "(ordering not checked: arms ['FG-W', 'FG-A', 'LG-FG-A', 'BP'] missing)" in z
+    assert ("(ordering not checked: no arm plays ['FG-W', 'FG-A', 'LG-FG-A', 'BP'] (the "
+            "table's report.methods))") in z
     assert "| 2.66 | 2.41 |" not in z  # no section: no published figures beside a namesake
     # a config named but not found from here: said, not read as "no roles"
     (tmp_path / "old.json.meta").write_text(json.dumps(
