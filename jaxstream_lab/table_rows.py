@@ -10,7 +10,7 @@ from typing import Any
 
 import pandas as pd
 
-from jaxstream.experiment.config import from_dict, to_dict
+from jaxstream.experiment.config import from_dict
 from jaxstream_lab.table_config import TableReport, load_table_config
 
 # Ren et al.'s published figures and claims are data, with their source: published.json
@@ -64,8 +64,9 @@ def report_roles(payload: dict) -> dict[str, TableReport]:
                     f"and its config {path} is not found from {Path.cwd()}; run this from where "
                     "that command ran (the repository root), or add its report section to the "
                     "rows' .meta")
-            report = to_dict(load_table_config(path).report) if path else {}
-        roles = from_dict(TableReport, report, "report")
+            roles = load_table_config(path).report if path else TableReport()
+        else:
+            roles = from_dict(TableReport, report, "report")
         for r in run.get("rows", payload["rows"]):
             out.setdefault(r["dataset"], roles)
     return out

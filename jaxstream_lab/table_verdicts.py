@@ -55,10 +55,10 @@ def _playing(r: dict, report: TableReport) -> dict[str, str]:
             for m, arms in report.methods.items() if arms}
 
 
-def _ordering_arms(r: dict, report: TableReport) -> tuple[list[str], str]:
-    """The arms that play the published ordering's methods, in the claim's order, and what is
-    missing ("" if nothing): the methods no arm plays (``report.methods``), the arms that
-    play one and did not run here."""
+def _ordering_arms(r: dict, report: TableReport) -> tuple[dict[str, str], str]:
+    """Each method of the published ordering -> the arm that plays it (the method's own name
+    where none does), in the claim's order, and what is missing ("" if nothing): the methods
+    no arm plays (``report.methods``), the arms that play one and did not run here."""
     plays = _playing(r, report)
     methods = list(dict.fromkeys(m for rel in REN_ORDERING["relations"]
                                  for m in (rel["a"], rel["b"])))
@@ -66,7 +66,7 @@ def _ordering_arms(r: dict, report: TableReport) -> tuple[list[str], str]:
     absent = [plays[m] for m in methods if m in plays and plays[m] not in r]
     said = ([f"no arm plays {unplayed} (the table's report.methods)"] if unplayed else []) + (
         [f"arms {absent} missing"] if absent else [])
-    return [plays.get(m, m) for m in methods], "; ".join(said)
+    return {m: plays.get(m, m) for m in methods}, "; ".join(said)
 
 
 def _best_forward(r: dict, report: TableReport) -> dict | None:
@@ -86,8 +86,8 @@ def _pairs(rows: list[dict], dataset: str, report: TableReport) -> list[tuple[st
     """Every paired comparison the report makes on one data set, as ``(a, b)`` arm names."""
     r = _by(rows, dataset)
     pairs = []
-    if not _ordering_arms(r, report)[1]:
-        plays = _playing(r, report)
+    plays, missing = _ordering_arms(r, report)
+    if not missing:
         pairs += [(plays[x["a"]], plays[x["b"]]) for x in REN_ORDERING["relations"]]
     if report.shared_head and all(a in r for a in report.shared_head):
         pairs.append(tuple(report.shared_head))  # shared head against heads of their own
@@ -143,10 +143,10 @@ def ordering(rows: list[dict], dataset: str, report: TableReport) -> list[str]:
     untested); one line per relation, each answered yes / no / inconclusive from the verdict
     of its paired comparison (:func:`comparisons`)."""
     r = _by(rows, dataset)
-    need, missing = _ordering_arms(r, report)
+    plays, missing = _ordering_arms(r, report)
     if missing:
         return [f"(ordering not checked: {missing})"]
-    plays = _playing(r, report)
+    need = list(plays.values())
     loss = _is_loss(r[need[-1]])
     tests = comparisons(rows, dataset, report)
     out = []
