@@ -12,7 +12,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,9 @@ import jax.numpy as jnp
 from jaxstream.grad import segments as sg
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack, loss_dtype
+
+if TYPE_CHECKING:
+    from jaxstream.grad.passes import ForwardPass
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -55,6 +59,44 @@ class StageOps:
         """(loss, d) of a one-stage pipeline."""
         h, dh = self.forward_first(p, x, key)
         return self._head_loss_jvp(p, h, dh, key, batch)
+
+    def weights_forward(self, position: str, p, inp, dh, key, batch):
+        """F op with tangents on the weights at ``position``: ``(h, dh)``, or on the last stage
+        ``(mean loss, d (K,))``; ``inp`` is the micro-batch's input on the first stage."""
+        if position == "first":
+            return self.forward_first(p, inp, key)
+        if position == "mid":
+            return self.forward_mid(p, inp, dh, key)
+        if position == "last":
+            return self.forward_last(p, inp, dh, key, batch)
+        return self.forward_only(p, inp, key, batch)
+
+    # ------------------------------------------------------------------ the F op of a pass
+    def forward_op(self, fp: ForwardPass | None, direction: Any = None) -> Callable:
+        """The F op of forward pass ``fp`` (None: tangents on the weights; ``direction``: the
+        derivatives along it), one function of the stage's position::
+
+            (position, params, input, input tangents, key, batch) -> (a, b, g)
+
+        ``a``: the stage's output h (first/mid) or the micro-batch's mean loss (last/only);
+        ``b``: the tangents passed on (first/mid) or the scalars d, None where the pass has
+        none (local losses); ``g``: the stage's weight estimates formed by the pass itself,
+        None where they come later (from d)."""
+        if direction is not None:
+            return lambda pos, p, inp, dh, key, batch: (
+                *self.along_forward(pos, p, direction, inp, dh, batch), None)
+        if fp is not None and fp.guess:
+            return lambda pos, p, inp, dh, key, batch: _local(
+                self.local_exact_forward(pos, p, inp, batch))
+        if fp is not None and fp.local_losses:
+            weights = fp.tangents == "weights"
+            return lambda pos, p, inp, dh, key, batch: _local(
+                self.local_forward(pos, p, inp, key, batch, weights=weights))
+        if fp is not None and fp.forms_block_estimates:
+            return lambda pos, p, inp, dh, key, batch: (
+                *self.activity_forward(pos, p, inp, dh, key, batch), None)
+        return lambda pos, p, inp, dh, key, batch: (
+            *self.weights_forward(pos, p, inp, dh, key, batch), None)
 
     # ------------------------------------------------------------------ activity perturbation
     def activity_forward(self, position: str, p, inp, dh, key, batch):
@@ -168,3 +210,8 @@ class StageOps:
         if want_input:
             return pull(lambda hh: self.primal(position, p, hh, batch), inp)[0], zeros_p
         return jnp.zeros_like(inp), pull(lambda pp: self.primal(position, pp, inp, batch), p)[0]
+
+
+def _local(out: tuple) -> tuple:
+    """A local-loss F op's ``(h or loss, g)`` as ``(a, b, g)``: no tangents passed on."""
+    return out[0], None, out[1]

@@ -52,8 +52,12 @@ def _param_specs():
 
 
 def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direction=None):
-    """One function per (kind, position, stale) used by the table; all return the same tuple."""
-    fp = pipe.plan.forward_pass
+    """One function per (kind, position, stale) used by the table; all return the same tuple.
+
+    An F op is the pass's own (:meth:`StageOps.forward_op`); an FBW op (F, loss, B and W of an
+    exact chain in one) runs the weights' tangents, or along ``direction`` when given."""
+    f_ops = {F: ops.forward_op(pipe.plan.forward_pass, direction),
+             FBW: ops.forward_op(None, direction)}
 
     def build(kind, pos, stale):
         def fn(x):
@@ -63,35 +67,15 @@ def _branches(pipe: Pipeline, ops: StageOps, params, prev_params, dshape, direct
             out = {"h": hz, "t": jnp.zeros_like(t_in), "c": hz,
                    "g": jax.tree.map(jnp.zeros_like, params),
                    "loss": jnp.zeros((), acc), "d": jnp.zeros(dshape, acc)}
-            inp = bj["x"] if pos in ("first", "only") else h_in
-            if kind in (F, FBW) and direction is not None:
-                a, b = ops.along_forward(pos, params, direction, inp, t_in, bj)
-                if pos in ("first", "mid"):
-                    out["h"], out["t"] = a, b
-                else:
-                    out["loss"], out["d"] = a, b
-            elif kind == F and fp.guess:
-                h, out["g"] = ops.local_exact_forward(pos, params, inp, bj)
-                out["h" if pos in ("first", "mid") else "loss"] = h
-            elif kind == F and fp.local_losses:
-                h, out["g"] = ops.local_forward(pos, params, inp, kj, bj,
-                                                weights=fp.tangents == "weights")
-                out["h" if pos in ("first", "mid") else "loss"] = h
-            elif kind == F and fp.tangents == "activations":
-                a, b = ops.activity_forward(pos, params, inp, t_in, kj, bj)
-                if pos in ("first", "mid"):
-                    out["h"], out["t"] = a, b
-                else:
-                    out["loss"], out["d"] = a, b
-            elif kind in (F, FBW):
-                if pos == "first":
-                    out["h"], out["t"] = ops.forward_first(params, bj["x"], kj)
-                elif pos == "mid":
-                    out["h"], out["t"] = ops.forward_mid(params, h_in, t_in, kj)
-                elif pos == "last":
-                    out["loss"], out["d"] = ops.forward_last(params, h_in, t_in, kj, bj)
-                else:
-                    out["loss"], out["d"] = ops.forward_only(params, bj["x"], kj, bj)
+            if kind in f_ops:
+                inp = bj["x"] if pos in ("first", "only") else h_in
+                a, b, g = f_ops[kind](pos, params, inp, t_in, kj, bj)
+                passes_on = pos in ("first", "mid")
+                out["h" if passes_on else "loss"] = a
+                if b is not None:
+                    out["t" if passes_on else "d"] = b
+                if g is not None:
+                    out["g"] = g
             if kind in (B, W, BW, FBW):
                 p = prev_params if stale else params
                 data = sbj if stale else bj
