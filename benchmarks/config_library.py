@@ -1,9 +1,10 @@
 """What a config library would change: the same values through jaxstream's loader, pydantic v2
 (lax and strict) and draccus, side by side.
 
-jaxstream's configs are frozen dataclasses read by ``jaxstream.experiment.config.from_dict``.
-Issue-level question: could pydantic or draccus read them instead, with every config that loads
-today loading the same, and every refusal still naming the field? This runs each probe value
+jaxstream's configs are frozen dataclasses read by ``jaxstream.experiment.config.from_dict``
+(pydantic, with jaxstream's rule for each scalar). What would pydantic's own modes, or draccus,
+make of the same values: would every config load the same, would every refusal still name the
+field? This runs each probe value
 of each field type, and each structural probe (an unknown key, a misspelt one, a missing one,
 a bad value two sections deep, a section that keeps its default's type), through every loader
 and prints what each one makes of it: the value it builds, or "refused". A cell that differs

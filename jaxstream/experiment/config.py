@@ -1,14 +1,17 @@
 """Typed experiment configs: YAML + dotted overrides -> frozen dataclasses, and back to YAML.
 
-A config is any (nested) frozen dataclass. :func:`from_dict` checks every value against the
-field's type hint and raises a ``ValueError`` naming the dotted field and what is allowed, so a
-bad experiment fails before any compute starts. Polymorphic sections (an ``engine:``, a
+A config is any (nested) frozen dataclass, read by pydantic v2: :func:`from_dict` checks every
+value against the field's type hint and raises a ``ValueError`` naming the dotted field and
+what is allowed, so a bad experiment fails before any compute starts. Scalars are read by
+jaxstream's rules (``steps: true`` is refused, not read as 1;
+:mod:`jaxstream.experiment.config_schema`). Polymorphic sections (an ``engine:``, a
 ``model:``) are chosen by a ``type:`` key among the classes registered for the field's base
-class with :func:`register_choice` (as levanter does with draccus' ChoiceRegistry).
+class with :func:`register_choice` (pydantic's tagged union, rebuilt as plugins register).
+A section given in part keeps the rest of its default instance.
 
-Supported field types: ``int``, ``float``, ``str``, ``bool``, ``Literal[...]``, ``X | None``,
-``tuple[X, ...]``, ``tuple[X, Y]``, ``list[X]``, ``dict[str, X]``, ``Any``, nested dataclasses and
-registered polymorphic bases.
+Supported field types: whatever pydantic reads (``int``, ``float``, ``str``, ``bool``,
+``Literal[...]``, ``X | None``, tuples, lists, ``dict[str, X]``, ``Any``, nested dataclasses),
+registered polymorphic bases, and any other class, checked by ``isinstance``.
 
 Example:
     >>> @dataclasses.dataclass(frozen=True)
@@ -23,15 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
+import pydantic
 import yaml
+from pydantic_core import SchemaValidator
+from pydantic_core import core_schema as cs
 
+from jaxstream.experiment import config_schema as sch
 from jaxstream.experiment.config_yaml import ConfigError, apply_overrides, read_yaml
 from jaxstream.ranges import Seed, declared
 
@@ -62,6 +68,9 @@ def register_choice(base: type, name: str, cls: type | None = None):
         if name in table and table[name] is not c:
             raise ConfigError(f"{base.__name__} choice {name!r} is already registered")
         table[name] = c
+        _VERSION[0] += 1
+        if "__get_pydantic_core_schema__" not in vars(base):
+            base.__get_pydantic_core_schema__ = classmethod(_choice_schema)
         return c
 
     return deco(cls) if cls is not None else deco
@@ -86,20 +95,9 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _fmt(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if isinstance(tp, type) and not typing.get_args(tp):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _where(path: str) -> str:
-    return path or "<config>"
-
-
 def from_dict(cls: type[T], data: Any, path: str = "", default: Any = _MISSING) -> T:
-    """Build dataclass ``cls`` from plain ``data``, checking every field's type.
+    """Build dataclass ``cls`` from plain ``data``, checking every field's type (by pydantic,
+    with jaxstream's scalar rules: :mod:`jaxstream.experiment.config_schema`).
 
     Args:
       cls: a dataclass or a base registered with :func:`register_choice`.
@@ -111,186 +109,179 @@ def from_dict(cls: type[T], data: Any, path: str = "", default: Any = _MISSING) 
     Raises:
       ValueError: naming the dotted field and the allowed keys / values / types.
     """
-    return _convert(cls, data, path, default)
-
-
-def _convert(tp: Any, value: Any, path: str, default: Any = _MISSING) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        if value not in args or type(value) is not type(_match(args, value)):
-            allowed = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{_where(path)}: {value!r} is not allowed; choose one of {allowed}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:
-            return _convert(options[0], value, path, default)
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _convert(a, value, path, default)
-            except ValueError as e:
-                errors.append(str(e))
-        allowed = " or ".join(_fmt(a) for a in args)
-        raise ConfigError(f"{_where(path)}: expected {allowed}, got {value!r} ({'; '.join(errors)})")
-    if tp in _CHOICES:
-        return _convert_choice(tp, value, path, default)
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _convert_dataclass(tp, value, path, default)
-    if origin in (tuple, list) or tp in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{_where(path)}: expected a list ({_fmt(tp)}), got {value!r}")
-        if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(args) != len(value):
-                raise ConfigError(f"{_where(path)}: expected {len(args)} items, got {len(value)}")
-            items = [_convert(a, v, f"{path}.{i}") for i, (a, v) in enumerate(zip(args, value))]
-        else:
-            item_tp = args[0] if args else Any
-            items = [_convert(item_tp, v, f"{path}.{i}") for i, v in enumerate(value)]
-        return tuple(items) if (origin or tp) is tuple else items
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{_where(path)}: expected a mapping, got {value!r}")
-        kt, vt = args if args else (Any, Any)
-        return {_convert(kt, k, f"{path}.{k}"): _convert(vt, v, f"{path}.{k}") for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{_where(path)}: expected float, got {value!r}")
-        number = None
-        if isinstance(value, (int, float)):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
-            raise ConfigError(f"{_where(path)}: expected float, got {value!r}")
-        if not math.isfinite(number):  # no field of a run means anything at NaN or ±inf
-            raise ConfigError(f"{_where(path)}: expected a finite number, got {value!r}")
-        return number
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{_where(path)}: expected int, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{_where(path)}: expected bool (true/false), got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{_where(path)}: expected str, got {value!r}")
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        raise ConfigError(f"{_where(path)}: expected {_fmt(tp)}, got {value!r}")
-    raise TypeError(f"{_where(path)}: unsupported annotation {tp!r}")
-
-
-def _match(args: tuple, value: Any) -> Any:
-    for a in args:
-        if a == value and type(a) is type(value):
-            return a
-    return object()
-
-
-def _convert_choice(base: type, value: Any, path: str, default: Any) -> Any:
-    table = _CHOICES[base]
-    if isinstance(value, tuple(table.values())):
-        return value
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{_where(path)}: expected a mapping with a 'type' key, got {value!r}")
-    value = dict(value)
-    name = value.pop("type", None)
-    if name is None:
-        if default is _MISSING or default is None:
-            raise ConfigError(f"{_where(path)}.type: missing; choose one of {sorted(table)}")
-        name = choice_name(base, default)
-    if name not in table:
-        raise ConfigError(
-            f"{_where(path)}.type: {name!r} is not registered; choose one of {sorted(table)} "
-            "(a type of your own is registered by a plugin: jaxstream run ... --plugin MODULE)"
-        )
-    cls = table[name]
-    keep = default if type(default) is cls else _MISSING
+    data = _fill(cls, data, default, path)
     try:
-        return _convert_dataclass(cls, value, path, keep)
-    except ConfigError as e:
-        if "unknown key" not in str(e) or not dataclasses.is_dataclass(cls):
-            raise
-        # Typically ``section.type=NEW`` given as an override: the file's other keys of the
-        # section were written for its old type and still apply. Say how to switch types.
-        raise ConfigError(f"{e}; to switch {_where(path)} to type {name!r}, give the whole "
-                          f"section, e.g. {_where(path)}={{type: {name}}} (the keys written "
-                          "for another type do not carry over)") from None
+        return _validator(cls, _VERSION[0]).validate_python((data,))[0]
+    except pydantic.ValidationError as e:
+        raise ConfigError(_message(cls, e.errors(), path)) from None
+    except TypeError as e:  # a section's own check that raised TypeError
+        raise ConfigError(f"{sch.where(path)}: {e}") from None
+
+
+_VERSION = [0]  # bumped by each registration: validators built before are rebuilt
+
+
+@functools.lru_cache(maxsize=64)
+def _validator(cls: type, version: int) -> SchemaValidator:
+    adapter = pydantic.TypeAdapter(tuple[cls], config=sch.CONFIG)
+    return SchemaValidator(sch.strict_scalars(adapter.core_schema))
+
+
+def _choice_schema(base: type, source: Any, handler: Any) -> Any:
+    """pydantic's schema of a registered base: the ``type:`` key picks the variant (every
+    registered one, plugins' too); an instance of a variant is taken as it is."""
+    if base not in _CHOICES:  # a variant that subclasses its base: a dataclass of its own
+        return handler(source)
+    table = _CHOICES[base]
+    variants = {name: cs.no_info_before_validator_function(_drop_type,
+                                                           handler.generate_schema(c))
+                for name, c in table.items()}
+    union = cs.tagged_union_schema(variants, discriminator="type")
+    instances = tuple(table.values())
+
+    def choose(value: Any, inner: Any) -> Any:
+        if isinstance(value, instances):
+            return value
+        if not isinstance(value, Mapping):
+            # pydantic reports a ValueError (a TypeError would escape it)
+            raise ValueError(f"expected a mapping with a 'type' key, got {value!r}")  # noqa: TRY004
+        name = value.get("type")
+        if name is None:
+            raise ValueError(f".type: missing; choose one of {sorted(table)}")
+        if name not in table:
+            raise ValueError(
+                f".type: {name!r} is not registered; choose one of {sorted(table)} "
+                "(a type of your own is registered by a plugin: jaxstream run ... --plugin "
+                "MODULE)")
+        return inner(value)
+
+    return cs.no_info_wrap_validator_function(choose, union)
+
+
+def _drop_type(value: Any) -> Any:
+    return {k: v for k, v in value.items() if k != "type"} if isinstance(value, Mapping) \
+        else value
+
+
+def _fill(tp: Any, value: Any, default: Any = _MISSING, path: str = "") -> Any:
+    """``value`` with a default's values for the keys it leaves out: a section given in part
+    keeps the rest of its default instance (its type too, for a section chosen by ``type:``);
+    without one, its class's defaults. Also refuses an old spelling and a plugin's undeclared
+    seed out of range, as the keys are read."""
+    tp = _optional(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (tuple, list) and isinstance(value, (list, tuple)):
+        items = args[:len(value)] if origin is tuple and Ellipsis not in args else \
+            [args[0] if args else Any] * len(value)
+        return [_fill(t, v, _MISSING, f"{path}.{i}") for i, (t, v) in enumerate(zip(items, value))
+                ] + list(value[len(items):])
+    if origin is dict and isinstance(value, Mapping) and args:
+        return {k: _fill(args[1], v, _MISSING, f"{path}.{k}") for k, v in value.items()}
+    if not isinstance(value, Mapping):
+        return value
+    keep = default if dataclasses.is_dataclass(default) and not isinstance(default, type) \
+        else None
+    if tp in _CHOICES:
+        table = _CHOICES[tp]
+        name = value.get("type")
+        if name is None and keep is not None and type(keep) in table.values():
+            name = choice_name(tp, keep)
+        cls = table.get(name)
+        if cls is None:
+            return value  # the choice's own check names what is allowed
+        rest = {k: v for k, v in value.items() if k != "type"}
+        return {"type": name,
+                **_fill_fields(cls, rest, keep if type(keep) is cls else None, path)}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _fill_fields(tp, value, keep if isinstance(keep, tp) else None, path)
+    return value
+
+
+def _fill_fields(cls: type, value: Mapping, default: Any, path: str) -> dict:
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    _check_renamed(value, fields, path)
+    _check_seeds(cls, value, fields, path)
+    out = dict(value)
+    for name, f in fields.items():
+        if default is not None:
+            d = getattr(default, name)
+        elif f.default is not dataclasses.MISSING:
+            d = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            d = f.default_factory()
+        else:
+            d = _MISSING
+        if name in out:
+            out[name] = _fill(_hints(cls)[name], out[name], d, f"{path}.{name}" if path else name)
+        elif default is not None:
+            out[name] = d
+    return out
+
+
+def _check_renamed(value: Mapping, fields: Mapping, path: str) -> None:
+    """An old spelling of a key, the first key the section does not have, is refused by its
+    new name (other unknown keys: pydantic's ``extra="forbid"``)."""
+    unknown = [k for k in value if k not in fields]
+    new = RENAMED.get(unknown[0]) if unknown else None
+    if new in fields:
+        prefix = f"{path}." if path else ""
+        raise ConfigError(f"{prefix}{unknown[0]}: renamed {new} (one spelling of the "
+                          f"micro-batch count everywhere); write {prefix}{new}: "
+                          f"{value[unknown[0]]!r}")
+
+
+def _optional(tp: Any) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return tp
+
+
+def _message(cls: type, errors: list[dict], path: str) -> str:
+    """One line for pydantic's errors: the first a user would meet, at its dotted field."""
+    return _line(cls, sch.first_error(errors), errors, path)
+
+
+def _line(cls: type, err: dict, errors: list[dict], path: str, member: bool = False) -> str:
+    """``err`` as one line (``member``: one union member's reason, not the union's)."""
+    loc = tuple(err["loc"][1:])  # past the tuple the config is validated in
+    at = sch.locate(cls, loc, path, _CHOICES, _hints)
+    if at.union is not None and not member:  # every member refused it: each one's reason
+        head = err["loc"][:at.union + 1]
+        members = [e for e in errors if e["loc"][:at.union + 1] == head
+                   and len(e["loc"]) > at.union + 1]
+        union = sch.locate(cls, loc[:at.union], path, _CHOICES, _hints)
+        allowed = " or ".join(sch.fmt(a) for a in typing.get_args(union.hint))
+        each = "; ".join(_line(cls, e, errors, path, member=True) for e in members)
+        given = next((e for e in members if len(e["loc"]) == at.union + 2), members[0])
+        return f"{union.path}: expected {allowed}, got {given.get('input')!r} ({each})"
+    parent = sch.locate(cls, loc[:-1], path, _CHOICES, _hints) if loc else at
+    sized = [e for e in errors if e["loc"][:len(err["loc"]) - 1] == err["loc"][:-1]
+             and e["type"] == "missing"] if loc and isinstance(loc[-1], int) else []
+    if err["type"] == "too_long" or (sized and typing.get_origin(parent.tp) is tuple):
+        tup = at if err["type"] == "too_long" else parent
+        return (f"{tup.path}: expected {len(typing.get_args(tup.tp))} items, "
+                f"got {len((sized or [err])[0]['input'])}")
+    section = at.tp if err["type"] == "value_error" else at.owner
+    fields = [f.name for f in dataclasses.fields(section) if f.init] \
+        if dataclasses.is_dataclass(section) else []
+    out = sch.message(err, at, dict.fromkeys(fields))
+    if err["type"] in sch.UNKNOWN:  # inside a section chosen by its type: how to switch
+        for where, tag in reversed(at.choices):
+            out += (f"; to switch {sch.where(where)} to type {tag!r}, give the whole section, "
+                    f"e.g. {sch.where(where)}={{type: {tag}}} (the keys written for another "
+                    "type do not carry over)")
+    return out
 
 
 #: Old spellings of config keys: refused with one line naming the new one.
 RENAMED = {"num_microbatches": "micro_batches", "num_micro_batches": "micro_batches"}
 
-
-def _convert_dataclass(cls: type, value: Any, path: str, default: Any) -> Any:
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{_where(path)}: expected a mapping for {cls.__name__}, got {value!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = [k for k in value if k not in fields]
-    if unknown:
-        prefix = f"{path}." if path else ""
-        new = RENAMED.get(unknown[0])
-        if new in fields:
-            raise ConfigError(f"{prefix}{unknown[0]}: renamed {new} (one spelling of the "
-                              f"micro-batch count everywhere); write {prefix}{new}: "
-                              f"{value[unknown[0]]!r}")
-        raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown key for {cls.__name__}; allowed keys: "
-            f"{', '.join(fields)}"
-        )
-    hints = _hints(cls)
-    kwargs = {}
-    _check_seeds(cls, value, fields, path)
-    for name, f in fields.items():
-        sub = f"{path}.{name}" if path else name
-        fdefault = _MISSING
-        if default is not _MISSING and default is not None:
-            fdefault = getattr(default, name)
-        elif f.default is not dataclasses.MISSING:
-            fdefault = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            fdefault = f.default_factory()
-        if name in value:
-            kwargs[name] = _convert(hints[name], value[name], sub, fdefault)
-        elif fdefault is not _MISSING:
-            kwargs[name] = fdefault
-        else:
-            raise ConfigError(f"{sub}: required field is missing ({_fmt(hints[name])})")
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        msg = str(e)
-        head = msg.split(":", 1)[0].split(".", 1)[0]
-        if path and head in fields:
-            msg = f"{path}.{msg}"  # "num_tangents: ..." -> "arms.0.estimator.num_tangents: ..."
-        elif not (path and msg.startswith(path)) and head not in fields:
-            msg = f"{_where(path)}: {msg}"
-        raise ConfigError(msg) from e
-
-
 SEED_RANGE = typing.get_args(Seed)[1]  # what both JAX keys and NumPy generators take
 
 
-def _check_seeds(cls: type, value: Mapping, fields: Mapping, path: str) -> None:
+def _check_seeds(cls: type, value: Mapping, fields: Mapping, path: str = "") -> None:
     """A field named ``seed`` or ``*_seed`` that declares no range (a plugin's section) is a
     seed all the same: an integer in ``SEED_RANGE``, checked before any run directory or
     compute (declared fields are checked by :func:`jaxstream.ranges.check_fields`)."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import enum
+from pathlib import Path
+from typing import Annotated, Literal
 
+import pydantic
 import pytest
 
 from jaxstream.experiment.config import (
@@ -135,3 +138,37 @@ def test_train_config_errors(overrides, pattern):
                      {"name": "b", "estimator": {"type": "forward"}}]}
     with pytest.raises(ConfigError, match=pattern):
         load_config(TrainConfig, base, overrides)
+
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+    SLOW = "slow"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mine:
+    """A section of one's own: a pydantic constraint, an enum, a path."""
+
+    n: Annotated[int, pydantic.Field(ge=2)] = 3
+    mode: Mode = Mode.FAST
+    out: Path = Path("runs")
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldsMine:
+    mine: Mine = Mine()
+
+
+def test_a_plugin_section_with_pydantic_constraints_and_types_of_its_own():
+    """Configs are read by pydantic: a section of one's own may constrain a field with
+    pydantic's ``Field`` and use types pydantic reads (an enum, a path); the scalar rules stay
+    jaxstream's (``true`` is not an int), and a constraint's refusal names the field."""
+    cfg = load_config(HoldsMine, {"mine": {"n": 4.0, "mode": "slow", "out": "elsewhere"}})
+    assert cfg.mine == Mine(4, Mode.SLOW, Path("elsewhere")) and type(cfg.mine.n) is int
+    with pytest.raises(ValueError, match=r"^mine\.n: expected int, got True$"):
+        load_config(HoldsMine, {"mine": {"n": True}})
+    with pytest.raises(ValueError, match=r"^mine\.n: .*greater than or equal to 2, got 1$"):
+        load_config(HoldsMine, {"mine": {"n": 1}})
+    with pytest.raises(ValueError, match=r"^mine\.mode: .*'fast' or 'slow'.*got 'medium'$"):
+        load_config(HoldsMine, {"mine": {"mode": "medium"}})
