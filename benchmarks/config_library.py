@@ -11,7 +11,7 @@ and prints what each one makes of it: the value it builds, or "refused". A cell 
 from jaxstream's is marked; "silent" marks a value jaxstream refuses and a library turns into
 a value of the field's type (a ``true`` read as ``steps: 1``).
 
-    pip install pydantic draccus   # not dependencies of jaxstream
+    pip install draccus   # not a dependency of jaxstream (pydantic is)
     python benchmarks/config_library.py [--json PATH] [--doc docs/experiments.md]
 
 A library that is not installed gets no column.
