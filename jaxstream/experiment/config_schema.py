@@ -123,9 +123,15 @@ def strict_scalars(schema: Any) -> Any:
 
 
 def _labelled(choice: Any) -> tuple:
+    """A union's choice with its label (:func:`label` finds the member by it)."""
     schema = choice[0] if isinstance(choice, tuple) else choice
-    label = choice[1] if isinstance(choice, tuple) else schema.get("type", "?")
-    return strict_scalars(schema), label
+    if isinstance(choice, tuple):
+        name = choice[1]
+    elif schema.get("type") == "dataclass":
+        name = schema["cls"].__name__
+    else:
+        name = schema.get("type", "?")
+    return strict_scalars(schema), name
 
 
 # ------------------------------------------------------------------------------- messages
@@ -156,8 +162,11 @@ class Located:
 
 
 def label(tp: Any) -> str:
-    """How pydantic labels union member ``tp`` (as :func:`strict_scalars` leaves it)."""
+    """The label :func:`strict_scalars` gives union member ``tp`` (its scalar's, container's
+    or dataclass's name; ``literal``)."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "literal"
     return origin.__name__ if isinstance(origin, type) else fmt(tp)
 
 

@@ -172,3 +172,30 @@ def test_a_plugin_section_with_pydantic_constraints_and_types_of_its_own():
         load_config(HoldsMine, {"mine": {"n": 1}})
     with pytest.raises(ValueError, match=r"^mine\.mode: .*'fast' or 'slow'.*got 'medium'$"):
         load_config(HoldsMine, {"mine": {"mode": "medium"}})
+
+
+@dataclasses.dataclass(frozen=True)
+class ByName:
+    name: str = "a"
+
+
+@dataclasses.dataclass(frozen=True)
+class ByIndex:
+    index: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EitherOne:
+    pick: ByName | ByIndex | Literal["none"] = "none"
+
+
+def test_a_union_of_sections_names_the_field_and_each_members_reason():
+    """A field that may be one of two sections (or a literal): a value none of them takes is
+    refused at the field's own dotted name, with each member's reason."""
+    assert load_config(EitherOne, {"pick": {"index": 2}}).pick == ByIndex(2)
+    with pytest.raises(ValueError) as err:
+        load_config(EitherOne, {"pick": {"index": "x"}})
+    msg = str(err.value)
+    assert msg.startswith("pick: expected ") and "got {'index': 'x'}" in msg, msg
+    assert "pick.index: expected int, got 'x'" in msg and "pick.index: unknown key" in msg, msg
+    assert "dataclass" not in msg and "literal" not in msg.split(" (")[0], msg
