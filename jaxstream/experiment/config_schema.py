@@ -226,10 +226,6 @@ def _step(tp: Any, part: Any) -> Any:
     return Any
 
 
-def literal_args(tp: Any) -> tuple:
-    return typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
-
-
 UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
 
 
