@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -168,7 +167,7 @@ def _fill(tp: Any, value: Any, default: Any = _MISSING, path: str = "") -> Any:
     keeps the rest of its default instance (its type too, for a section chosen by ``type:``);
     without one, its class's defaults. Also refuses an old spelling and a plugin's undeclared
     seed out of range, as the keys are read."""
-    tp = _optional(tp)
+    tp = sch.strip(tp)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         items = args[:len(value)] if origin is tuple and Ellipsis not in args else \
@@ -189,9 +188,8 @@ def _fill(tp: Any, value: Any, default: Any = _MISSING, path: str = "") -> Any:
         cls = table.get(name)
         if cls is None:
             return value  # the choice's own check names what is allowed
-        rest = {k: v for k, v in value.items() if k != "type"}
-        return {"type": name,
-                **_fill_fields(cls, rest, keep if type(keep) is cls else None, path)}
+        return {"type": name, **_fill_fields(cls, _drop_type(value),
+                                             keep if type(keep) is cls else None, path)}
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _fill_fields(tp, value, keep if isinstance(keep, tp) else None, path)
     return value
@@ -228,14 +226,6 @@ def _check_renamed(value: Mapping, fields: Mapping, path: str) -> None:
         raise ConfigError(f"{prefix}{unknown[0]}: renamed {new} (one spelling of the "
                           f"micro-batch count everywhere); write {prefix}{new}: "
                           f"{value[unknown[0]]!r}")
-
-
-def _optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        members = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(members) == 1:
-            return members[0]
-    return tp
 
 
 def _message(cls: type, errors: list[dict], path: str) -> str:

@@ -176,7 +176,7 @@ def locate(tp: Any, loc: tuple, path: str, choices: Mapping[type, Mapping[str, t
     the path), a union member's label (dropped), a list index or a mapping key."""
     owner, union, passed = None, None, []
     for i, part in enumerate(loc):
-        tp = _strip(tp)
+        tp = strip(tp)
         if tp in choices and isinstance(part, str) and part in choices[tp]:
             tp = choices[tp][part]
             passed.append((path, part))
@@ -193,10 +193,10 @@ def locate(tp: Any, loc: tuple, path: str, choices: Mapping[type, Mapping[str, t
         else:
             tp = _step(tp, part)
         path = f"{path}.{part}" if path else str(part)
-    return Located(path, _strip(tp), owner, tp, union, passed)
+    return Located(path, strip(tp), owner, tp, union, passed)
 
 
-def _strip(tp: Any) -> Any:
+def strip(tp: Any) -> Any:
     """``X`` of ``Annotated[X, ...]`` and of ``X | None``."""
     if typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
