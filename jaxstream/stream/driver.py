@@ -5,6 +5,7 @@ placement's block units walked in order and landed before the last unit."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -27,6 +28,20 @@ class Driver:
     cfg: Any
     events: list[Event]
     _latest: Any = None  # the last unit's outputs: the device work dispatched last
+    _loaders: ThreadPoolExecutor | None = None  # the prefetch threads, kept across sweeps
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """The prefetch threads every sweep loads on (started once, not per sweep)."""
+        if self._loaders is None:
+            self._loaders = ThreadPoolExecutor(max(1, self.cfg.prefetch),
+                                               thread_name_prefix="jaxstream-prefetch")
+        return self._loaders
+
+    def _end_loaders(self) -> None:
+        """Ends the prefetch threads (after the sweeps: none is loading)."""
+        if self._loaders is not None:
+            self._loaders.shutdown(wait=True)
+            self._loaders = None
 
     def _to_device(self, tree: Any) -> Any:
         return self.placement.to_device(tree)
@@ -37,7 +52,7 @@ class Driver:
 
     def _sweep(self, units: Sequence[Unit], load: Callable, t0: float, name: str,
                fence: Callable | None = None):
-        pf = Prefetcher(load, units, self.cfg.prefetch, t0, name, fence)
+        pf = Prefetcher(load, units, self.cfg.prefetch, t0, name, fence, self._pool())
         for item in pf:
             self.placement.progress()
             yield item

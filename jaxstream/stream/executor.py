@@ -59,7 +59,7 @@ class StreamedExecutor(Driver):
 
         with StreamedExecutor(stack, jg.forward(), optax.adam(1e-3), store) as ex:
             metrics = ex.step(micro_batched_batch, key)   # leaves (N, B, ...)
-        # closed: its host updates applied, its worker thread ended (the store stays open)
+        # closed: its host updates applied, its threads ended (the store stays open)
     """
 
     engine = "stream"  # the name its errors give
@@ -245,7 +245,10 @@ class StreamedExecutor(Driver):
         stays open: it is the caller's). A notebook or a sweep that builds many executors
         closes each when done instead of leaving an idle thread per executor until it is
         collected; a closed executor does not step again."""
-        self.queue.shutdown()
+        try:
+            self.queue.shutdown()
+        finally:
+            self._end_loaders()
 
     def __enter__(self) -> Self:
         return self

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, NamedTuple
 
 import jax
@@ -47,6 +47,9 @@ class Prefetcher:
         for the device values it returns (the latest unit's outputs) before it loads, so the
         device holds at most ``depth + 1`` units beyond the one computing while the consumer
         itself never waits for the device.
+      pool: the threads to load on (at least ``depth`` workers), kept by the caller across
+        sweeps so no sweep starts and joins threads of its own; None: a pool for this
+        iteration only. Either way every load queued has ended when the iteration does.
 
     Example::
 
@@ -56,13 +59,14 @@ class Prefetcher:
 
     def __init__(self, load: Callable[[Any], Any], order: Sequence[Any], depth: int,
                  t0: float | None = None, sweep: str = "forward",
-                 fence: Callable[[], Any] | None = None):
+                 fence: Callable[[], Any] | None = None, pool: ThreadPoolExecutor | None = None):
         if depth < 0:
             raise ValueError(f"prefetch depth must be >= 0, got {depth}")
         self._load, self._order, self._depth = load, list(order), int(depth)
         self._t0 = time.perf_counter() if t0 is None else t0
         self._sweep = sweep
         self._fence = fence
+        self._pool = pool
         self.events: list[Event] = []
 
     def _timed(self, unit: Any, fence: Any = None) -> tuple[Any, float, float]:
@@ -76,16 +80,23 @@ class Prefetcher:
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
         if not self._order:
             return
+        if self._pool is not None:
+            yield from self._run(self._pool)
+            return
         with ThreadPoolExecutor(max_workers=max(1, self._depth)) as pool:
-            pending: deque[tuple[Any, Future]] = deque()
-            it = iter(self._order)
+            yield from self._run(pool)
 
-            def submit() -> None:
-                u = next(it, _END)
-                if u is not _END:
-                    fence = self._fence() if self._fence is not None else None
-                    pending.append((u, pool.submit(self._timed, u, fence)))
+    def _run(self, pool: ThreadPoolExecutor) -> Iterator[tuple[Any, Any]]:
+        pending: deque[tuple[Any, Future]] = deque()
+        it = iter(self._order)
 
+        def submit() -> None:
+            u = next(it, _END)
+            if u is not _END:
+                fence = self._fence() if self._fence is not None else None
+                pending.append((u, pool.submit(self._timed, u, fence)))
+
+        try:
             for _ in range(max(1, self._depth)):
                 submit()
             while pending:
@@ -102,6 +113,8 @@ class Prefetcher:
                 yield unit, value
                 if self._depth == 0:
                     submit()
+        finally:  # a sweep left early (an error): its loads end before anything else runs
+            wait([f for _, f in pending])
 
     @property
     def stall(self) -> float:

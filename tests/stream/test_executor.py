@@ -259,3 +259,27 @@ def test_allocate_then_write_layers(tmp_path, data):
     store.write("head", params["head"])
     store.commit(0)
     assert max_rel_err(LayerStore.open(tmp_path / "s").read_params(), params) == 0.0
+
+
+def test_prefetch_threads_start_once_and_end_with_the_executor(tmp_path, data):
+    """Every sweep loads on the executor's own prefetch threads (started with its first sweep,
+    not per sweep), and :meth:`close` ends them. Counted from outside: the process's threads by
+    name before, between and after steps."""
+    import threading
+
+    params, micro, _ = data
+    store = LayerStore.create(str(tmp_path / "s"), params, optimizer=SGD)
+
+    def loaders():
+        return {t for t in threading.enumerate() if t.name.startswith("jaxstream-prefetch")}
+
+    before = loaders()
+    ex = StreamedExecutor(STACK, jg.backprop(), SGD, store, FP32)
+    ex.step(micro, jax.random.key(0))  # two sweeps: forward, reverse
+    first = loaders() - before
+    assert 1 <= len(first) <= FP32.prefetch
+    for s in (1, 2):
+        ex.step(micro, jax.random.key(s))
+        assert loaders() - before == first  # the same threads: none started, none ended
+    ex.close()
+    assert not any(t.is_alive() for t in first)
