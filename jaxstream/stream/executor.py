@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstream.grad.checks import check_local_losses
+from jaxstream.grad.checks import check_key, check_labels, check_local_losses, check_micro_batches
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import lazy
 from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
+from jaxstream.stream.elementwise import check_elementwise
 from jaxstream.stream.host_queue import HostQueue, new_clock
 from jaxstream.stream.pending import Pending
 from jaxstream.stream.placement import Placement, placement_for
@@ -72,8 +73,12 @@ class StreamedExecutor(Driver):
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
         self.plan = plan_of(estimator, config.update, self.engine)
         check_local_losses(stack, self.plan.local_target, "stream")
+        shapes = jax.eval_shape(stack.init, jax.random.key(0))
+        store.check_model(shapes)  # a store of another model (widths, leaves) is refused
         self.stack, self.estimator, self.store, self.cfg = stack, estimator, store, config
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
+        check_elementwise(self.optimizer, jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            x.shape[1:], x.dtype), shapes["blocks"]), self.engine)
         self.spec: TangentSpec = self.plan.spec
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)
@@ -148,6 +153,7 @@ class StreamedExecutor(Driver):
           updates' records, part of the manifest written), and ``bytes_read_per_layer`` /
           ``bytes_written_per_layer``: the totals over the layers the step ran.
         """
+        key = self._checked(batch, key)
         at = self.store.step
         step = at if step is None else int(step)
         t0 = time.perf_counter()
@@ -181,6 +187,16 @@ class StreamedExecutor(Driver):
                               wait=not self.cfg.async_commit)
         self.clock["wait_commit_s"] += time.perf_counter() - tc
 
+    def _checked(self, batch: Any, key: Any) -> jax.Array:
+        """The in-memory estimators' argument checks (a micro-batched batch, integer labels, a
+        key), before anything runs; a raw ``jax.random.PRNGKey`` comes back typed."""
+        check_key(key, self.engine)
+        check_micro_batches(batch, self.engine)
+        check_labels(self.stack, batch, self.engine)
+        if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)
+        return key
+
     def _metrics(self, loss: Any, dt: float) -> dict:
         """The step's metrics (see :meth:`step`)."""
         stall = float(sum(e.stall for e in self.events))
@@ -199,6 +215,7 @@ class StreamedExecutor(Driver):
         params (skipped layers get zeros). For tests against the in-memory estimators. What it
         stages (pending lazy updates applied on read, scratch) is dropped: the store keeps its
         committed step."""
+        key = self._checked(batch, key)
         out: dict = {}
         try:
             loss, _ = self._run(batch, key, self.layers(step),
@@ -220,6 +237,7 @@ class StreamedExecutor(Driver):
         unit's gradient is dropped as soon as it is handed over, unread: the warm-up holds no
         whole-model gradient (unlike :meth:`estimate`), so a model near the host's memory warms
         up as it trains, and nothing is read back until the sweeps' loss at the end."""
+        key = self._checked(batch, key)
         try:
             loss, _ = self._run(batch, key, self.layers(step), lambda *a, **k: None,
                                 time.perf_counter(), commit_lazy=False)
@@ -232,6 +250,7 @@ class StreamedExecutor(Driver):
         """The streamed forward sweep alone (no update): per micro-batch losses (N,) and
         directional derivatives (N, K) of the estimator's tangents for ``key``. Nothing it
         stages is kept."""
+        key = self._checked(batch, key)
         n = jax.tree.leaves(batch)[0].shape[0]
         try:
             losses, d, *_ = forward_sweep(self, batch, jnp.stack([key] * n),

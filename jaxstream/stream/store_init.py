@@ -122,7 +122,8 @@ def tree_structures(m: dict, location: Any, template: dict | None, optimizer: An
     for part in PARTS:
         table = m["leaves"]["params"][part]
         if template is not None:
-            t = template[part] if part != "blocks" else jax.tree.map(lambda x: x[0], template[part])
+            t = template[part] if part != "blocks" else jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), template[part])
             found = leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, master_dtype(x)), t))
             for a, b in zip(table, found):
                 if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:

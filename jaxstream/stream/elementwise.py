@@ -1,0 +1,88 @@
+"""The streamed engines apply the optimizer one layer at a time: refuse one that is not
+element-wise, whose update of an entry depends on other entries (a global-norm clip, LAMB's
+trust ratio, Adafactor's factored moments), instead of training something else than in memory.
+
+Checked by probing, not by name: two updates of a small tree shaped like a unit's parameters
+(the unit's own leaves, each axis cut to at most 4), then the same two updates with other
+values in part of every leaf's gradient (its second half; every other entry), 10^4 times
+larger (other values, not a multiple, which Adam-like normalisers do not see; larger, so a
+clip that the first gradient leaves idle acts on the second). An element-wise optimizer moves
+the entries left alone identically in every run.
+
+Example:
+  >>> check_elementwise(optax.adam(1e-3), {"w": jnp.zeros((3, 3))}, "stream")       # passes
+  >>> check_elementwise(optax.lamb(1e-3), {"w": jnp.zeros((3, 3))}, "stream")
+  Traceback (most recent call last):
+  ValueError: stream: optimizer is not element-wise ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+_CUT = 4
+
+
+def _probe(like: Any, seed: int, scale: float = 100.0) -> Any:
+    """Random fp32 values (about ``scale``) in ``like``'s structure, every axis cut to at most
+    ``_CUT``."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda x: np.asarray(scale * rng.standard_normal(
+        tuple(min(d, _CUT) for d in x.shape)), np.float32), like)
+
+
+def _masks(like: Any) -> list[Any]:
+    """Which entries a probe changes: the second half of each leaf (flat order), then every
+    other entry (so a reduction along any one axis sees a change too)."""
+    def half(x):
+        return np.arange(np.size(x)).reshape(np.shape(x)) >= np.size(x) // 2
+
+    def odd(x):
+        return np.arange(np.size(x)).reshape(np.shape(x)) % 2 == 1
+    return [jax.tree.map(half, like), jax.tree.map(odd, like)]
+
+
+def _mix(mask: Any, a: Any, b: Any) -> Any:
+    """``a`` where ``mask``, else ``b``, leaf by leaf."""
+    return jax.tree.map(lambda m, x, y: np.asarray(np.where(m, x, y)), mask, a, b)
+
+
+def _two_steps(optimizer: Any, params: Any, grads: list) -> Any:
+    state = optimizer.init(params)
+    for g in grads:
+        updates, state = optimizer.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def check_elementwise(optimizer: Any, like: Any, who: str) -> None:
+    """ValueError naming ``who`` unless ``optimizer`` updates each entry of a tree shaped like
+    ``like`` (a unit's parameters) from that entry's own gradient, value and state alone."""
+    params = _probe(like, 0)
+    grads = [_probe(like, 1), _probe(like, 2)]
+    other = [_probe(like, 3, 1e6), _probe(like, 4, 1e6)]
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        try:
+            base = _two_steps(optimizer, params, grads)
+            runs = [(mask, _two_steps(optimizer, params, [_mix(mask, o, g)
+                                                          for g, o in zip(grads, other)]))
+                    for mask in _masks(params)]
+        except Exception as err:  # a tree of one layer's own: the message says so
+            raise ValueError(f"{who}: the optimizer cannot update one layer's parameters on "
+                             f"their own ({type(err).__name__}: {err}); the streamed engines "
+                             f"apply it layer by layer") from err
+    kept = [np.allclose(np.asarray(a)[~m], np.asarray(b)[~m], rtol=1e-6, atol=0.0,
+                        equal_nan=True)  # an lr that overflows overflows in both runs
+            for mask, moved in runs
+            for a, b, m in zip(jax.tree.leaves(base), jax.tree.leaves(moved),
+                               jax.tree.leaves(mask))]
+    if not all(kept):
+        raise ValueError(
+            f"{who}: optimizer is not element-wise: its update of one entry depends on other "
+            f"entries (e.g. clip_by_global_norm, lamb, adafactor), and the streamed engines "
+            f"apply it layer by layer, which would train something else than in memory; use "
+            f"an element-wise one (sgd, adam, adamw, max_adabelief, ...) or train in memory")

@@ -1,0 +1,87 @@
+"""What a user can get wrong when handing a model, a store, an optimizer or a batch to the
+streamed executor: each refused by name before anything runs or is written."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxstream.grad as jg
+from jaxstream.models import mlp
+from jaxstream.stream import LayerStore, StoreMismatchError
+from jaxstream.stream.executor import StreamConfig, StreamedExecutor
+
+STACK = mlp(6, 8, 2, 3)
+CFG = StreamConfig(compute_dtype="float32")
+SGD = optax.sgd(0.1)
+
+
+def micro_batch(n=2, b=3):
+    x = jax.random.normal(jax.random.key(1), (n, b, 6))
+    return {"x": x, "y": jax.random.randint(jax.random.key(2), (n, b), 0, 3)}
+
+
+@pytest.fixture
+def store(tmp_path):
+    return LayerStore.create(str(tmp_path / "s"), STACK.init(jax.random.key(0)), optimizer=SGD)
+
+
+@pytest.mark.standard_promotion  # the test steps the bare optax optimizers itself
+@pytest.mark.parametrize("name, optimizer", [
+    ("clip_by_global_norm", optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))),
+    ("lamb", optax.lamb(1e-2)),
+])
+def test_an_optimizer_that_is_not_element_wise_is_refused(tmp_path, name, optimizer):
+    """Applied layer by layer it would train something else than in memory (checked here for
+    the same optimizer: the whole model's update against the layers' updates one by one)."""
+    params = STACK.init(jax.random.key(0))
+    leaves, tree = jax.tree.flatten(params)
+    grads = tree.unflatten([jax.random.normal(jax.random.key(i), x.shape)
+                            for i, x in enumerate(leaves)])
+    whole, _ = optimizer.update(grads, optimizer.init(params), params)
+    layer = lambda t: jax.tree.map(lambda x: x[0], t["blocks"])  # the first block's slice
+    alone, _ = optimizer.update(layer(grads), optimizer.init(layer(params)), layer(params))
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(alone),
+                                                     jax.tree.leaves(layer(whole))))
+    s = LayerStore.create(str(tmp_path / "s"), params, optimizer=optimizer)
+    with pytest.raises(ValueError, match="stream: optimizer is not element-wise"):
+        StreamedExecutor(STACK, jg.backprop(), optimizer, s, CFG)
+    assert s.step == 0
+
+
+@pytest.mark.parametrize("optimizer", [optax.adam(1e-3), optax.sgd(0.1, momentum=0.9),
+                                       optax.chain(optax.clip(1.0), optax.adamw(1e-3))])
+def test_element_wise_optimizers_are_taken(tmp_path, optimizer):
+    s = LayerStore.create(str(tmp_path / "s"), STACK.init(jax.random.key(0)), optimizer=optimizer)
+    StreamedExecutor(STACK, jg.backprop(), optimizer, s, CFG).close()
+
+
+def test_a_store_of_another_model_is_refused(store):
+    wider = mlp(6, 16, 2, 3)  # same depth and leaves, other widths
+    with pytest.raises(StoreMismatchError, match="holds another model: embed leaf .* needs"):
+        StreamedExecutor(wider, jg.backprop(), SGD, store, CFG)
+
+
+def test_a_batch_and_key_are_checked_as_in_memory(store):
+    """The same one-line errors as the in-memory estimators, before anything is staged; a
+    legacy ``jax.random.PRNGKey`` is the same key as ``jax.random.key``."""
+    ex = StreamedExecutor(STACK, jg.backprop(), SGD, store, CFG)
+    batch = micro_batch()
+    cases = [({**batch, "y": batch["y"].astype(jnp.float32) + 0.5}, jax.random.key(0),
+              TypeError, r"stream: batch\['y'\] holds float32"),
+             (jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), batch), jax.random.key(0),
+              ValueError, "needs a leading micro-batch axis"),
+             (batch, 0, TypeError, "stream: key must be a PRNG key")]
+    for b, key, err, match in cases:
+        for call in (ex.step, ex.estimate):
+            with pytest.raises(err, match=match):
+                call(b, key)
+    assert store.step == 0
+    loss, g = ex.estimate(batch, jax.random.key(7))
+    loss_raw, g_raw = ex.estimate(batch, jax.random.PRNGKey(7))
+    assert loss == loss_raw
+    jax.tree.map(np.testing.assert_array_equal, g, g_raw)
+    ex.close()
