@@ -33,6 +33,11 @@ class TrainStep:
 
     ``step.init(params)`` gives the matching ``opt_state`` (for a model with batch statistics it
     also carries them: ``opt_state.model``, for ``model.apply(params, x, opt_state.model)``).
+    The running averages are updated from the batch as the estimator's loss saw it: the whole
+    batch, or, for a micro-batched estimator (``estimator.plan.micro_batches``: the hybrids,
+    ``exact_subset``), the mean of every micro-batch's own update
+    (:meth:`~jaxstream.models.Sequential.update_state` with ``micro_batched=True``), since
+    BatchNorm normalised each micro-batch by its own statistics.
     ``key``: ``jax.random.key(seed)``, or a legacy ``jax.random.PRNGKey(seed)`` (the same key,
     as every estimator accepts it).
     """
@@ -51,6 +56,7 @@ class TrainStep:
         self.estimator, self.loss_fn, self.prepare = estimator, loss_fn, prepare
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
         self.stateful = isinstance(loss_fn, Sequential) and loss_fn.has_state
+        self.micro_batched = is_micro_batched(estimator)
         self._step = jax.jit(self._update)
 
     def init(self, params: Any) -> Any:
@@ -58,26 +64,36 @@ class TrainStep:
         opt = self.optimizer.init(params)
         return WithModelState(opt, self.loss_fn.state) if self.stateful else opt
 
-    def gradients(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
-        """``(loss, grads)`` of the estimator; a sequential model gets its dropout key (the
-        estimator runs activity perturbation on its own layered pass)."""
+    def _bound(self, key: jax.Array) -> Callable:
+        """The loss function of the step keyed ``key``: a sequential model gets its dropout key
+        (the estimator runs activity perturbation on its own layered pass)."""
         model = self.loss_fn
-        if self.prepare is not None:
-            batch = self.prepare(batch)
         if isinstance(model, Sequential):
             model = model.with_rng(jax.random.fold_in(key, DROPOUT))
-        out = self.estimator(model, params, batch, key)
+        return model
+
+    def gradients(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
+        """``(loss, grads)`` of the estimator on ``batch`` (``prepare`` applied)."""
+        return self._gradients(params, self._prepared(batch), key)
+
+    def _prepared(self, batch: Any) -> Any:
+        return batch if self.prepare is None else self.prepare(batch)
+
+    def _gradients(self, params: Any, batch: Any, key: jax.Array) -> tuple[jax.Array, Any]:
+        out = self.estimator(self._bound(key), params, batch, key)
         return out[0], out[1]
 
     def update(self, params: Any, opt_state: Any, batch: Any, key: jax.Array
                ) -> tuple[Any, Any, jax.Array, Any]:
         """One step, traceable (the engines jit it inside their own steps): ``(params,
         opt_state, loss, grads)``."""
-        loss, grads = self.gradients(params, batch, key)
+        batch = self._prepared(batch)
+        loss, grads = self._gradients(params, batch, key)
         opt = opt_state.optimizer if self.stateful else opt_state
         updates, opt = self.optimizer.update(grads, opt, params)
-        if self.stateful:
-            model_state = self.loss_fn.update_state(params, opt_state.model, batch["x"])
+        if self.stateful:  # from the batch as the loss saw it, with the same dropout masks
+            model_state = self._bound(key).update_state(params, opt_state.model, batch["x"],
+                                                       micro_batched=self.micro_batched)
             opt = WithModelState(opt, model_state)
         return optax.apply_updates(params, updates), opt, loss, grads
 
@@ -90,6 +106,12 @@ class TrainStep:
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):  # jax.random.PRNGKey(s):
             key = jax.random.wrap_key_data(key)  # the same key as jax.random.key(s), typed
         return self._step(params, opt_state, batch, key)
+
+
+def is_micro_batched(estimator: Callable) -> bool:
+    """Whether the estimator's batch carries a leading micro-batch axis N, each micro-batch
+    fed to the loss on its own (its ``plan.micro_batches``; False for a plain callable)."""
+    return bool(getattr(getattr(estimator, "plan", None), "micro_batches", False))
 
 
 def train_step(estimator: Callable, optimizer: optax.GradientTransformation,

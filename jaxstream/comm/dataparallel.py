@@ -21,6 +21,12 @@ tangents together are the whole batch's draw and the estimate equals the in-memo
 ``exchange="moments"`` runs the optimizer inside the map as well (:meth:`DataParallel.step`):
 each replica feeds its own estimate to its own optimizer state (stacked over the axis) and an
 optimizer such as :func:`jaxstream.optim.max_adabelief_exchange` all-reduces its moments.
+
+A model's own randomness (dropout, a layer's ``nnx.Rngs`` streams, bound by
+``model.with_rng(rng)``) is drawn on shard s from ``fold_in(rng, s)``
+(:func:`jaxstream.models.sequential.fold_rng`), so shards draw independent masks, whatever
+``tangents`` says. A model whose training loss mixes examples (``cross_example``: BatchNorm's
+batch statistics) is refused: each shard would normalise by its own statistics.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from jaxstream.comm.ring import ring_all_reduce_tree
 from jaxstream.grad import directional
 from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.tangents import TangentSpec, combine, gram
+from jaxstream.models.sequential import fold_rng
 
 __all__ = [
     "ALLREDUCE",
@@ -91,6 +98,31 @@ class ShardRows(TangentSpec):
         whole = super().sample(key, (rows * self.shards, *shape[1:]), dtype)
         start = jax.lax.axis_index(self.axis) * rows
         return jax.lax.dynamic_slice_in_dim(whole, start, rows, axis=1)
+
+
+def _check_per_example(loss_fn: Any) -> None:
+    """Raises ValueError naming the layers whose batch statistics mix examples (BatchNorm):
+    on a shard they see that shard's statistics only, so the estimate is not the whole
+    batch's."""
+    if not getattr(loss_fn, "cross_example", False):
+        return
+    raise ValueError(
+        f"data_parallel: {_cross_example_layers(loss_fn)} mixes the examples of a batch "
+        "(batch statistics), so each shard would normalise by its own shard's statistics and "
+        "the gradient would not be the whole batch's: run this model on one device (the "
+        "estimator without data_parallel), or use a per-example norm such as nnx.LayerNorm")
+
+
+def _cross_example_layers(loss_fn: Any) -> str:
+    """``"model 'name' (layer 1: BatchNorm)"`` for a Sequential's layers with batch
+    statistics; the loss function's type otherwise."""
+    layers = getattr(loss_fn, "layers", None)
+    if not hasattr(loss_fn, "to_nnx") or layers is None:
+        return f"the loss function ({type(loss_fn).__name__})"
+    modules = loss_fn.to_nnx(loss_fn.params).layers
+    names = [f"{l}: {type(modules[l]).__name__}" for l, layer in enumerate(layers)
+             if getattr(layer, "has_stats", False)]
+    return f"model {loss_fn.name!r} (layer {', '.join(names)})"
 
 
 def _is_activity(estimator: Any) -> bool:
@@ -158,6 +190,10 @@ class DataParallel:
                     f"devices of mesh axis {self.axis!r}; got a leaf of shape {leaf.shape}"
                 )
 
+    def _shard_model(self, loss_fn: Callable) -> Callable:
+        """This replica's loss function: the model's randomness keyed by its shard's index."""
+        return fold_rng(loss_fn, jax.lax.axis_index(self.axis))
+
     def _key(self, key: jax.Array) -> jax.Array:
         if self.tangents == "shared":
             return key
@@ -216,10 +252,11 @@ class DataParallel:
         *,
         diagnostics: bool = False,
     ):
+        _check_per_example(loss_fn)
         self._check_batch(batch)
         batch_spec = P(*([None] * self.batch_axis), self.axis)
         fn = shard_map(
-            lambda p, b, k: self._body(loss_fn, p, b, k),
+            lambda p, b, k: self._body(self._shard_model(loss_fn), p, b, k),
             mesh=self.mesh,
             in_specs=(P(), batch_spec, P()),
             out_specs=(P(), P()),
@@ -284,12 +321,13 @@ class DataParallel:
                 f"exchange: step() needs 'moments' (per-replica optimizer states); got "
                 f"{self.exchange!r}; with {EXCHANGE[:2]} call the estimator and update once"
             )
+        _check_per_example(loss_fn)
         self._check_batch(batch)
         batch_spec = P(*([None] * self.batch_axis), self.axis)
 
         def body(p, states, b, k):
             state = jax.tree.map(lambda x: x[0], states)
-            loss, grads = self._replica(loss_fn, p, b, k)
+            loss, grads = self._replica(self._shard_model(loss_fn), p, b, k)
             updates, state = optimizer.update(grads, state, p)
             sq = jax.lax.pmean(optax.tree.norm(grads, squared=True), self.axis)
             p = optax.apply_updates(p, updates)
@@ -339,7 +377,9 @@ def data_parallel(
       batch_axis: the batch axis to split (1 for a hybrid's (N, B, ...) micro-batched batch).
 
     Returns:
-      An estimator ``(loss_fn, params, batch, key) -> (loss, grads)``; jit it as usual.
+      An estimator ``(loss_fn, params, batch, key) -> (loss, grads)``; jit it as usual. A
+      model with a bound key (dropout) draws shard s's randomness from ``fold_in(rng, s)``; a
+      model with batch statistics (BatchNorm) is refused by name.
 
     Example:
       >>> mesh = jax.make_mesh((8,), ("data",))

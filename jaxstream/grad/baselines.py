@@ -33,6 +33,7 @@ from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.hybrid import micro_batches_of
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import Distribution, TangentSpec
+from jaxstream.models.sequential import fold_rng
 from jaxstream.models.stack import AS_STACK, Stack
 
 SELECT = 0x7FFFFFFF  # the hybrid's key segment for its random choice of exact micro-batches
@@ -61,22 +62,30 @@ def remat_loss(stack: Stack, params: dict, batch: dict) -> jax.Array:
 def accumulated(value_and_grad: Callable, params: Any, batch: Any, chunks: int):
     """(mean loss, mean gradient) of ``batch`` run as ``chunks`` equal chunks one after another
     (a ``lax.scan``: one chunk's activations live at a time), the gradient summed in at least
-    float32 and returned in the parameters' dtypes."""
+    float32 and returned in the parameters' dtypes. ``value_and_grad(params, chunk, a)`` gets
+    the chunk's index ``a`` (its model's randomness: :func:`~jaxstream.models.sequential.fold_rng`)."""
     sizes = {x.shape[0] for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or next(iter(sizes)) % chunks:
         raise ValueError(f"accumulate: {chunks} chunks must divide the batch's leading size, "
                          f"got {sorted(sizes)}")
     split = jax.tree.map(lambda x: x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:]), batch)
 
-    def body(acc, b):
-        loss, g = value_and_grad(params, b)
+    def body(acc, xs):
+        loss, g = value_and_grad(params, *xs)
         return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g), loss
 
     zero = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)),
                         params)
-    total, losses = jax.lax.scan(body, zero, split)
+    total, losses = jax.lax.scan(body, zero, (split, jnp.arange(chunks)))
     grads = jax.tree.map(lambda t, p: (t / chunks).astype(p.dtype), total, params)
     return jnp.mean(losses), grads
+
+
+def _remat(loss_fn: Callable) -> Callable:
+    """``loss_fn`` recomputed in its backward pass: per block for a stack, whole otherwise."""
+    if isinstance(loss_fn, Stack):
+        return lambda p, b: remat_loss(loss_fn, p, b)
+    return jax.checkpoint(loss_fn)  # one segment: recompute the whole forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +101,11 @@ class BackpropRemat:
 
     def __call__(self, loss_fn: Callable, params: Any, batch: Any, key: jax.Array | None = None,
                  *, diagnostics: bool = False):
-        if isinstance(loss_fn, Stack):
-            fn = lambda p, b: remat_loss(loss_fn, p, b)
-        else:
-            fn = jax.checkpoint(loss_fn)  # one segment: recompute the whole forward
         if self.accumulate == 1:
-            loss, grads = jax.value_and_grad(fn)(params, batch)
-        else:
-            loss, grads = accumulated(jax.value_and_grad(fn), params, batch, self.accumulate)
+            loss, grads = jax.value_and_grad(_remat(loss_fn))(params, batch)
+        else:  # chunk a draws the model's randomness from fold_rng(loss_fn, a)
+            value_and_grad = lambda p, b, a: jax.value_and_grad(_remat(fold_rng(loss_fn, a)))(p, b)
+            loss, grads = accumulated(value_and_grad, params, batch, self.accumulate)
         return _finish(loss, grads, {}, diagnostics)
 
 
@@ -108,9 +114,10 @@ def backprop_remat(accumulate: int = 1) -> BackpropRemat:
 
     ``accumulate=A`` runs the batch as A equal chunks one after another and averages their
     gradients (gradient accumulation): the same gradient at about 1/A of the activations'
-    memory, for one parameter-sized accumulator. The engines that run their own exact sweeps
-    (pipeline, stream, composed) compute the same gradient by their own schedule; ``A`` is an
-    in-memory schedule.
+    memory, for one parameter-sized accumulator (a model with a bound key draws chunk a's
+    dropout masks from ``fold_in(model.rng, a)``, as a micro-batch does). The engines that run
+    their own exact sweeps (pipeline, stream, composed) compute the same gradient by their own
+    schedule; ``A`` is an in-memory schedule.
 
     Example:
       >>> loss, grads = backprop_remat(accumulate=4)(stack, params, batch, key)
@@ -145,7 +152,7 @@ class ExactSubset:
         sub = jax.tree.map(lambda x: x[idx], batch)
         # the hybrid's exact part: one rematerialised sweep, no per-micro-batch gradient trees
         masks = cr.group_masks(params, jnp.zeros((self.num_exact,), jnp.int32))
-        grads, _, losses = group_exact_mean(loss_fn, params, sub, masks)
+        grads, _, losses = group_exact_mean(loss_fn, params, sub, masks, idx)
         return _finish(jnp.mean(losses), grads, {"exact_indices": idx}, diagnostics)
 
 
@@ -153,7 +160,8 @@ def exact_subset(num_exact: int = 2) -> ExactSubset:
     """Exact gradients of ``num_exact`` of the N micro-batches only (no forward part).
 
     ``batch`` leaves carry a leading micro-batch axis N, as for :func:`~jaxstream.grad.hybrid`;
-    the selection is the hybrid's for the same key. Unbiased for the full batch's gradient; its
+    the selection is the hybrid's for the same key, and so are a bound model key's draws
+    (micro-batch n: ``fold_in(model.rng, n)``). Unbiased for the full batch's gradient; its
     noise is that of a batch ``num_exact / N`` as large. The returned loss is the mean over the
     selected micro-batches (the others are never evaluated).
 

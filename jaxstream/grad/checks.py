@@ -16,7 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxstream.models.padded_stack import PaddedView
+from jaxstream.models.seq_stack import StackView
+from jaxstream.models.sequential import Sequential
 from jaxstream.models.stack import Stack, cross_entropy
 
 
@@ -38,13 +42,21 @@ def check_key(key: Any, who: str) -> None:
                                                if dtype is not None else ""))
 
 
+#: The callers built on local losses alone (no ``local_losses`` argument to turn them off).
+ALWAYS_LOCAL = ("local_forward_weights", "local_guess", "local_targets")
+
+
 def check_local_losses(stack: Any, local_losses: bool, who: str) -> None:
     """Local losses apply the head to every block's output: refused for a stack without a shared
-    head (:func:`jaxstream.models.as_padded_stack`)."""
+    head (:func:`jaxstream.models.as_padded_stack`), naming what ``who`` can do instead."""
     if local_losses and isinstance(stack, Stack) and not stack.shared_head:
-        raise ValueError(f"{who}: local_losses=True applies the head to every block's output, but "
-                         f"{stack.name!r} has no shared head (a padded stack: its blocks' outputs "
-                         "differ); allowed: local_losses=False")
+        always = who in ALWAYS_LOCAL  # no local_losses switch to turn off
+        what = "its local losses (always on) apply" if always else "local_losses=True applies"
+        fix = ("allowed: local_losses=False" if who == "forward" else
+               "allowed: an estimator without local losses (backprop, the hybrids, forward(...) "
+               "with local_losses=False)" + (", e.g. on the model itself" if always else ""))
+        raise ValueError(f"{who}: {what} the head to every block's output, but {stack.name!r} has "
+                         f"no shared head (a padded stack: its blocks' outputs differ); {fix}")
 
 
 def _leaves(batch: Any) -> list[tuple[str, Any]]:
@@ -86,6 +98,12 @@ def check_loss_fn(loss_fn: Any, who: str) -> None:
     """A loss function, not a raw nnx module (a user's ``nnx.Sequential`` is wrapped first)."""
     from flax import nnx
 
+    if isinstance(loss_fn, (StackView, PaddedView)):
+        kind = "as_stack" if isinstance(loss_fn, StackView) else "as_padded_stack"
+        raise TypeError(
+            f"{who}: loss_fn is a {type(loss_fn).__name__} (js.models.{kind}(model)), not a loss "
+            f"function (params, batch) -> scalar: pass view.stack with view.params(params), or "
+            f"the model itself with params = model.init(key)")
     if isinstance(loss_fn, nnx.Module):
         name = type(loss_fn).__name__
         arg = "seq" if isinstance(loss_fn, nnx.Sequential) else f"[{name.lower()}]"
@@ -95,16 +113,39 @@ def check_loss_fn(loss_fn: Any, who: str) -> None:
             f"and pass model with params = model.init(key)")
 
 
-def check_labels(loss_fn: Callable, batch: Any, who: str) -> None:
-    """A loss function (:func:`check_loss_fn`) and integer labels ``batch['y']`` for a stack
-    trained with cross-entropy."""
+def check_labels(loss_fn: Callable, batch: Any, who: str, read: bool = True) -> None:
+    """A loss function (:func:`check_loss_fn`) and, for a stack or a sequential model trained
+    with cross-entropy, integer labels ``batch['y']``; concrete (untraced) labels also in
+    ``[0, num_classes)`` (:func:`check_label_range`). ``read=False``: labels held by a device
+    are not read back for it (a streamed step reads nothing back on its main thread); NumPy
+    labels still are."""
     check_loss_fn(loss_fn, who)
-    if not (isinstance(loss_fn, Stack) and loss_fn.example_loss is cross_entropy):
+    if not (isinstance(loss_fn, (Stack, Sequential)) and loss_fn.example_loss is cross_entropy):
         return
     if not isinstance(batch, dict) or "x" not in batch or "y" not in batch:
+        if isinstance(loss_fn, Sequential):
+            return  # the model's own check names what is missing
         raise ValueError(f"{who}: a model Stack needs batch = {{'x': inputs, 'y': labels}}; got "
                          f"{type(batch).__name__} with keys {sorted(batch) if isinstance(batch, dict) else '-'}")
     y = batch["y"]
     if not jnp.issubdtype(jnp.result_type(y), jnp.integer):
         raise TypeError(f"{who}: batch['y'] holds {jnp.result_type(y)} values; cross-entropy needs "
                         "integer class labels (e.g. y.astype(jnp.int32))")
+    if read or not isinstance(y, jax.Array):
+        check_label_range(y, loss_fn.num_classes, who)
+
+
+def check_label_range(y: Any, num_classes: int | None, who: str) -> None:
+    """Concrete integer labels lie in ``[0, num_classes)`` (only ``>= 0`` where the model's
+    number of classes is not known): out of range, cross-entropy would silently read another
+    class (-1: the last) or give nan. Traced labels (inside jit or vmap) are not checked."""
+    if isinstance(y, jax.core.Tracer) or jnp.size(y) == 0:
+        return
+    y = np.asarray(y)  # on the host: a jnp reduction inside a trace would be staged
+    lo, hi = int(y.min()), int(y.max())
+    bad = lo if lo < 0 else hi if num_classes is not None and hi >= num_classes else None
+    if bad is not None:
+        allowed = (f"[0, {num_classes}) (the model's {num_classes} classes)"
+                   if num_classes is not None else "0 and above")
+        raise ValueError(f"{who}: batch['y'] holds the label {bad}; cross-entropy needs class "
+                         f"labels in {allowed}")

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstream.grad.corrections import _bcast
+from jaxstream.models.sequential import fold_rng
 from jaxstream.models.stack import Stack, loss_dtype
 
 
@@ -31,8 +32,8 @@ def _weights(mask: jax.Array, count: jax.Array) -> jax.Array:
     return mask / jnp.maximum(count, 1.0)
 
 
-def group_exact_mean(loss_fn: Callable, params: Any, batch: Any,
-                     masks: dict) -> tuple[Any, dict, jax.Array]:
+def group_exact_mean(loss_fn: Callable, params: Any, batch: Any, masks: dict,
+                     indices: jax.Array | None = None) -> tuple[Any, dict, jax.Array]:
     """(h, counts, losses): per segment, the mean exact gradient of the selected micro-batches
     in the segment's group (:func:`jaxstream.grad.corrections.group_masks`; 0 where it is
     empty), the groups' sizes, and the k micro-batches' losses.
@@ -41,20 +42,23 @@ def group_exact_mean(loss_fn: Callable, params: Any, batch: Any,
       loss_fn: a Stack or any ``loss_fn(params, micro_batch) -> scalar``.
       batch: the k selected micro-batches (leaves with a leading axis k).
       masks: per-segment membership of the k micro-batches.
+      indices: the k micro-batches' places among the step's N (default 0..k-1): micro-batch n
+        draws the model's randomness from ``fold_rng(loss_fn, n)``, as its forward pass does.
     """
     counts = {name: m.sum(axis=0) for name, m in masks.items()}
     if isinstance(loss_fn, Stack):
         h, losses = _stack_mean(loss_fn, params, batch, masks, counts)
         return h, counts, losses
     w = _weights(masks["tree"], counts["tree"])
+    indices = jnp.arange(w.shape[0]) if indices is None else indices
 
     def body(acc, xs):
-        b, wi = xs
-        loss, g = jax.value_and_grad(loss_fn)(params, b)
+        b, wi, i = xs
+        loss, g = jax.value_and_grad(fold_rng(loss_fn, i))(params, b)
         return jax.tree.map(lambda a, gg: a + (wi * gg).astype(a.dtype), acc, g), loss
 
     zero = jax.tree.map(jnp.zeros_like, params)
-    h, losses = jax.lax.scan(body, zero, (batch, w))
+    h, losses = jax.lax.scan(body, zero, (batch, w, indices))
     return h, counts, losses
 
 

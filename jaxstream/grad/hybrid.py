@@ -18,6 +18,7 @@ from jaxstream.grad.estimators import _finish
 from jaxstream.grad.exact import group_exact_mean
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import Distribution, TangentSpec, micro_key
+from jaxstream.models.sequential import fold_rng
 from jaxstream.models.stack import Stack
 
 SELECT = 0x7FFFFFFF  # key segment of the random choice of exact micro-batches
@@ -114,11 +115,14 @@ class Hybrid:
         # The exact part first, at one rematerialised backprop's memory; h reduced (a linear
         # mean over replicas) before the forward pass, which then sums the residual scalars
         # c = h·v as it draws its tangents.
-        h, counts, _ = group_exact_mean(loss_fn, params, jax.tree.map(lambda x: x[idx], batch), masks)
+        # Micro-batch n draws the model's randomness from fold_rng(loss_fn, n) in every pass.
+        h, counts, _ = group_exact_mean(loss_fn, params, jax.tree.map(lambda x: x[idx], batch),
+                                        masks, idx)
         h = reduce(h)
         probe = h if rule.residual else None
-        out = forward_chunks(lambda b, k: directional(loss_fn, spec, params, b, k, probe),
-                             batch, keys)
+        out = forward_chunks(
+            lambda b, k, i: directional(fold_rng(loss_fn, i), spec, params, b, k, probe),
+            batch, keys)
         losses, d = reduce(out[:2])
         totals = {"c": out[2]} if rule.residual else None
         rows = cr.outside_rows(masks, idx, n)
@@ -128,7 +132,8 @@ class Hybrid:
         if rule.along:  # differentiate along the direction instead of the tangents
             u = cb.unit_direction(h if guess is None else guess)
             dg = reduce(forward_chunks(
-                lambda b, _k: jax.jvp(lambda p: loss_fn(p, b), (params,), (u,))[1], batch, keys))
+                lambda b, _k, i: jax.jvp(lambda p: fold_rng(loss_fn, i)(p, b), (params,), (u,))[1],
+                batch, keys))
             stats = stats._replace(d=dg[:, None], direction=u)
             diag["guess_directional"] = dg
         grads, chosen = cb.combine(rule, stats, diagnostics=True, totals=totals)
@@ -137,10 +142,11 @@ class Hybrid:
 
 
 def forward_chunks(fn: Callable, batch: Any, keys: jax.Array) -> Any:
-    """``fn(micro_batch, key)`` for every micro-batch: ``FORWARD_CHUNK`` of them at a time
+    """``fn(micro_batch, key, n)`` for every micro-batch n: ``FORWARD_CHUNK`` of them at a time
     under ``jax.vmap``, the chunks one after another (``lax.map``), so only that many
     micro-batches' tangents are live (all N at once hold N tangents of the largest layer)."""
-    return jax.lax.map(lambda bk: fn(*bk), (batch, keys), batch_size=FORWARD_CHUNK)
+    n = jnp.arange(keys.shape[0])
+    return jax.lax.map(lambda bki: fn(*bki), (batch, keys, n), batch_size=FORWARD_CHUNK)
 
 
 def hybrid(
@@ -158,7 +164,9 @@ def hybrid(
 
     ``batch`` leaves carry a leading micro-batch axis N; ``loss_fn`` sees one micro-batch; the
     estimate is of the gradient of the mean loss over the N micro-batches. Micro-batch n's
-    tangents use key ``fold_in(key, n)``.
+    tangents use key ``fold_in(key, n)``, and a model with a bound key (dropout) draws its
+    randomness for micro-batch n from ``fold_in(model.rng, n)`` in every pass
+    (:func:`~jaxstream.models.sequential.fold_rng`).
 
     Args:
       num_exact: a random subset of this many micro-batches gets exact gradients (default 1).

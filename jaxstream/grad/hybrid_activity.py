@@ -31,6 +31,7 @@ from jaxstream.grad.estimators import forward
 from jaxstream.grad.hybrid import micro_batches_of
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.tangents import TangentSpec, micro_key
+from jaxstream.models.sequential import fold_rng
 from jaxstream.models.stack import AS_STACK, Stack
 
 Shrinkage = Literal["per_layer", "global", "none"]
@@ -108,15 +109,16 @@ class HybridActivity:
         est = forward(num_tangents=self.num_tangents, perturb="activations")
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))
         unselected = jnp.ones((n,)).at[idx].set(0.0) / (n - k)
-        losses, a_u = _forward_sums(lambda b, kk: est(loss_fn, params, b, kk), batch, keys,
-                                    unselected, params)
+        # micro-batch n's model randomness, if any: fold_rng(loss_fn, n) in every pass
+        losses, a_u = _forward_sums(lambda b, kk, i: est(fold_rng(loss_fn, i), params, b, kk),
+                                    batch, keys, unselected, params)
         # The selected micro-batches one after another: each exact gradient beside its forward
         # estimate (drawn again from the same key), folded into h and the per-segment spread
         # and noise (Welford), so one gradient tree of each is live, not k.
         h, spread, noise = _exact_sums(
-            lambda b: jax.grad(loss_fn)(params, b),
-            lambda b, kk: est(loss_fn, params, b, kk)[1],
-            jax.tree.map(lambda x: x[idx], batch), keys[idx], params)
+            lambda b, i: jax.grad(fold_rng(loss_fn, i))(params, b),
+            lambda b, kk, i: est(fold_rng(loss_fn, i), params, b, kk)[1],
+            jax.tree.map(lambda x: x[idx], batch), keys[idx], idx, params)
         if self.shrinkage == "none":
             alpha = {"embed": jnp.float32(1.0), "blocks": jnp.ones((loss_fn.num_layers,)),
                      "head": jnp.float32(1.0)}
@@ -131,30 +133,32 @@ class HybridActivity:
 
 def _forward_sums(fn: Callable, batch: Any, keys: jax.Array, weights: jax.Array,
                   like: Any) -> tuple[jax.Array, Any]:
-    """The N forward estimates one after another, never all at once: (losses (N,),
-    Σ_n weights[n] a_n). Each estimate is a whole gradient tree, so micro-batches run one by
-    one (a chunk of them would hold a tree each)."""
+    """The N forward estimates ``fn(micro_batch, key, n)`` one after another, never all at
+    once: (losses (N,), Σ_n weights[n] a_n). Each estimate is a whole gradient tree, so
+    micro-batches run one by one (a chunk of them would hold a tree each)."""
 
     def body(acc, xs):
-        b, kk, w = xs
-        loss, a = fn(b, kk)
+        b, kk, w, i = xs
+        loss, a = fn(b, kk, i)
         return jax.tree.map(lambda s, x: s + (w * x).astype(s.dtype), acc, a), loss
 
-    a_sum, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, like), (batch, keys, weights))
+    a_sum, losses = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, like),
+                                 (batch, keys, weights, jnp.arange(keys.shape[0])))
     return losses, a_sum
 
 
-def _exact_sums(grad: Callable, fwd: Callable, batch: Any, keys: jax.Array,
+def _exact_sums(grad: Callable, fwd: Callable, batch: Any, keys: jax.Array, idx: jax.Array,
                 like: Any) -> tuple[Any, dict, dict]:
-    """Over the selected micro-batches one after another: (h = the mean exact gradient,
-    Σ_s ‖g_s − h‖² per segment by Welford's update, Σ_s ‖a_s − g_s‖² per segment)."""
+    """Over the selected micro-batches ``idx`` one after another (``grad(b, n)``,
+    ``fwd(b, key, n)``): (h = the mean exact gradient, Σ_s ‖g_s − h‖² per segment by
+    Welford's update, Σ_s ‖a_s − g_s‖² per segment)."""
     zero = jax.tree.map(jnp.zeros_like, like)
     seg0 = segment_dots(zero, zero)
 
     def body(carry, xs):
         mean, m2, noise, count = carry
-        b, kk = xs
-        g, a = grad(b), fwd(b, kk)
+        b, kk, i = xs
+        g, a = grad(b, i), fwd(b, kk, i)
         count = count + 1.0
         delta = jax.tree.map(lambda x, m: x - m, g, mean)
         mean = jax.tree.map(lambda m, d: m + d / count, mean, delta)
@@ -164,7 +168,7 @@ def _exact_sums(grad: Callable, fwd: Callable, batch: Any, keys: jax.Array,
         return (mean, m2, noise, count), None
 
     (h, spread, noise, _), _ = jax.lax.scan(body, (zero, seg0, seg0, jnp.float32(0.0)),
-                                            (batch, keys))
+                                            (batch, keys, idx))
     return h, spread, noise
 
 

@@ -108,4 +108,5 @@ def local_mixer(
             _TokenMeanLinear(width, num_classes, rngs),
         )
 
-    return nnx_stack_factory(build, depth, name=f"localmixer{depth}x{width}/g{groups}")
+    return nnx_stack_factory(build, depth, name=f"localmixer{depth}x{width}/g{groups}",
+                             num_classes=num_classes)

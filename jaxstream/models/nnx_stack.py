@@ -32,6 +32,7 @@ def from_nnx(
     num_layers: int,
     example_loss: Callable[[jax.Array, Batch], jax.Array] = cross_entropy,
     name: str = "nnx_stack",
+    num_classes: int | None = None,
 ) -> tuple[Stack, dict]:
     """Build a :class:`Stack` and its params from nnx modules.
 
@@ -43,6 +44,8 @@ def from_nnx(
       num_layers: number of blocks L (>= 1).
       example_loss: ``(logits, batch) -> (B,)`` per-example losses.
       name: a label.
+      num_classes: the size of the logits' last axis (default: the ``out_features`` of an
+        ``nnx.Linear`` head, else unknown); labels are checked against it.
 
     Returns:
       ``(stack, params)``; ``stack.init(key)`` returns the same initial params for any key
@@ -77,8 +80,15 @@ def from_nnx(
         init=lambda key: params,
         num_layers=num_layers,
         name=name,
+        num_classes=num_classes if num_classes is not None else _out_features(head),
     )
     return stack, params
+
+
+def _out_features(head: nnx.Module) -> int | None:
+    """The logits' size of an ``nnx.Linear`` head (flax states it); None for another head."""
+    size = getattr(head, "out_features", None)
+    return size if isinstance(head, nnx.Linear) and isinstance(size, int) else None
 
 
 def nnx_stack_factory(
@@ -86,13 +96,15 @@ def nnx_stack_factory(
     num_layers: int,
     example_loss: Callable[[jax.Array, Batch], jax.Array] = cross_entropy,
     name: str = "nnx_stack",
+    num_classes: int | None = None,
 ) -> Stack:
     """A :class:`Stack` whose ``init(key)`` builds fresh nnx modules from ``key``.
 
     ``build(rngs) -> (embed, make_block, head)``. Module structure is taken once from seed 0;
-    ``init`` re-runs ``build`` under ``nnx.Rngs(key)`` for new values.
+    ``init`` re-runs ``build`` under ``nnx.Rngs(key)`` for new values. ``num_classes``: as
+    :func:`from_nnx`.
     """
-    template, _ = from_nnx(*build(nnx.Rngs(0)), num_layers, example_loss, name)
+    template, _ = from_nnx(*build(nnx.Rngs(0)), num_layers, example_loss, name, num_classes)
 
     def init(key: jax.Array) -> dict:
         return from_nnx(*build(nnx.Rngs(params=key)), num_layers, example_loss, name)[1]
@@ -105,4 +117,5 @@ def nnx_stack_factory(
         init=init,
         num_layers=num_layers,
         name=name,
+        num_classes=template.num_classes,
     )

@@ -206,7 +206,7 @@ def as_padded_stack(model: Sequential, x: Any) -> PaddedView:
 
     stack = Stack(embed=embed, block=block, head=head, example_loss=model.example_loss,
                   init=lambda key: None, num_layers=len(blocks), name=model.name,
-                  shared_head=False)
+                  shared_head=False, num_classes=model.num_classes)
     view = PaddedView(stack, model, embed_l, head_l, blocks, pw, hw, dtypes.pop())
     return dataclasses.replace(view, stack=dataclasses.replace(
         stack, init=lambda key: view.params(model.init(key))))

@@ -35,7 +35,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxstream.models import rng_streams as rs
 from jaxstream.models.sequential import Sequential
 from jaxstream.models.stack import Stack
 
@@ -86,19 +88,30 @@ def _unsegment(seg: dict, n: int) -> tuple:
     return tuple(seg.get(str(j), {}) for j in range(n))
 
 
-def _signature(model: Sequential, l: int) -> Any:
+def _signature(model: Sequential, l: int, statics: bool = True) -> Any:
+    """What two layers must share to be one block's layer: the module (its graph definition,
+    static attributes included; ``statics=False``: only its modules' types), the parameters'
+    structure, shapes and dtypes; a plain callable itself."""
     layer = model.layers[l]
     if layer.fn is not None:
         return ("fn", layer.fn)
     shapes = tuple((tuple(np.shape(a)), str(jnp.result_type(a)))
                    for a in jax.tree.leaves(model.params[l]))
-    return ("module", layer.graphdef, jax.tree.structure(model.params[l]), shapes)
+    kind = layer.graphdef if statics or layer.ties else tuple(
+        (tuple(path), type(m)) for path, m in nnx.iter_graph(_module(model, l))
+        if isinstance(m, nnx.Module))
+    return ("module", kind, jax.tree.structure(model.params[l]), shapes)
 
 
-def find_blocks(model: Sequential) -> tuple[int, int, int]:
-    """``(first, period, repeats)`` of the longest run of a repeated group of layers (most
-    layers covered; then the shortest period), repeats ≥ 2; raises ValueError if none."""
-    sig = [_signature(model, l) for l in range(model.num_layers)]
+def _module(model: Sequential, l: int) -> nnx.Module:
+    """Layer ``l`` as an nnx module holding its initial parameters."""
+    layer = model.layers[l]
+    return nnx.merge(layer.graphdef, model.params[l], model.state[l], rs.fresh(layer.other))
+
+
+def _longest_run(model: Sequential, sig: list) -> tuple[int, int, int] | None:
+    """``(first, period, repeats)`` of the longest run of a group of ``sig`` repeated at least
+    twice in a row with some parameters (most layers covered; then the shortest period)."""
     n, best = len(sig), None
     for g in range(1, n // 2 + 1):
         for f in range(n - 2 * g + 1):
@@ -109,14 +122,64 @@ def find_blocks(model: Sequential) -> tuple[int, int, int]:
                 key = (r * g, -g)
                 if best is None or key > best[0]:
                     best = (key, (f, g, r))
-    if best is None:
+    return None if best is None else best[1]
+
+
+def _statics(module: nnx.Module) -> dict[str, Any]:
+    """The module's static attributes (not parameters, statistics or submodules) by path."""
+    return {"/".join(map(str, path)): node for path, node in nnx.iter_graph(module)
+            if path and isinstance(path[-1], str) and not path[-1].startswith("_")
+            and not isinstance(node, (nnx.Module, nnx.Variable, nnx.Pytree, jax.Array))}
+
+
+def _static_difference(model: Sequential, run: tuple[int, int, int]) -> str:
+    """``"layers 1, 2, 3 (Res) differ in alpha: 0.5, 1.0, 2.0"`` for the first layer of a
+    run's group whose repetitions differ only in static attributes."""
+    f, g, r = run
+    for j in range(g):
+        layers = [f + k * g + j for k in range(r)]
+        if any(model.layers[l].fn is not None or model.layers[l].ties for l in layers):
+            continue
+        statics = [_statics(_module(model, l)) for l in layers]
+        names = [k for k in statics[0] if any(_differ(s.get(k), statics[0][k])
+                                               for s in statics[1:])]
+        if names:
+            values = ", ".join(repr(s.get(names[0])) for s in statics)
+            kind = type(_module(model, layers[0])).__name__
+            return (f"layers {', '.join(map(str, layers))} ({kind}) differ in {names[0]!r}: "
+                    f"{values}")
+    return f"layers {f}..{f + r * g - 1} differ in a static attribute"
+
+
+def _differ(a: Any, b: Any) -> bool:
+    try:
+        return bool(a != b)
+    except (TypeError, ValueError):  # a comparison that is not one bool (an array)
+        return a is not b
+
+
+def find_blocks(model: Sequential) -> tuple[int, int, int]:
+    """``(first, period, repeats)`` of the longest run of a repeated group of layers (most
+    layers covered; then the shortest period), repeats ≥ 2; raises ValueError if none, naming
+    the static attribute (e.g. ``alpha=0.5`` vs ``1.0``) where only such attributes differ."""
+    run = _longest_run(model, [_signature(model, l) for l in range(model.num_layers)])
+    if run is not None:
+        return run
+    loose = _longest_run(model, [_signature(model, l, statics=False)
+                                 for l in range(model.num_layers)])
+    if loose is not None:
         raise ValueError(
-            f"model: {model.name!r} has no repeated group of layers (the same layer types and "
-            "parameter shapes at least twice in a row), so it has no identical blocks to place "
-            "over pipeline stages or stream from a layer store: use "
-            "jaxstream.models.as_padded_stack(model, x), which pads its layers to one shape; "
-            "its in-memory estimators run on the model itself")
-    return best[1]
+            f"model: {model.name!r} repeats a group of layers with the same types and parameter "
+            f"shapes, but their static attributes differ ({_static_difference(model, loose)}), "
+            "so one compiled block cannot serve them all: make the attribute a parameter or an "
+            "input, or use jaxstream.models.as_padded_stack(model, x), which runs every block's "
+            "own layers")
+    raise ValueError(
+        f"model: {model.name!r} has no repeated group of layers (the same layer types and "
+        "parameter shapes at least twice in a row), so it has no identical blocks to place "
+        "over pipeline stages or stream from a layer store: use "
+        "jaxstream.models.as_padded_stack(model, x), which pads its layers to one shape; "
+        "its in-memory estimators run on the model itself")
 
 
 def check_pure(model: Sequential) -> None:
@@ -171,7 +234,7 @@ def as_stack(model: Sequential) -> StackView:
         head=lambda p, h: run(head_l, p, h),
         example_loss=model.example_loss,
         init=lambda key: None,
-        num_layers=r, name=model.name)
+        num_layers=r, name=model.name, num_classes=model.num_classes)
     view = StackView(stack, f, g, r, model)
     return dataclasses.replace(view, stack=dataclasses.replace(
         stack, init=lambda key: view.params(model.init(key))))

@@ -17,7 +17,11 @@ one by one with their own parameters (activity perturbation, stack views) refuse
 Non-differentiated state -- BatchNorm's running averages -- lives in a tuple of the
 same layout (:attr:`Sequential.state`): the loss uses the statistics of the batch (training
 mode), :meth:`Sequential.update_state` computes the new running averages after a step, and
-:meth:`Sequential.apply` uses them for evaluation.
+:meth:`Sequential.apply` uses them for evaluation. Under a micro-batched estimator (the hybrids,
+``exact_subset``) the loss sees one micro-batch at a time, so BatchNorm normalises each
+micro-batch by its own statistics (with every micro-batch exact such an estimator is therefore
+not backprop on the whole batch), and ``update_state(..., micro_batched=True)`` averages the
+micro-batches' updates.
 
 Key schedule (on top of :mod:`jaxstream.grad.tangents`):
 
@@ -25,7 +29,11 @@ Key schedule (on top of :mod:`jaxstream.grad.tangents`):
 * dropout ``j`` of layer ``l``: ``fold_in(fold_in(rng, l), j)`` with
   ``rng = fold_in(step_key, DROPOUT)``, bound with :meth:`Sequential.with_rng`
   (``jaxstream.train_step`` does it for every step). The same mask serves every tangent, the
-  exact gradient and both passes of activity perturbation. Without a bound key, dropout is off.
+  exact gradient and both passes of activity perturbation. Without a bound key a training-mode
+  pass through an ``nnx.Dropout`` with a rate above 0 is refused by name (it would train with
+  dropout silently off); evaluation (:meth:`Sequential.apply`) runs dropout off. A module's own
+  ``dropout_rate`` (attention) without a bound key runs deterministic (off), as flax's
+  ``deterministic=True``.
 * a layer's own ``nnx.Rngs`` streams (a noise layer's ``self.rngs.noise()``, an attention
   module's ``dropout_rate``, a recurrent cell's carry): stream ``j`` of layer ``l`` reseeded to
   ``fold_in(fold_in(fold_in(rng, l), STREAMS), j)`` with count 0 at every call
@@ -81,6 +89,8 @@ class _Layer:
     has_stats: bool = False
     has_dropout: bool = False
     has_rngs: bool = False  # holds nnx.Rngs streams (driven by the step key, rng_streams.py)
+    dropout_rate: float = 0.0  # the largest rate of its nnx.Dropout modules (0: none)
+    out_size: int | None = None  # its output's last axis where cheaply known (nnx.Linear, Conv)
     # parameters this layer shares with an earlier one: (path here, owner layer, path there)
     ties: tuple[tuple[tuple, int, tuple], ...] = ()
 
@@ -112,6 +122,12 @@ class Sequential:
         return any(layer.has_stats for layer in self.layers)
 
     @property
+    def num_classes(self) -> int | None:
+        """The size of the output's last axis (the classes of a cross-entropy model) where the
+        last layer states it (an ``nnx.Linear`` or ``nnx.Conv``); None otherwise."""
+        return self.layers[-1].out_size
+
+    @property
     def cross_example(self) -> bool:
         """True if a layer mixes examples in training mode (batch statistics)."""
         return self.has_state
@@ -123,7 +139,8 @@ class Sequential:
 
     def with_rng(self, key: jax.Array | None) -> Sequential:
         """The same model with its random layers (dropout, a layer's own RNG streams) driven by
-        ``key`` (None: dropout off, and a layer drawing from its own streams is refused)."""
+        ``key`` (None: in training mode an ``nnx.Dropout`` and a layer drawing from its own
+        streams are refused; a module's own ``dropout_rate`` runs deterministic)."""
         return dataclasses.replace(self, rng=key)
 
     # ------------------------------------------------------------------ layers
@@ -141,6 +158,12 @@ class Sequential:
                 f"(backprop, weight perturbation, the hybrids), not layer by layer (activity "
                 f"perturbation, local losses, stack views): use one of those estimators, or untie "
                 f"the layers")
+        if train and self.rng is None and layer.dropout_rate > 0:
+            raise ValueError(
+                f"layer {l}: nnx.Dropout(rate={layer.dropout_rate}) needs a step key in training "
+                f"mode, but none is bound (it would train with dropout silently off): train it "
+                f"with js.train_step, which binds the step key, or call the estimator on "
+                f"model.with_rng(key); evaluation (model.apply) runs it off")
         stats = state if state is not None else self.state[l]
         other = rs.fresh(layer.other) if layer.has_rngs else layer.other
         module = nnx.merge(layer.graphdef, p, stats, other)
@@ -223,9 +246,27 @@ class Sequential:
             h, _ = self.layer(l, self.tied(params, l), h, train=train, state=state[l])
         return h
 
-    def update_state(self, params: tuple, state: tuple, x: jax.Array) -> tuple:
-        """New running averages after a training-mode pass over ``x`` (not differentiated)."""
+    def update_state(self, params: tuple, state: tuple, x: jax.Array, *,
+                     micro_batched: bool = False) -> tuple:
+        """New running averages after a training-mode pass over ``x`` (not differentiated).
+
+        ``micro_batched``: ``x`` is (N, B, ...), micro-batches a micro-batched estimator (the
+        hybrids, ``exact_subset``) fed to the loss one at a time, each normalised by its own
+        batch statistics. The result is then the mean over the micro-batches of the update each
+        one alone gives from ``state`` (nnx.BatchNorm's ``m·old + (1 − m)·stat_n``, averaged:
+        ``m·old + (1 − m)·mean_n stat_n``): the statistics the gradient normalised with, one
+        momentum step per training step whatever N. Micro-batch n's pass draws its dropout from
+        ``fold_in(rng, n)``, as the estimators' micro-batch passes do.
+        """
         params = jax.lax.stop_gradient(params)
+        if not micro_batched:
+            return self._state_after(params, state, x)
+        news = jax.vmap(lambda n, xb: fold_rng(self, n)._state_after(params, state, xb))(
+            jnp.arange(jnp.shape(x)[0]), x)
+        return jax.tree.map(lambda a, old: jnp.mean(a, axis=0).astype(old.dtype), news, state)
+
+    def _state_after(self, params: tuple, state: tuple, x: jax.Array) -> tuple:
+        """The batch statistics after one training-mode pass over the batch ``x``."""
         h, new = x, []
         for l in range(self.num_layers):
             h, s = self.layer(l, self.tied(params, l), h, train=True, state=state[l])
@@ -248,13 +289,26 @@ class Sequential:
 
     def check_layers(self, x: Any) -> None:
         """One training-mode pass over inputs ``x`` traced abstractly (``jax.eval_shape``, no
-        compute), so that what a layer refuses -- a draw from its own RNG streams without a bound
-        key -- is raised before a run starts rather than inside its first step."""
+        compute), so that what a layer refuses -- an ``nnx.Dropout`` or a draw from its own RNG
+        streams without a bound key -- is raised before a run starts rather than inside its
+        first step."""
         jax.eval_shape(lambda p, h: self.apply(p, h, train=True), self.params, x)
 
     def check_batch(self, params: tuple, batch: Batch) -> None:
         """Clear errors for the common mistakes, before any layer is traced."""
         _check_batch(self, params, batch)
+
+
+def fold_rng(loss_fn: Any, index: int | jax.Array) -> Any:
+    """``loss_fn`` with ``index`` folded into its model's bound key: micro-batch ``n`` of an
+    estimator looping over micro-batches runs ``fold_rng(model, n)`` in every pass, shard ``s``
+    of a data-parallel step ``fold_rng(model, s)``, the rule of the tangents (``fold_in(key,
+    n)``). So micro-batches and shards draw independent masks, and one micro-batch the same
+    masks in its jvp, its exact vjp and a correction's re-evaluation. A loss function without a
+    bound key (not a Sequential, or none bound) comes back as it is; ``index`` may be traced."""
+    if not isinstance(loss_fn, Sequential) or loss_fn.rng is None:
+        return loss_fn
+    return loss_fn.with_rng(jax.random.fold_in(loss_fn.rng, index))
 
 
 def _bind_dropout(module: nnx.Module, key: jax.Array) -> None:
@@ -358,14 +412,22 @@ def _split_layer(element: Any, i: int, ties: list = ()) -> tuple[_Layer, Any, An
         return _Layer(fn=element), {}, {}
     _check_randomness(element, i)
     graphdef, params, stats, other = nnx.split(element, nnx.Param, nnx.BatchStat, ...)
-    has_dropout = any(isinstance(m, nnx.Dropout) for _, m in nnx.iter_graph(element))
+    rates = [float(m.rate) for _, m in nnx.iter_graph(element) if isinstance(m, nnx.Dropout)]
     own = nnx.to_pure_dict(params)
     for here, _, _ in ties:
         own = _without_path(own, here)
     layer = _Layer(graphdef=graphdef, other=other, has_params=bool(jax.tree.leaves(params)),
-                   has_stats=bool(jax.tree.leaves(stats)), has_dropout=has_dropout,
-                   has_rngs=bool(rs.own_streams(element)), ties=tuple(ties))
+                   has_stats=bool(jax.tree.leaves(stats)), has_dropout=bool(rates),
+                   has_rngs=bool(rs.own_streams(element)), dropout_rate=max(rates, default=0.0),
+                   out_size=_out_size(element), ties=tuple(ties))
     return layer, own, nnx.to_pure_dict(stats)
+
+
+def _out_size(element: nnx.Module) -> int | None:
+    """The size of the module's output's last axis where flax states it (``out_features`` of
+    an ``nnx.Linear`` or ``nnx.Conv``); None otherwise."""
+    size = getattr(element, "out_features", None)
+    return size if isinstance(element, (nnx.Linear, nnx.Conv)) and isinstance(size, int) else None
 
 
 def _check_randomness(element: nnx.Module, i: int) -> None:

@@ -54,6 +54,9 @@ class Stack:
         cells split, in ascending order (``(1, P)``: P groups of a (B, T, D) output's tokens;
         ``(ndim - 1, G)``: G groups of its features); the cells are row-major, ``local_groups``
         of them. Empty: one loss.
+      num_classes: the size of the logits' last axis where the builder knows it (the zoo
+        models, a stack from an nnx ``Linear`` head, a view of a sequential model ending in
+        one); None: unknown. Concrete cross-entropy labels are checked against it.
 
     Example:
       >>> stack = mlp(in_dim=64, width=32, depth=2, num_classes=10)
@@ -72,6 +75,7 @@ class Stack:
     local_head: Callable[[Any, jax.Array], jax.Array] | None = None
     local_groups: int = 1
     local_cells: tuple = ()
+    num_classes: int | None = None
 
     def __call__(self, params: Params, batch: Batch) -> jax.Array:
         """Mean loss of ``batch``."""

@@ -58,7 +58,7 @@ def mlp(in_dim: int, width: int, depth: int, num_classes: int, activation: str =
             nnx.Linear(width, num_classes, rngs=rngs),
         )
 
-    return nnx_stack_factory(build, depth, name=f"mlp{depth}x{width}")
+    return nnx_stack_factory(build, depth, name=f"mlp{depth}x{width}", num_classes=num_classes)
 
 
 class _ConvIn(nnx.Module):
@@ -105,7 +105,8 @@ def cnn(
             _PoolHead(channels, num_classes, rngs),
         )
 
-    return nnx_stack_factory(build, depth, name=f"cnn{depth}x{channels}")
+    return nnx_stack_factory(build, depth, name=f"cnn{depth}x{channels}",
+                             num_classes=num_classes)
 
 
 def patch_tokens(image_shape: tuple[int, int, int], patch: int) -> int:
@@ -190,7 +191,8 @@ def mixer(
             _TokenMeanHead(width, num_classes, rngs),
         )
 
-    return nnx_stack_factory(build, depth, name=f"mixer{depth}x{width}")
+    return nnx_stack_factory(build, depth, name=f"mixer{depth}x{width}",
+                             num_classes=num_classes)
 
 
 class _TokenEmbed(nnx.Module):
@@ -245,4 +247,5 @@ def char_transformer(
             _LMHead(d_model, vocab, rngs),
         )
 
-    return nnx_stack_factory(build, depth, name=f"transformer{depth}x{d_model}")
+    return nnx_stack_factory(build, depth, name=f"transformer{depth}x{d_model}",
+                             num_classes=vocab)

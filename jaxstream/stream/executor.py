@@ -189,10 +189,11 @@ class StreamedExecutor(Driver):
 
     def _checked(self, batch: Any, key: Any) -> jax.Array:
         """The in-memory estimators' argument checks (a micro-batched batch, integer labels, a
-        key), before anything runs; a raw ``jax.random.PRNGKey`` comes back typed."""
+        key), before anything runs, reading nothing back from a device (labels in range: where
+        they are NumPy arrays); a raw ``jax.random.PRNGKey`` comes back typed."""
         check_key(key, self.engine)
         check_micro_batches(batch, self.engine)
-        check_labels(self.stack, batch, self.engine)
+        check_labels(self.stack, batch, self.engine, read=False)
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         return key

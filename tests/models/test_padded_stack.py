@@ -160,3 +160,15 @@ def test_local_losses_are_refused_on_a_padded_stack(tmp_path, setup):
         StreamedExecutor(view.stack, est, optax.sgd(0.1), store)
     with pytest.raises(ValueError, match="pipeline: local_losses=True"):
         pipeline(view.stack, gpipe_forward(2, 4), est)
+
+
+@pytest.mark.parametrize("name", ["local_forward_weights", "local_guess"])
+def test_estimators_that_always_use_local_losses_name_what_to_use_instead(setup, name):
+    """They take no local_losses switch: the message names estimators without local losses."""
+    model, view, _, flat = setup
+    est = getattr(jg, name)()
+    with pytest.raises(ValueError, match=rf"^{name}: its local losses \(always on\) apply the "
+                                         r"head .* 'cnn' has no shared head .*allowed: an "
+                                         r"estimator without local losses") as err:
+        est(view.stack, view.params(model.init(None)), flat, jax.random.key(0))
+    assert "allowed: local_losses=False" not in str(err.value) and "\n" not in str(err.value)

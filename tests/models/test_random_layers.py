@@ -158,3 +158,26 @@ def test_dropout_rate_without_a_stream_is_refused_by_name():
     with pytest.raises(ValueError, match=r"layer 0: MultiHeadAttention .* dropout_rate=0.1 but "
                                          r"keeps no RNG stream"):
         from_sequential([att, lambda h: h.mean(axis=(1, 2))])
+
+
+def dropout_model(rate=0.9):
+    rngs = nnx.Rngs(0)
+    return from_sequential(nnx.Sequential(nnx.Linear(4, 8, rngs=rngs), nnx.Dropout(rate, rngs=rngs),
+                                          nnx.tanh, nnx.Linear(8, 3, rngs=rngs)))
+
+
+@pytest.mark.parametrize("name", ["backprop", "forward", "activity"])
+def test_nnx_dropout_without_a_step_key_is_refused_not_switched_off(name):
+    """An estimator called directly on a dropout model without a bound key would train with
+    dropout silently off: refused by name; bound, it runs; evaluation runs dropout off."""
+    model, data = dropout_model(), batch()
+    params = model.init(None)
+    with pytest.raises(ValueError, match=r"^layer 1: nnx\.Dropout\(rate=0\.9\) needs a step key "
+                                         r"in training mode.*model\.with_rng\(key\)") as err:
+        ESTIMATORS[name](model, params, data, jax.random.key(0))
+    assert "\n" not in str(err.value)
+    bound = model.with_rng(jax.random.key(7))
+    assert np.isfinite(float(ESTIMATORS[name](bound, params, data, jax.random.key(0))[0]))
+    assert model.apply(params, data["x"]).shape == (6, 3)
+    rate0 = dropout_model(0.0)  # a rate of 0 draws nothing: nothing to refuse
+    assert np.isfinite(float(js.grad.backprop()(rate0, params, data, jax.random.key(0))[0]))

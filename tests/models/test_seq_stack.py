@@ -114,3 +114,30 @@ def test_a_stack_without_embed_parameters_runs_on_the_pipeline():
     assert max_rel_err(view.unstack(grads), jax.grad(model)(params, flat)) <= 1e-5
     loss, _ = jg.forward(num_tangents=2)(view.stack, view.params(params), flat, jax.random.key(1))
     assert abs(float(loss) - float(model(params, flat))) <= 1e-6
+
+
+class _Scaled(nnx.Module):
+    """A residual block whose scale is a static (non-parameter) attribute."""
+
+    def __init__(self, d, alpha, rngs):
+        self.fc, self.alpha = nnx.Linear(d, d, rngs=rngs), alpha
+
+    def __call__(self, h):
+        return h + self.alpha * nnx.tanh(self.fc(h))
+
+
+def test_blocks_differing_only_in_a_static_attribute_name_it():
+    rngs = nnx.Rngs(0)
+    model = from_sequential(nnx.Sequential(
+        nnx.Linear(8, 8, rngs=rngs), *[_Scaled(8, a, rngs) for a in (0.5, 1.0, 2.0)],
+        nnx.Linear(8, 3, rngs=rngs)), name="scaled")
+    with pytest.raises(ValueError, match=r"^model: 'scaled' repeats a group of layers with the "
+                                         r"same types and parameter shapes, but their static "
+                                         r"attributes differ \(layers 1, 2, 3 \(_Scaled\) differ "
+                                         r"in 'alpha': 0\.5, 1\.0, 2\.0\).*as_padded_stack") as err:
+        as_stack(model)
+    assert "\n" not in str(err.value) and "no repeated group" not in str(err.value)
+    same = from_sequential(nnx.Sequential(
+        nnx.Linear(8, 8, rngs=rngs), *[_Scaled(8, 0.5, rngs) for _ in range(3)],
+        nnx.Linear(8, 3, rngs=rngs)))
+    assert (as_stack(same).first, as_stack(same).repeats) == (1, 3)

@@ -71,3 +71,26 @@ def test_train_step_takes_a_legacy_prng_key_as_the_same_key():
                                         r"jax\.random\.key\(0\); got ndarray of dtype int32"):
         step(params, step.init(params), batch, np.zeros(2, np.int32))
     assert jnp.isfinite(typed[2])
+
+
+def model_with_blocks():
+    rngs = nnx.Rngs(0)
+    return from_sequential(nnx.Sequential(
+        nnx.Linear(4, 8, rngs=rngs), nnx.relu,
+        *[m for _ in range(3) for m in (nnx.Linear(8, 8, rngs=rngs), nnx.tanh)],
+        nnx.Linear(8, 3, rngs=rngs)))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["as_stack", "as_padded_stack"])
+@pytest.mark.parametrize("est", [js.grad.backprop(), js.grad.forward(2)],
+                         ids=["backprop", "forward"])
+def test_a_view_given_as_loss_fn_names_view_stack(est, padded):
+    model = model_with_blocks()
+    view = (js.models.as_padded_stack(model, data()["x"]) if padded
+            else js.models.as_stack(model))
+    sp = view.params(model.init(None))
+    with pytest.raises(TypeError, match=r"^(backprop|forward): loss_fn is a (StackView|PaddedView)"
+                                        r" .*pass view\.stack with view\.params\(params\)") as err:
+        est(view, sp, data(), jax.random.key(0))
+    assert "\n" not in str(err.value)
+    assert np.isfinite(float(est(view.stack, sp, data(), jax.random.key(0))[0]))
