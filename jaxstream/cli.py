@@ -38,14 +38,16 @@ def add_run_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     p.add_argument("--out", default=None,
                    help="run directory (default: runs/<config name>, suffixed _2, _3... if taken)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out (default: the latest runs/<config name>*) "
-                        "from its last checkpoints")
-    p.add_argument("--rollback", action="store_true",
-                   help="continue the run in --out from its last sane state, also after it "
-                        "diverged (a layer store's last commit that passed its divergence "
-                        "guard; locally, the last checkpoint before the divergence); the arms' "
-                        "lr may change")
+    resume = p.add_mutually_exclusive_group()  # a run is either resumed or rolled back
+    resume.add_argument("--resume", action="store_true",
+                        help="continue the run in --out (default: the latest runs/<config "
+                             "name>*, the highest _N) from its last checkpoints")
+    resume.add_argument("--rollback", action="store_true",
+                        help="continue a run in --out that diverged from its last sane state (a "
+                             "layer store's last commit that passed its divergence guard; "
+                             "locally, the last checkpoint before the divergence); the arms' lr "
+                             "may change, recorded in metrics.jsonl. Refused on a run that did "
+                             "not diverge (use --resume)")
     p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="import MODULE first (it registers datasets, models, optimizers, engines "
                         "or kinds); repeatable. Installed packages can use the entry-point group "

@@ -161,7 +161,10 @@ def _deepcopy(x: Any) -> Any:
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping from ``path`` (an empty file gives ``{}``).
+    """Read a YAML mapping from ``path``.
+
+    An empty file (or only comments, or ``null``) is refused: it is more likely a mistake
+    than a request for a default run, which ``kind: train`` asks for explicitly.
 
     A missing file, a YAML syntax error (with its line and column) or a tag that safe loading
     refuses (``!!python/...``) is a :class:`ConfigError` naming the file.
@@ -191,7 +194,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         at = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
         raise ConfigError(f"{path}:{at} YAML syntax error: {getattr(e, 'problem', e)}") from None
     if data is None:
-        return {}
+        raise ConfigError(f"{path} is empty: a config needs at least one key (for a default "
+                          f"run write 'kind: train')")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
     return data

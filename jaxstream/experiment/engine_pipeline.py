@@ -77,6 +77,16 @@ class PipelineEngineConfig(EngineConfig):
         plan.forward_pass.refuse_unless("pipeline", f"{field}.estimator: pipeline",
                                         plan.describe())
 
+    def check_run(self, names: list[str], resume: bool) -> None:
+        """Before anything is written: one device per stage exists (as the data-parallel and
+        composed engines check theirs), not a traceback after the data is loaded."""
+        available = jax.device_count()
+        if self.stages > available:
+            raise ValueError(
+                f"engine.stages: {self.stages} requested (one device per stage) but only "
+                f"{available} devices exist; allowed: 1 .. {available} (on a CPU, set XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={self.stages} before JAX is imported)")
+
     def build(self, **kw: Any) -> Any:
         """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`)."""
         return PipelineEngine(self, **kw)

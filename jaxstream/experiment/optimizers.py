@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import optax
 
+from jaxstream.experiment.config_yaml import ConfigError
 from jaxstream.optim.max_adabelief import max_adabelief
 from jaxstream.optim.promotion import standard_promotion
 from jaxstream.ranges import Checked, Decay, Every, NonNegative, Positive, Range
@@ -40,10 +41,30 @@ def register_optimizer(name: str, factory: OptimizerFactory | None = None) -> An
         if not callable(fn):
             raise TypeError(f"register_optimizer({name!r}): the factory must be callable, "
                             f"got {fn!r}")
+        _refuse_clash(name, fn)
         _OPTIMIZERS[name] = fn
         return fn
 
     return deco if factory is None else deco(factory)
+
+
+def _same_factory(old: OptimizerFactory, new: OptimizerFactory) -> bool:
+    """Whether ``new`` is ``old`` again: the same object, or the same module and name (the
+    module imported twice), so re-registering is harmless."""
+    if old is new:
+        return True
+    key = (getattr(old, "__module__", None), getattr(old, "__qualname__", None))
+    return None not in key and key == (getattr(new, "__module__", None),
+                                       getattr(new, "__qualname__", None))
+
+
+def _refuse_clash(name: str, fn: OptimizerFactory) -> None:
+    """Refuse a second, different factory under a registered name (as models are refused):
+    a plugin must not silently replace a built-in optimizer."""
+    old = _OPTIMIZERS.get(name)
+    if old is not None and not _same_factory(old, fn):
+        raise ConfigError(f"optimizer {name!r} is already registered; register yours under "
+                          f"another name (registered: {', '.join(sorted(_OPTIMIZERS))})")
 
 
 def optimizer_factory(name: str) -> OptimizerFactory:

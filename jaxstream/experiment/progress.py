@@ -35,6 +35,13 @@ def arm_bar(arm: str, *, start: int, total: int, enabled: bool, leave: bool = Tr
                 disable=None if enabled else True, dynamic_ncols=True)
 
 
+def work_bar(items: Any, desc: str, *, enabled: bool = True, leave: bool = False) -> Any:
+    """A tqdm bar over ``items`` under the rule of :func:`arm_bar`: shown only on a terminal
+    (and when ``enabled``), so a redirected run's output holds no bar."""
+    return tqdm(items, desc=desc, leave=leave, disable=None if enabled else True,
+                dynamic_ncols=True)
+
+
 def bar_hook(bar: Any) -> Callable[[Any], None]:
     """A training-loop hook (run it every step, after evaluation) that advances ``bar`` and shows
     the loss and test accuracy of steps that were evaluated."""

@@ -26,12 +26,12 @@ from typing import Annotated, Any, Literal
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 import jaxstream.grad as jg
 from jaxstream.data import load_digits
 from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
+from jaxstream.experiment.progress import work_bar
 from jaxstream.experiment.registry import register_experiment
 from jaxstream.quality.baselines import ExactSubset, MicrobatchForward
 from jaxstream.quality.compare import compare
@@ -222,7 +222,7 @@ def run_grad_quality(cfg: GradQualityConfig, run_dir: Path) -> dict[str, Any]:
     }
     keys = jax.random.split(jax.random.key(cfg.seed + 3), cfg.num_seeds)
     rows: list[dict[str, Any]] = []
-    for (name, k, m), est in tqdm(specs.items(), desc="grad_quality", leave=False):
+    for (name, k, m), est in work_bar(specs.items(), "grad_quality"):
         for setting in cfg.settings:
             table = compare({name: est}, stack, params, batches[setting], keys, microbatched={name})
             for r in table.rows:

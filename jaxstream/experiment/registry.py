@@ -135,14 +135,36 @@ def load_plugins(extra: Iterable[str] = (), entry_points: bool = True) -> None:
     for name in extra:
         if name in _IMPORTED:
             continue
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-                raise ConfigError(f"--plugin {name}: no module named {e.name!r} (is it installed "
-                                  "or on PYTHONPATH?)") from e
-            raise
+        _import_plugin(name)
         _IMPORTED.add(name)
+
+
+def _import_plugin(name: str) -> None:
+    """Import a ``--plugin`` module; a bad name or a module that fails to import is refused in
+    one line naming it and the error (the plugin's bug, not ours: no traceback)."""
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ConfigError(f"--plugin {name}: not a module name; allowed: a dotted Python module "
+                          "name (e.g. my_plugin or my_pkg.plugin) whose folder is on PYTHONPATH")
+    try:
+        importlib.import_module(name)
+    except ConfigError:  # a refused registration already names what clashed
+        raise
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            raise ConfigError(f"--plugin {name}: no module named {e.name!r} (is it installed "
+                              "or on PYTHONPATH?)") from e
+        raise ConfigError(f"--plugin {name}: failed to import: {_one_line(e)}") from e
+    except Exception as e:
+        raise ConfigError(f"--plugin {name}: failed to import: {_one_line(e)} (python -c "
+                          f"'import {name}' shows the traceback)") from e
+
+
+def _one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (with file and line of a SyntaxError)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"SyntaxError: {e.msg} ({e.filename}, line {e.lineno})"
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 #: Environment variable: entry points (names, comma-separated) that ``load_plugins`` skips.

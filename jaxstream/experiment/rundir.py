@@ -55,14 +55,27 @@ def new_run_dir(base: str | Path) -> Path:
     return candidate
 
 
+def run_dir_number(base: Path, path: Path) -> int | None:
+    """``path``'s place among ``base`` (1), ``base_2`` (2), ...; None for any other name."""
+    if path.name == base.name:
+        return 1
+    suffix = path.name[len(base.name):]
+    if path.name.startswith(base.name) and suffix[:1] == "_" and suffix[1:].isdigit():
+        return int(suffix[1:])
+    return None
+
+
 def latest_run_dir(base: str | Path) -> Path | None:
-    """The most recent of ``base``, ``base_2``, ... that holds a config.yaml (for ``--resume``)."""
+    """The latest of ``base``, ``base_2``, ... (the highest suffix, as :func:`new_run_dir`
+    numbers them) that holds a config.yaml (for ``--resume`` without ``--out``)."""
     base = Path(base)
-    found = [p for p in base.parent.glob(f"{base.name}*") if (p / "config.yaml").exists()
-             and (p == base or p.name[len(base.name):].lstrip("_").isdigit())]
+    if not base.parent.is_dir():
+        return None
+    found = [p for p in base.parent.iterdir() if run_dir_number(base, p) is not None
+             and (p / "config.yaml").exists()]
     if not found:
         return None
-    return max(found, key=lambda p: int(p.name[len(base.name):].lstrip("_") or 1))
+    return max(found, key=lambda p: run_dir_number(base, p) or 0)
 
 
 def _version(dist: str) -> str | None:
@@ -142,12 +155,13 @@ class MetricsLog:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.damaged: list[int] = []  # line numbers (1-based) the last read could not parse
+        self.incomplete = False  # whether the last read dropped an unfinished last line
 
     def read(self) -> list[dict[str, Any]]:
         """All records. An incomplete last line (a crash mid-write) is dropped quietly; a
         damaged line elsewhere is skipped with a warning naming it, and every valid record
         after it is kept (:attr:`damaged` lists those lines)."""
-        self.damaged = []
+        self.damaged, self.incomplete = [], False
         if not self.path.exists():
             return []
         text = self.path.read_text()
@@ -163,6 +177,7 @@ class MetricsLog:
                 out.append(rec)
             except ValueError:
                 if i == len(lines) and not text.endswith("\n"):
+                    self.incomplete = True
                     continue  # the unfinished last line of a killed run
                 self.damaged.append(i)
         if self.damaged:
@@ -189,6 +204,35 @@ class MetricsLog:
                 tmp.replace(self.path)
             finally:
                 tmp.unlink(missing_ok=True)
+
+
+def diverged_record(record: dict[str, Any]) -> bool:
+    """A step whose loss was not finite (JSON keeps NaN as null, inf as 1e308) or whose commit
+    failed a layer store's divergence guard."""
+    if record.get("guard_failed"):
+        return True
+    loss = record.get("loss", 0.0)
+    return loss is None or not math.isfinite(loss) or abs(loss) >= 1e308
+
+
+def diverged_arms(run_dir: Path, records: Iterable[dict[str, Any]]) -> list[str]:
+    """The arms a run directory shows diverged: by summary.json, or by a step in ``records``
+    (its metrics; a run killed before its summary)."""
+    names = {r.get("arm") for r in records if diverged_record(r)}
+    summary = Path(run_dir) / "summary.json"
+    with contextlib.suppress(OSError, ValueError):
+        arms = json.loads(summary.read_text()).get("arms", {}) if summary.is_file() else {}
+        names |= {a for a, s in arms.items() if isinstance(s, dict) and s.get("diverged")}
+    return sorted(n for n in names if isinstance(n, str))
+
+
+def checkpoint_steps(run_dir: Path) -> dict[str, int]:
+    """Each arm's last checkpointed step, read from ``checkpoints/<arm>/<step>`` names."""
+    steps: dict[str, int] = {}
+    for d in (Path(run_dir) / "checkpoints").glob("*/*"):
+        if d.is_dir() and d.name.isdigit():
+            steps[d.parent.name] = max(steps.get(d.parent.name, 0), int(d.name))
+    return steps
 
 
 LOCK_FILE = "run.lock"

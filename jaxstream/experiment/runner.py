@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import uuid
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from jaxstream.experiment.config import ConfigError, diff_configs, dump_yaml
 from jaxstream.experiment.data_configs import forget_datasets
 from jaxstream.experiment.registry import get_experiment, load_experiment
 from jaxstream.experiment.rundir import (
+    MetricsLog,
+    checkpoint_steps,
+    diverged_arms,
     environment,
     latest_run_dir,
     new_run_dir,
@@ -56,8 +60,8 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
     base = Path(out) if out is not None else Path("runs") / Path(config_path).stem
     check_parents(base, "--out" if out is not None else "the default run directory")
     if resume:
-        found = base if (base / "config.yaml").exists() else (
-            latest_run_dir(base) if out is None else None)
+        found = latest_run_dir(base) if out is None else (
+            base if (base / "config.yaml").exists() else None)
         if found is None:
             raise ConfigError(f"--resume: no run directory with a config.yaml at {base}")
         return found
@@ -84,6 +88,9 @@ def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),
     ``rollback``: resume from the run's last sane state, also after a divergence (the arms'
     learning rates may change; see :func:`jaxstream.experiment.train.train_arm`).
     """
+    if resume and rollback:
+        raise ConfigError("--resume and --rollback: give one (--rollback continues a diverged "
+                          "run, --resume any other)")
     forget_datasets()
     try:
         return _run(config_path, list(overrides), out, resume or rollback, on_start, rollback)
@@ -148,6 +155,15 @@ def _check_resume(run_dir: Path, kind: str, cfg: Any, rollback: bool = False) ->
     if saved_kind != kind:
         raise ConfigError(f"{flag}: kind {kind!r} differs from {saved_kind!r} in "
                          f"{run_dir / 'config.yaml'}")
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    with warnings.catch_warnings():  # damaged lines: the run's own read warns about them
+        warnings.simplefilter("ignore")
+        records = log.read()
+    names = [a.name for a in getattr(saved, "arms", ())]
+    if rollback:
+        _check_diverged(run_dir, names, records)
+    if kind == "train":
+        _check_metrics(flag, log, records, checkpoint_steps(run_dir), names)
     allowed = list(RESUMABLE_CHANGES)
     if rollback:
         allowed += [f"arms.{i}.lr" for i in range(len(getattr(cfg, "arms", ())))]
@@ -156,6 +172,33 @@ def _check_resume(run_dir: Path, kind: str, cfg: Any, rollback: bool = False) ->
         may = ", ".join(RESUMABLE_CHANGES) + (", arms.N.lr" if rollback else "")
         raise ConfigError(f"{flag}: the config differs from {run_dir / 'config.yaml'} in "
                          f"{', '.join(diff)}; only {may} may change")
+
+
+def _check_diverged(run_dir: Path, names: list[str], records: list[dict]) -> None:
+    """``--rollback`` takes a diverged run back to its last sane state (where its lr may
+    change); on a run that never diverged it would rewrite the lr behind its results."""
+    if not diverged_arms(run_dir, records):
+        raise ConfigError(f"--rollback: no arm of {run_dir} diverged (arms: "
+                          f"{', '.join(names) or 'none'}); --rollback only continues a diverged "
+                          "run: pass --resume to continue this one")
+
+
+def _check_metrics(flag: str, log: MetricsLog, records: list[dict], steps: dict[str, int],
+                   names: list[str]) -> None:
+    """Every checkpointed step (from the arm's first record, 0 unless it continued another
+    run's store, to its last checkpoint) must have its record: a resume keeps only those, so a
+    missing or cut metrics.jsonl would give a wrong summary silently."""
+    for arm in names:
+        have = {r.get("step") for r in records if r.get("arm") == arm}
+        first = min((k for k in have if isinstance(k, int)), default=0)
+        lost = [k for k in range(first, steps.get(arm, 0) + 1) if k not in have]
+        if steps.get(arm, 0) and lost:
+            found = ("is missing" if not log.path.exists() else
+                     "ends in an incomplete line" if log.incomplete else "lacks records")
+            raise ConfigError(
+                f"{flag}: {log.path} {found}, but checkpoints/{arm} reaches step {steps[arm]}: "
+                f"arm {arm}'s records of {len(lost)} step(s) from step {lost[0]} would be lost "
+                "and the summary wrong; restore the file, or start a new run in another --out")
 
 
 def _refusals() -> tuple[type[BaseException], ...]:

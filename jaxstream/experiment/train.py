@@ -108,6 +108,8 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         if start == 0:
             records = [{**tags, "step": 0,
                         **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
+        if rollback:  # the lr may have changed: the log says from which step this one applies
+            records.append({**tags, "step": start, "rollback": True, "lr": arm.lr})
         on_start(records)
         diverged = resume_ckpt.diverged and not rollback
         if diverged or start >= stop:

@@ -1,0 +1,111 @@
+"""Refusals an outside user found missing: each is one line, exit 2, before any compute and
+before the run directory is written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optax
+import pytest
+
+from jaxstream.cli import main
+from jaxstream.experiment import progress, quality_study
+from jaxstream.experiment.config_yaml import ConfigError
+from jaxstream.experiment.optimizers import optimizer_factory, register_optimizer
+from jaxstream.experiment.registry import load_experiment
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
+PIPELINE = ROOT / "experiments" / "pipeline_mlp.yaml"
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """Run the CLI in-process; it must exit 2 with one ``error:`` line, which is returned."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ")
+    return err[-1]
+
+
+def test_builtin_optimizer_cannot_be_replaced():
+    with pytest.raises(ConfigError, match="optimizer 'adam' is already registered"):
+        register_optimizer("adam", optax.sgd)
+    assert optimizer_factory("adam") is optax.adam
+    register_optimizer("adam", optax.adam)  # the same factory again (a re-import) is fine
+
+
+def test_plugin_replacing_an_optimizer_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "defects_dup_opt.py").write_text(
+        "import optax\nfrom jaxstream.experiment.plugins import register_optimizer\n"
+        "register_optimizer('adam', optax.sgd)\n")
+    line = _refused(capsys, ["run", str(QUICKSTART), "steps=1", "--plugin", "defects_dup_opt",
+                             "--out", "o"])
+    assert "optimizer 'adam' is already registered" in line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("module", "source", "expected"), [
+    ("defects_raises", "raise RuntimeError('boom in plugin')\n",
+     "--plugin defects_raises: failed to import: RuntimeError: boom in plugin"),
+    ("defects_syntax", "def f(:\n",
+     "--plugin defects_syntax: failed to import: SyntaxError:"),
+    ("defects_dep", "import defects_no_such_dependency\n",
+     "--plugin defects_dep: failed to import: ModuleNotFoundError:"),
+])
+def test_broken_plugin_is_one_line(tmp_path, capsys, monkeypatch, module, source, expected):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / f"{module}.py").write_text(source)
+    line = _refused(capsys, ["run", str(QUICKSTART), "--plugin", module, "--out", "o"])
+    assert expected in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_plugin_path_is_not_a_module_name(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _refused(capsys, ["run", str(QUICKSTART), "--plugin", "../x", "--out", "o"])
+    assert "--plugin ../x: not a module name" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_pipeline_stages_beyond_devices_refused_up_front(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the tests have 8 devices; 16 stages need 16
+    line = _refused(capsys, ["run", str(PIPELINE), "steps=1", "model.depth=16",
+                             "engine.stages=16", "--out", "o"])
+    assert "engine.stages: 16 requested" in line and "devices exist" in line
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=16" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_pipeline_stages_within_devices_pass():
+    _, cfg = load_experiment(PIPELINE, ["engine.stages=8"])
+    cfg.engine.check_run(["a"], resume=False)
+
+
+def test_lr_infinite_in_float32_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    line = _refused(capsys, ["run", str(QUICKSTART), "steps=1", "arms.0.lr=1e308",
+                             "--out", "o"])
+    assert "arms.0.lr: 1e+308 is inf in float32" in line
+    assert not (tmp_path / "o").exists()
+    _, cfg = load_experiment(QUICKSTART, ["arms.0.lr=3e38"])  # finite in float32: accepted
+    assert cfg.arms[0].lr == 3e38
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "null\n"])
+def test_empty_config_file_refused(tmp_path, capsys, monkeypatch, text):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.yaml").write_text(text)
+    line = _refused(capsys, ["run", "empty.yaml", "--out", "o"])
+    assert "empty.yaml is empty" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_grad_quality_bar_follows_the_terminal_rule(capsys):
+    assert quality_study.work_bar is progress.work_bar
+    bar = progress.work_bar([1, 2], "grad_quality")  # stderr is captured: not a terminal
+    assert bar.disable and list(bar) == [1, 2]
+    bar.close()
+    assert "grad_quality" not in capsys.readouterr().err
