@@ -63,6 +63,16 @@ from flax import nnx
 
 from jaxstream.models import rng_streams as rs
 from jaxstream.models.stack import Batch, cross_entropy, loss_dtype
+from jaxstream.models.ties import (
+    find_ties,
+    get_attr_path,
+    get_path,
+    has_path,
+    path_str,
+    set_attr_path,
+    set_path,
+    without_path,
+)
 
 DROPOUT = 5  # key segment of a step's random layers (dropout masks, a layer's own RNG streams)
 
@@ -150,11 +160,11 @@ class Sequential:
         layer = self.layers[l]
         if layer.fn is not None:
             return layer.fn(h), {}
-        if layer.ties and not all(_has_path(p, here) for here, _, _ in layer.ties):
+        if layer.ties and not all(has_path(p, here) for here, _, _ in layer.ties):
             here, owner, there = layer.ties[0]
             raise ValueError(
-                f"model: layer {l} shares its parameter {_where(here)!r} with layer {owner} "
-                f"({_where(there)!r}, tied weights); it runs only inside the whole model "
+                f"model: layer {l} shares its parameter {path_str(here)!r} with layer {owner} "
+                f"({path_str(there)!r}, tied weights); it runs only inside the whole model "
                 f"(backprop, weight perturbation, the hybrids), not layer by layer (activity "
                 f"perturbation, local losses, stack views): use one of those estimators, or untie "
                 f"the layers")
@@ -182,7 +192,7 @@ class Sequential:
         if where is not None:
             raise ValueError(
                 f"layer {l}: {type(module).__name__} draws from its own RNG stream "
-                f"{_where(where)!r}, but no step key is bound to drive it (jaxstream run's "
+                f"{path_str(where)!r}, but no step key is bound to drive it (jaxstream run's "
                 f"engines bind none; it would repeat one draw every step): train it with "
                 f"js.train_step, which binds the step key, or call the estimator on "
                 f"model.with_rng(key); or pass the randomness in explicitly")
@@ -198,7 +208,7 @@ class Sequential:
         """Layer ``l``'s parameters with the ones it shares read from their owner layers."""
         p = params[l]
         for here, owner, there in self.layers[l].ties:
-            p = _set_path(p, here, _get_path(params[owner], there))
+            p = set_path(p, here, get_path(params[owner], there))
         return p
 
     def to_nnx(self, params: tuple, state: tuple | None = None) -> nnx.Sequential:
@@ -218,7 +228,7 @@ class Sequential:
                    for l, (layer, s) in enumerate(zip(self.layers, state))]
         for l, layer in enumerate(self.layers):  # one Param object per tie again, as built
             for here, owner, there in layer.ties:
-                _set_attr_path(modules[l], here, _get_attr_path(modules[owner], there))
+                set_attr_path(modules[l], here, get_attr_path(modules[owner], there))
         return nnx.Sequential(*modules)
 
     def layer_fn(self, l: int, train: bool = True) -> Callable[[Any, jax.Array], jax.Array]:
@@ -336,74 +346,6 @@ def _check_batch(model: Sequential, params: Any, batch: Any) -> None:
                         f"{jnp.result_type(batch['y'])}")
 
 
-def _find_ties(elements: list) -> list[list[tuple[tuple, int, tuple]]]:
-    """Per layer, the parameters it shares with an earlier layer (the same ``nnx.Param``
-    object: tied embedding and head, a module placed twice): ``(path here, owner, path
-    there)``. A parameter shared inside one layer is nnx's own business (one leaf)."""
-    owner: dict[int, tuple[int, tuple]] = {}
-    ties: list[list] = [[] for _ in elements]
-    for i, element in enumerate(elements):
-        if not isinstance(element, nnx.Module):
-            continue
-        for path, node in nnx.iter_graph(element):
-            if isinstance(node, nnx.Param):
-                first = owner.setdefault(id(node), (i, tuple(path)))
-                if first[0] != i:
-                    ties[i].append((tuple(path), first[0], first[1]))
-    return ties
-
-
-def _where(path: tuple) -> str:
-    return "/".join(map(str, path))
-
-
-def _has_path(tree: Any, path: tuple) -> bool:
-    for k in path:
-        if not isinstance(tree, dict) or k not in tree:
-            return False
-        tree = tree[k]
-    return True
-
-
-def _get_path(tree: Any, path: tuple) -> Any:
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set_path(tree: dict, path: tuple, value: Any) -> dict:
-    """A copy of the nested dict ``tree`` with ``value`` at ``path`` (levels created)."""
-    out = dict(tree)
-    out[path[0]] = value if len(path) == 1 else _set_path(tree.get(path[0], {}), path[1:], value)
-    return out
-
-
-def _without_path(tree: dict, path: tuple) -> dict:
-    """A copy of the nested dict ``tree`` without ``path`` (emptied levels removed)."""
-    out = dict(tree)
-    if len(path) == 1:
-        out.pop(path[0])
-    else:
-        out[path[0]] = _without_path(tree[path[0]], path[1:])
-        if not out[path[0]]:
-            out.pop(path[0])
-    return out
-
-
-def _get_attr_path(module: Any, path: tuple) -> Any:
-    for k in path:
-        module = module[k] if isinstance(k, int) else getattr(module, k)
-    return module
-
-
-def _set_attr_path(module: Any, path: tuple, value: Any) -> None:
-    parent = _get_attr_path(module, path[:-1])
-    if isinstance(path[-1], int):
-        parent[path[-1]] = value
-    else:
-        setattr(parent, path[-1], value)
-
-
 def _split_layer(element: Any, i: int, ties: list = ()) -> tuple[_Layer, Any, Any]:
     if not isinstance(element, nnx.Module):
         if not callable(element):
@@ -415,7 +357,7 @@ def _split_layer(element: Any, i: int, ties: list = ()) -> tuple[_Layer, Any, An
     rates = [float(m.rate) for _, m in nnx.iter_graph(element) if isinstance(m, nnx.Dropout)]
     own = nnx.to_pure_dict(params)
     for here, _, _ in ties:
-        own = _without_path(own, here)
+        own = without_path(own, here)
     layer = _Layer(graphdef=graphdef, other=other, has_params=bool(jax.tree.leaves(params)),
                    has_stats=bool(jax.tree.leaves(stats)), has_dropout=bool(rates),
                    has_rngs=bool(rs.own_streams(element)), dropout_rate=max(rates, default=0.0),
@@ -436,7 +378,7 @@ def _check_randomness(element: nnx.Module, i: int) -> None:
     stray = rs.stray_rng_state(element)
     if stray is not None:
         raise ValueError(
-            f"layer {i}: {type(element).__name__} holds an RNG variable at {_where(stray)!r} "
+            f"layer {i}: {type(element).__name__} holds an RNG variable at {path_str(stray)!r} "
             f"outside an nnx.Rngs stream, which the step key cannot drive: keep it in an "
             f"nnx.Rngs (self.rngs = rngs), use nnx.Dropout, or pass the randomness in explicitly")
     if rs.own_streams(element):
@@ -445,7 +387,7 @@ def _check_randomness(element: nnx.Module, i: int) -> None:
         rate = getattr(m, "dropout_rate", 0.0) if isinstance(m, nnx.Module) else 0.0
         if not isinstance(m, nnx.Dropout) and isinstance(rate, (int, float)) and rate > 0:
             raise ValueError(
-                f"layer {i}: {type(m).__name__} at {_where(path) or 'the layer'!r} has "
+                f"layer {i}: {type(m).__name__} at {path_str(path) or 'the layer'!r} has "
                 f"dropout_rate={rate} but keeps no RNG stream to draw its masks from (built "
                 f"without rngs, or keep_rngs=False): build it with rngs=nnx.Rngs(...), or set "
                 f"dropout_rate=0 and put an nnx.Dropout layer in the sequence")
@@ -493,7 +435,7 @@ def from_sequential(
             raise ValueError(f"loss: {loss!r} is not known; choose one of {sorted(LOSSES)} or "
                              "pass a function (outputs, batch) -> per-example losses")
         loss = LOSSES[loss]
-    ties = _find_ties(elements)
+    ties = find_ties(elements)
     layers, params, stats = zip(*(_split_layer(e, i, t)
                                   for i, (e, t) in enumerate(zip(elements, ties))))
     return Sequential(tuple(layers), tuple(params), tuple(stats), loss, None, name)
