@@ -257,12 +257,21 @@ def _line(cls: type, err: dict, errors: list[dict], path: str, member: bool = Fa
     fields = [f.name for f in dataclasses.fields(section) if f.init] \
         if dataclasses.is_dataclass(section) else []
     out = sch.message(err, at, dict.fromkeys(fields))
-    if err["type"] in sch.UNKNOWN:  # inside a section chosen by its type: how to switch
+    if err["type"] in sch.UNKNOWN and _other_types_key(at.owner, loc[-1] if loc else None):
+        # a key written for another type of a section chosen by its type: how to switch
         for where, tag in reversed(at.choices):
             out += (f"; to switch {sch.where(where)} to type {tag!r}, give the whole section, "
                     f"e.g. {sch.where(where)}={{type: {tag}}} (the keys written for another "
                     "type do not carry over)")
     return out
+
+
+def _other_types_key(section: type | None, key: Any) -> bool:
+    """Whether ``key``, unknown to ``section``, is a key of another type of its section (the
+    type was switched, so a switch hint fits; a typo gets none)."""
+    table = next((t for t in _CHOICES.values() if section in t.values()), {})
+    return any(key in {f.name for f in dataclasses.fields(c)} for c in table.values()
+               if c is not section and dataclasses.is_dataclass(c))
 
 
 #: Old spellings of config keys: refused with one line naming the new one.

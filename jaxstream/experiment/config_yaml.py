@@ -57,7 +57,7 @@ def load_yaml(stream: Any) -> Any:
 def check_file(path: str | Path) -> None:
     """Refuse a config path that is not a regular file (a directory, a device such as
     ``/dev/zero``, a pipe: reading one may never end) or is larger than ``MAX_CONFIG_BYTES``,
-    before it is read."""
+    before it is read; and one that is not UTF-8 text."""
     st = Path(path).stat()
     if not stat.S_ISREG(st.st_mode):
         what = ("a directory" if stat.S_ISDIR(st.st_mode)
@@ -67,6 +67,16 @@ def check_file(path: str | Path) -> None:
     if size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {size} bytes; an experiment file is at most "
                           f"{MAX_CONFIG_BYTES} bytes")
+    try:
+        Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_utf8(path, e)) from None
+
+
+def not_utf8(path: str | Path, e: UnicodeDecodeError) -> str:
+    """The one line for a config file that is not UTF-8 text: the file and the byte offset."""
+    return (f"{path}: byte offset {e.start} (0x{e.object[e.start]:02x}) is not UTF-8; an "
+            "experiment file is UTF-8 text")
 
 
 def check_size(data: Any, where: str) -> None:
@@ -174,7 +184,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         text = Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
-    except (IsADirectoryError, NotADirectoryError, PermissionError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise ConfigError(not_utf8(path, e)) from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
         raise ConfigError(f"{path}: cannot read the config file ({e})") from None
     try:
         data = load_yaml(text)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxstream.experiment.config_yaml import ConfigError
 from jaxstream.experiment.docblock import machine, rewrite
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.summary import format_table
@@ -35,9 +36,65 @@ def read_run(run_dir: str | Path) -> dict[str, Any]:
     d = Path(run_dir)
     out: dict[str, Any] = {"dir": d, "records": MetricsLog(d / "metrics.jsonl").read()}
     for name in ("summary", "env"):
-        path = d / f"{name}.json"
-        out[name] = json.loads(path.read_text()) if path.is_file() else {}
+        out[name] = _read_json(d / f"{name}.json")
     return out
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file ({} if absent); one that is not readable JSON is a ConfigError."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+#: Run kinds ``compare`` compares (their summaries have the figures of the table).
+COMPARED_KINDS = ("train",)
+
+
+def run_kind(run: dict[str, Any]) -> str:
+    """The run's ``kind`` from its config.yaml; without one, "train" if every arm has the
+    compared figures, else "unknown"."""
+    path = run["dir"] / "config.yaml"
+    if path.is_file():
+        import yaml
+
+        try:
+            kind = (yaml.safe_load(path.read_text()) or {}).get("kind")
+        except (yaml.YAMLError, UnicodeDecodeError, AttributeError):
+            kind = None
+        if isinstance(kind, str):
+            return kind
+    arms = run["summary"].get("arms", {})
+    return "train" if all("final_loss" in a for a in arms.values()) else "unknown"
+
+
+def check_comparable(run: dict[str, Any]) -> None:
+    """Refuse a run whose kind ``compare`` does not compare (one line)."""
+    kind = run_kind(run)
+    if kind not in COMPARED_KINDS:
+        raise ConfigError(f"{run['dir']}: a {kind!r} run; compare compares "
+                          f"{' and '.join(repr(k) for k in COMPARED_KINDS)} runs only")
+
+
+def plot_path(plot: str | Path) -> Path:
+    """The file the plot is written to: ``plot``, or ``plot.png`` without an extension; an
+    extension matplotlib cannot write is a ConfigError naming those it can."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(plot)
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    allowed = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix[1:].lower() not in allowed:
+        raise ConfigError(f"--plot {plot}: cannot write a {path.suffix!r} file; give one "
+                          f"ending in {', '.join('.' + a for a in allowed)}")
+    return path
 
 
 def provenance(run: dict[str, Any], command: str) -> str:
@@ -120,8 +177,12 @@ def ticks_markdown(run: dict[str, Any]) -> str:
 
 def compare_runs(run_dirs: Sequence[str | Path], plot: str | Path | None = "compare.png",
                  markdown: bool = False) -> str:
-    """The arms of train runs side by side (text or Markdown); writes ``plot`` if given."""
+    """The arms of train runs side by side (text or Markdown); writes ``plot`` if given
+    (``.png`` added without an extension)."""
+    plot = None if plot is None else plot_path(plot)
     runs = [read_run(d) for d in run_dirs]
+    for run in runs:
+        check_comparable(run)
     target = runs[0]["summary"].get("target_accuracy", 0.95)
     if markdown:
         cmd = "jaxstream compare " + " ".join(str(d) for d in run_dirs) + " --markdown"
@@ -136,7 +197,7 @@ def compare_runs(run_dirs: Sequence[str | Path], plot: str | Path | None = "comp
                    for run in runs for r in run["records"]]
         summary = runs[0]["summary"]  # the line the run's own plots drew (none for next-token
         line = summary.get("plotted_target", target)  # accuracy without a target of its own)
-        write_compare_plot(records, list(_arms(runs)), Path(plot), line)
+        write_compare_plot(records, list(_arms(runs)), plot, line)
         text += f"\nplot: {plot}"
     return text
 
