@@ -2,7 +2,9 @@
 element-wise, whose update of an entry depends on other entries (a global-norm clip, LAMB's
 trust ratio, Adafactor's factored moments), instead of training something else than in memory.
 
-Checked by probing, not by name: two updates of a small tree shaped like a unit's parameters
+Checked by probing, not by name. First the update's program is traced (no compute): one
+without any primitive that combines entries (a reduction, a contraction, a sort, a cumulative
+op) is element-wise, as sgd, adam and their kin are. One with such a primitive is run: two updates of a small tree shaped like a unit's parameters
 (the unit's own leaves, each axis cut to at most 4), then the same two updates with other
 values in part of every leaf's gradient (its second half; every other entry), 10^4 times
 larger (other values, not a multiple, which Adam-like normalisers do not see; larger, so a
@@ -18,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -25,6 +28,40 @@ import numpy as np
 import optax
 
 _CUT = 4
+# primitives whose outputs combine several entries of an input
+_MIXING = frozenset({
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "reduce_xor", "argmax", "argmin", "dot_general", "conv_general_dilated", "cumsum",
+    "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "top_k", "fft", "transpose",
+    "rev", "gather", "scatter", "scatter-add", "psum", "all_gather"})
+
+
+def _sub_jaxprs(value: Any) -> list:
+    """The jaxprs inside an equation's parameter (a ``jit``'s, a ``cond``'s branches, ...)."""
+    if hasattr(value, "jaxpr") and hasattr(value, "consts"):  # a ClosedJaxpr
+        return [value.jaxpr]
+    if hasattr(value, "eqns"):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _sub_jaxprs(v)]
+    return []
+
+
+def _mixes(jaxpr: Any) -> bool:
+    """Whether some equation (nested jaxprs included) combines entries of a non-scalar."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MIXING and any(
+                int(np.prod(getattr(v.aval, "shape", ()))) > 1 for v in eqn.invars):
+            return True
+        if any(_mixes(j) for value in eqn.params.values() for j in _sub_jaxprs(value)):
+            return True
+    return False
+
+
+def _traced_elementwise(optimizer: Any, params: Any) -> bool:
+    """The update's program holds no entry-combining primitive (traced, not run)."""
+    state = jax.eval_shape(optimizer.init, params)
+    return not _mixes(jax.make_jaxpr(optimizer.update)(params, state, params).jaxpr)
 
 
 def _probe(like: Any, seed: int, scale: float = 100.0) -> Any:
@@ -63,6 +100,9 @@ def check_elementwise(optimizer: Any, like: Any, who: str) -> None:
     """ValueError naming ``who`` unless ``optimizer`` updates each entry of a tree shaped like
     ``like`` (a unit's parameters) from that entry's own gradient, value and state alone."""
     params = _probe(like, 0)
+    with contextlib.suppress(Exception):  # not traceable alone: the run below says why
+        if _traced_elementwise(optimizer, params):
+            return
     grads = [_probe(like, 1), _probe(like, 2)]
     other = [_probe(like, 3, 1e6), _probe(like, 4, 1e6)]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
