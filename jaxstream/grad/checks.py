@@ -113,6 +113,40 @@ def check_loss_fn(loss_fn: Any, who: str) -> None:
             f"and pass model with params = model.init(key)")
 
 
+def check_stack(stack: Any, who: str) -> None:
+    """A model :class:`Stack` (what an engine built on blocks runs), named with its fix when
+    it is a stack view, a sequential model or an nnx module."""
+    from flax import nnx
+
+    if isinstance(stack, Stack):
+        return
+    if isinstance(stack, (StackView, PaddedView)):
+        kind = "as_stack" if isinstance(stack, StackView) else "as_padded_stack"
+        raise TypeError(
+            f"{who}: got a {type(stack).__name__} (js.models.{kind}(model)); it runs view.stack, "
+            f"with the model's parameters as view.params(params)")
+    fix = ("js.models.as_stack(model) (or as_padded_stack(model, x)) and pass view.stack, "
+           "with view.params(params)")
+    kind = type(stack).__name__
+    if isinstance(stack, nnx.Module):
+        fix, kind = "js.models.from_sequential(...), then " + fix, f"an nnx module ({kind})"
+    elif not isinstance(stack, Sequential):
+        fix = "js.models.mlp(...) or a user's model through " + fix
+    raise TypeError(f"{who}: needs a model Stack, got {kind}: make one with {fix}")
+
+
+def check_stack_params(stack: Stack, params: Any, who: str) -> None:
+    """Parameters in the stack's layout ``{"embed", "blocks", "head"}``; a sequential model's
+    (one entry per layer) are named with the view that converts them."""
+    if isinstance(params, dict) and {"embed", "blocks", "head"} <= set(params):
+        return
+    kind = type(params).__name__
+    hint = (" (a sequential model's, one per layer: convert them with view.params(params) of "
+            "the view whose view.stack this is)" if isinstance(params, (tuple, list)) else "")
+    raise TypeError(f"{who}: params must be the stack's layout, a dict with 'embed', 'blocks' "
+                    f"and 'head', as stack.init(key) makes; got a {kind}{hint}")
+
+
 def check_labels(loss_fn: Callable, batch: Any, who: str, read: bool = True) -> None:
     """A loss function (:func:`check_loss_fn`) and, for a stack or a sequential model trained
     with cross-entropy, integer labels ``batch['y']``; concrete (untraced) labels also in

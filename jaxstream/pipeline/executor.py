@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.grad import combine as cb
-from jaxstream.grad.checks import check_local_losses
+from jaxstream.grad.checks import check_local_losses, check_stack, check_stack_params
 from jaxstream.grad.estimators import Aggregation, Perturb, forward
 from jaxstream.grad.hybrid import hybrid
 from jaxstream.grad.plan import Plan
@@ -75,6 +75,7 @@ class Pipeline:
         """The carry before the first step (stale tables only; None otherwise)."""
         if not self.stale:
             return None
+        check_stack_params(self.stack, params, "pipeline")
         self.check_batch(batch)
         m, p = self.schedule.num_stages, len(self.lowered.prev_selected)
         x0 = jax.tree.map(lambda a: a[0], batch)["x"]
@@ -93,6 +94,7 @@ class Pipeline:
         ``hybrid(correction="guess")(..., guess=...)``. Without it (the first step) the estimate
         is this step's exact-subset mean h.
         """
+        check_stack_params(self.stack, params, "pipeline")
         self.check_batch(batch)
         if self.stale and carry is None:
             raise ValueError(f"schedule {self.schedule.name!r} corrects the previous step: pass "
@@ -130,6 +132,7 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
       A Pipeline: ``pipe(params, batch, key[, carry]) -> (loss, grads, aux)``; batch leaves
       have a leading micro-batch axis N.
     """
+    check_stack(stack, "pipeline")
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
     if estimator is None:

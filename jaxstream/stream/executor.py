@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstream.grad.checks import check_key, check_labels, check_local_losses, check_micro_batches
+from jaxstream.grad.checks import (
+    check_key,
+    check_labels,
+    check_local_losses,
+    check_micro_batches,
+    check_stack,
+)
 from jaxstream.grad.tangents import TangentSpec
 from jaxstream.models.stack import Stack
 from jaxstream.optim.promotion import standard_promotion
@@ -68,6 +74,7 @@ class StreamedExecutor(Driver):
     def __init__(self, stack: Stack, estimator: Any, optimizer: Any, store: LayerStore,
                  config: StreamConfig | None = None, device: Any = None,
                  placement: Placement | None = None):
+        check_stack(stack, type(self).__name__)
         config = config or StreamConfig()
         if store.num_layers != stack.num_layers:
             raise ValueError(f"store has {store.num_layers} layers, the model {stack.num_layers}")
