@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxstream.experiment.config import ConfigError
+from jaxstream.experiment.config import ConfigError, plugin_call
 from jaxstream.experiment.engines import LocalEngineConfig, build_engine, tree_cosine
+from jaxstream.experiment.model_configs import ModelConfig
 from jaxstream.experiment.optimizers import build_optimizer
 from jaxstream.experiment.train_config import ArmConfig, TrainConfig
 from jaxstream.grad import local_targets
@@ -41,7 +42,7 @@ def model_for(cfg: TrainConfig, info: dict[str, int], x: Any = None) -> Any:
 
 @functools.lru_cache(maxsize=_ENTRIES)
 def _model(model_cfg: Any, info: tuple, staged: bool, x: jax.ShapeDtypeStruct | None) -> Any:
-    model = model_cfg.build(dict(info))
+    model = plugin_call("model", ModelConfig, model_cfg, model_cfg.build, dict(info))
     if getattr(model, "has_state", False):
         raise ConfigError(f"model: {type(model_cfg).__name__} builds a model with batch "
                           "statistics (BatchNorm); the runner's engines do not carry running "

@@ -88,6 +88,25 @@ def choice_name(base: type, value: Any) -> str:
     raise ConfigError(f"{type(value).__name__} is not a registered {base.__name__} choice")
 
 
+def plugin_call(section: str, base: type, cfg: Any, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` for a section's ``cfg``; an error a plugin's class (one defined outside
+    jaxstream) raises on its values becomes one line naming the section, its type and its
+    fields (a plugin that declares no range for a field fails inside its own code)."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except Exception as e:
+        if type(cfg).__module__.split(".")[0] == "jaxstream":
+            raise
+        name = choice_name(base, cfg) if type(cfg) in _CHOICES.get(base, {}).values() else "?"
+        fields = ", ".join(f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg))
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{section}: the plugin's {section} type {name!r} failed on its "
+                          f"values ({fields}): {type(e).__name__}: {first}; check these fields "
+                          f"(a plugin declares each field's range with jaxstream.ranges)") from e
+
+
 # ----------------------------------------------------------------------------- dict -> dataclass
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:

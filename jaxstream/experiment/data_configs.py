@@ -12,7 +12,7 @@ from jaxstream.data.digits import NUM_DIGITS, Dataset, load_digits, split_sizes
 from jaxstream.data.mnist1d import load_mnist1d
 from jaxstream.data.stored import open_data_store
 from jaxstream.data.text import load_text
-from jaxstream.experiment.config import register_choice
+from jaxstream.experiment.config import plugin_call, register_choice
 from jaxstream.ranges import Checked, Count, Fraction, Range, Seed
 
 
@@ -25,9 +25,10 @@ class DataConfig(Checked):
     def dataset(self, seed: int) -> Dataset:
         """``load(seed)``, loaded once: the check before the run and the run share it."""
         try:
-            return _cached(self, seed)
+            hash(self)
         except TypeError:  # a section with an unhashable field (a plugin's) is not cached
-            return self.load(seed)
+            return plugin_call("data", DataConfig, self, self.load, seed)
+        return plugin_call("data", DataConfig, self, _cached, self, seed)
 
     def train_size(self, seed: int) -> int:
         """Examples in the train split (default: load the data set and count them)."""

@@ -254,3 +254,20 @@ def test_a_plugin_models_dropout_is_refused_by_the_runner_not_switched_off(
     assert len(err) == 1 and err[0].startswith(
         "error: model: layer 2 holds nnx.Dropout, which the runner's engines do not drive"), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_plugin_that_fails_on_its_own_values_is_named_in_one_line(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A plugin field without a declared range (``n: int``) given -5 fails inside the plugin's
+    own code (NumPy: negative dimensions): the line names the section, the plugin's type and its
+    values, exit 2, nothing written."""
+    (tmp_path / "my_blobs2.py").write_text(PLUGIN.format(name="blobs2"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--plugin", "my_blobs2", str(QUICKSTART), "data={type: blobs2, n: -5}",
+                 *TINY, "--out", "run"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and err[0].startswith(
+        "error: data: the plugin's data type 'blobs2' failed on its values (n=-5): ValueError: "
+        "negative dimensions"), err
+    assert not (tmp_path / "run").exists()
