@@ -71,9 +71,18 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
         if base.exists() and any(base.iterdir()):
             raise ConfigError(f"--out: {base} already holds files; pass --resume to continue that "
                              "run or choose another directory")
-        base.mkdir(parents=True, exist_ok=True)
-        return base
-    return new_run_dir(base)
+        return _made(base, "--out", lambda: base.mkdir(parents=True, exist_ok=True) or base)
+    return _made(base, "the default run directory", lambda: new_run_dir(base))
+
+
+def _made(base: Path, who: str, make: Callable[[], Path]) -> Path:
+    """``make()``; the machine's refusal (a read-only or missing path, a full disk) names
+    ``who`` and the directory."""
+    try:
+        return make()
+    except OSError as e:
+        raise ConfigError(f"{who}: cannot create the run directory {base}: "
+                          f"{e.strerror or e}") from e
 
 
 def run_experiment(config_path: str | Path, overrides: Iterable[str] = (),

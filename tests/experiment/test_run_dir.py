@@ -87,3 +87,21 @@ def test_a_foreign_default_runs_is_one_line_naming_it(tmp_path, monkeypatch, cap
     assert len(err) == 1 and "runs" in err[0] and "--out" in err[0]
     assert ("rm runs" in err[0]) == (kind == "dangling link")
     assert runs.is_symlink() == (kind == "dangling link")  # nothing of the user's was touched
+
+
+@pytest.mark.parametrize("out", [True, False])
+def test_a_run_directory_the_machine_refuses_names_out(tmp_path, monkeypatch, capsys, out):
+    """A read-only or vanished parent (here: mkdir refused with EROFS): the line names --out
+    (or the default run directory) and the directory, not only the system's message."""
+    monkeypatch.chdir(tmp_path)
+
+    def refuse(self, *a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refuse)
+    flags = ["--out", str(tmp_path / "ro" / "run")] if out else []
+    assert cli_main(["run", str(QUICKSTART), *TINY, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    who = "--out" if out else "the default run directory"
+    assert len(err) == 1 and err[0].startswith(f"error: {who}: cannot create the run directory")
+    assert os.strerror(errno.EROFS) in err[0]
