@@ -66,6 +66,10 @@ def test_override_list_items_by_index():
     assert data == {"arms": [{"lr": 1}, {"lr": 0.5}]}
     with pytest.raises(ConfigError, match=r"arms\.5: index 5 out of range"):
         apply_overrides({"arms": [{"lr": 1}]}, ["arms.5.lr=0.5"])
+    # from the end, as in Python (docs/experiments.md says so)
+    assert apply_overrides({"arms": [{"lr": 1}, {"lr": 2}]}, ["arms.-1.lr=0.5"]) == data
+    with pytest.raises(ConfigError, match=r"arms\.-3: index -3 out of range \(list has 2"):
+        apply_overrides({"arms": [{"lr": 1}, {"lr": 2}]}, ["arms.-3.lr=0.5"])
 
 
 @pytest.mark.parametrize(
