@@ -115,8 +115,14 @@ def check_elementwise(optimizer: Any, like: Any, who: str) -> None:
             raise ValueError(f"{who}: the optimizer cannot update one layer's parameters on "
                              f"their own ({type(err).__name__}: {err}); the streamed engines "
                              f"apply it layer by layer") from err
+    if not all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(base)):
+        raise ValueError(  # inf or nan everywhere would compare equal and prove nothing
+            f"{who}: the optimizer's update is not finite on a probe layer (gradients of about "
+            f"100, two steps: a learning rate that overflows float32?), so whether it is "
+            f"element-wise, as the streamed engines need, cannot be checked; give a finite "
+            f"learning rate")
     kept = [np.allclose(np.asarray(a)[~m], np.asarray(b)[~m], rtol=1e-6, atol=0.0,
-                        equal_nan=True)  # an lr that overflows overflows in both runs
+                        equal_nan=True)
             for mask, moved in runs
             for a, b, m in zip(jax.tree.leaves(base), jax.tree.leaves(moved),
                                jax.tree.leaves(mask))]

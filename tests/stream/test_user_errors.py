@@ -59,6 +59,16 @@ def test_element_wise_optimizers_are_taken(tmp_path, optimizer):
     StreamedExecutor(STACK, jg.backprop(), optimizer, s, CFG).close()
 
 
+@pytest.mark.standard_promotion
+def test_an_optimizer_whose_probe_overflows_is_refused_not_taken(tmp_path):
+    """lamb at lr 1e38 is inf / nan on every entry of both probe runs, which would compare
+    equal and pass it as element-wise: refused as uncheckable, naming the learning rate."""
+    opt = optax.lamb(1e38)
+    s = LayerStore.create(str(tmp_path / "s"), STACK.init(jax.random.key(0)), optimizer=opt)
+    with pytest.raises(ValueError, match="not finite on a probe.*learning rate"):
+        StreamedExecutor(STACK, jg.backprop(), opt, s, CFG)
+
+
 def test_a_store_of_another_model_is_refused(store):
     wider = mlp(6, 16, 2, 3)  # same depth and leaves, other widths
     with pytest.raises(StoreMismatchError, match="holds another model: embed leaf .* needs"):
