@@ -260,6 +260,10 @@ def _line(cls: type, err: dict, errors: list[dict], path: str, member: bool = Fa
         head = err["loc"][:at.union + 1]
         members = [e for e in errors if e["loc"][:at.union + 1] == head
                    and len(e["loc"]) > at.union + 1]
+        numeric = [e for e in members if e["type"] == "value_error" and any(
+            r in str(e["ctx"]["error"]) for r in sch.NUMBER_REFUSALS)]
+        if numeric and isinstance(numeric[0].get("input"), float):  # a number out of range:
+            return _line(cls, numeric[0], errors, path, member=True)  # the float rule's reason
         union = sch.locate(cls, loc[:at.union], path, _CHOICES, _hints)
         allowed = " or ".join(sch.fmt(a) for a in typing.get_args(union.hint))
         each = "; ".join(_line(cls, e, errors, path, member=True) for e in members)

@@ -57,7 +57,16 @@ def read_float(v: Any) -> float:
         raise ValueError(f"expected float, got {v!r}")
     if not math.isfinite(number):  # no field of a run means anything at NaN or ±inf
         raise ValueError(f"expected a finite number, got {v!r}")
+    if abs(number) > FLOAT32_MAX:  # runs compute in float32, where it would be ±inf
+        raise ValueError(f"{number!r} is inf in float32 (training's precision); allowed: "
+                         f"magnitudes up to {FLOAT32_MAX:.4g}")
     return number
+
+
+#: The largest finite float32: every float field's bound (a run computes in float32).
+FLOAT32_MAX = 3.4028234663852886e38
+#: How :func:`read_float` starts refusing a number (not a non-number): a union says only this.
+NUMBER_REFUSALS = ("expected a finite number", "inf in float32")
 
 
 def read_bool(v: Any) -> bool:

@@ -128,6 +128,14 @@ def _check_option_type(field: str, value: Any, default: Any) -> None:
         ok, want = isinstance(value, str), "a string"
     else:
         return
+    if not ok and want == "a number" and isinstance(value, str):
+        from jaxstream.experiment.config_schema import read_float
+
+        try:  # a number the float rule refused (out of float32's range, nan): say why
+            float(value) and read_float(value)
+        except ValueError as e:
+            if not str(e).startswith("could not convert"):
+                raise ValueError(f"{field}: {e}") from None
     if not ok:
         raise ValueError(f"{field}: expected {want} (the default is {default!r}), got {value!r}")
     rng = OPTION_RANGES.get(field.rsplit(".", 1)[-1])

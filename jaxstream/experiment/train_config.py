@@ -19,8 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from jaxstream.experiment.data_configs import DataConfig, DigitsDataConfig
 from jaxstream.experiment.engines import EngineConfig, LocalEngineConfig
 from jaxstream.experiment.estimators import BackpropConfig, EstimatorConfig
@@ -48,19 +46,6 @@ class ArmConfig(Checked):
     def check(self) -> None:
         if not self.name or "/" in self.name:
             raise ValueError(f"name: must be a non-empty label without '/', got {self.name!r}")
-        check_float32("lr", self.lr)
-
-
-#: The largest finite float32: a learning rate above it is inf in the float32 step.
-FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
-def check_float32(field: str, value: float) -> None:
-    """Refuse a float that is finite in float64 but ±inf in float32, where training reads it
-    (the config's finite-number rule checks float64 only)."""
-    if abs(value) > FLOAT32_MAX:
-        raise ValueError(f"{field}: {value!r} is inf in float32 (training's precision); "
-                         f"allowed: magnitudes up to {FLOAT32_MAX:.4g}")
 
 
 @dataclasses.dataclass(frozen=True)

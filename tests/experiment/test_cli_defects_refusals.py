@@ -84,11 +84,13 @@ def test_pipeline_stages_within_devices_pass():
     cfg.engine.check_run(["a"], resume=False)
 
 
-def test_lr_infinite_in_float32_refused(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("field", ["arms.0.lr", "data.test_fraction", "target_accuracy"])
+def test_a_float_infinite_in_float32_is_refused(tmp_path, capsys, monkeypatch, field):
+    """Every float field: finite in float64 (the YAML's) but inf in the float32 step."""
     monkeypatch.chdir(tmp_path)
-    line = _refused(capsys, ["run", str(QUICKSTART), "steps=1", "arms.0.lr=1e308",
+    line = _refused(capsys, ["run", str(QUICKSTART), "steps=1", f"{field}=1e308",
                              "--out", "o"])
-    assert "arms.0.lr: 1e+308 is inf in float32" in line
+    assert f"{field}: 1e+308 is inf in float32" in line
     assert not (tmp_path / "o").exists()
     _, cfg = load_experiment(QUICKSTART, ["arms.0.lr=3e38"])  # finite in float32: accepted
     assert cfg.arms[0].lr == 3e38
@@ -109,3 +111,20 @@ def test_grad_quality_bar_follows_the_terminal_rule(capsys):
     assert bar.disable and list(bar) == [1, 2]
     bar.close()
     assert "grad_quality" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value, says", [
+    ("1.0e308", "optimizer.options.b1: 1e+308 is inf in float32"),
+    (".inf", "optimizer.options.b1: expected a finite number, got inf"),
+    ("nan", "optimizer.options.b1: expected a finite number, got 'nan'"),
+    ("abc", "optimizer.options.b1: expected a number (the default is 0.9), got 'abc'"),
+])
+def test_an_optimizer_options_number_gets_the_float_rule(tmp_path, capsys, monkeypatch, value,
+                                                        says):
+    """An option's number is read as every float field is (YAML 1.1 leaves ``1.0e308`` a
+    string): out of float32's range or not finite is said as such, not as a wrong type."""
+    monkeypatch.chdir(tmp_path)
+    line = _refused(capsys, ["run", str(QUICKSTART), "steps=1",
+                             f"optimizer.options={{b1: {value}}}", "--out", "o"])
+    assert says in line, line
+    assert not (tmp_path / "o").exists()
