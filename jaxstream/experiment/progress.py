@@ -31,15 +31,15 @@ def status(text: str) -> None:
 def arm_bar(arm: str, *, start: int, total: int, enabled: bool, leave: bool = True) -> Any:
     """A tqdm bar of an arm's steps (at ``start`` of ``total``); by default it stays on screen
     when the arm is done."""
-    return tqdm(desc=arm, initial=start, total=total, leave=leave,
-                disable=None if enabled else True, dynamic_ncols=True)
+    return work_bar(None, arm, enabled=enabled, leave=leave, initial=start, total=total)
 
 
-def work_bar(items: Any, desc: str, *, enabled: bool = True, leave: bool = False) -> Any:
-    """A tqdm bar over ``items`` under the rule of :func:`arm_bar`: shown only on a terminal
-    (and when ``enabled``), so a redirected run's output holds no bar."""
+def work_bar(items: Any, desc: str, *, enabled: bool = True, leave: bool = False,
+             **kw: Any) -> Any:
+    """A tqdm bar over ``items``, shown only on a terminal (tqdm's ``disable=None``) and when
+    ``enabled``, so a redirected run's output holds no bar; ``kw``: tqdm's own."""
     return tqdm(items, desc=desc, leave=leave, disable=None if enabled else True,
-                dynamic_ncols=True)
+                dynamic_ncols=True, **kw)
 
 
 def bar_hook(bar: Any) -> Callable[[Any], None]:
