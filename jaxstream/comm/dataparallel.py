@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxstream.comm.ring import ring_all_reduce_tree
 from jaxstream.grad import directional
+from jaxstream.grad.checks import check_key, check_labels
 from jaxstream.grad.estimators import coefficients
 from jaxstream.grad.tangents import TangentSpec, combine, gram
 from jaxstream.models.sequential import fold_rng
@@ -253,6 +254,8 @@ class DataParallel:
         diagnostics: bool = False,
     ):
         _check_per_example(loss_fn)
+        check_key(key, "data_parallel")
+        check_labels(loss_fn, batch, "data_parallel")  # inside shard_map the labels are traced
         self._check_batch(batch)
         batch_spec = P(*([None] * self.batch_axis), self.axis)
         fn = shard_map(
@@ -322,6 +325,8 @@ class DataParallel:
                 f"{self.exchange!r}; with {EXCHANGE[:2]} call the estimator and update once"
             )
         _check_per_example(loss_fn)
+        check_key(key, "data_parallel")
+        check_labels(loss_fn, batch, "data_parallel")  # inside shard_map the labels are traced
         self._check_batch(batch)
         batch_spec = P(*([None] * self.batch_axis), self.axis)
 

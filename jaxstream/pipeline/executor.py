@@ -28,7 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxstream.grad import combine as cb
-from jaxstream.grad.checks import check_local_losses, check_stack, check_stack_params
+from jaxstream.grad.checks import (
+    check_key,
+    check_labels,
+    check_local_losses,
+    check_stack,
+    check_stack_params,
+)
 from jaxstream.grad.estimators import Aggregation, Perturb, forward
 from jaxstream.grad.hybrid import hybrid
 from jaxstream.grad.plan import Plan
@@ -95,6 +101,8 @@ class Pipeline:
         is this step's exact-subset mean h.
         """
         check_stack_params(self.stack, params, "pipeline")
+        check_key(key, "pipeline")
+        check_labels(self.stack, batch, "pipeline")
         self.check_batch(batch)
         if self.stale and carry is None:
             raise ValueError(f"schedule {self.schedule.name!r} corrects the previous step: pass "
