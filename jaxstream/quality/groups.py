@@ -75,6 +75,12 @@ def order_groups(names: list[str]) -> list[str]:
     return sorted(names, key=rank)
 
 
+def accumulate(x: jax.Array) -> jax.Array:
+    """``x`` in the precision its sums are taken in: float32 for narrower floats (bf16, f16),
+    its own for float64 (under ``jax_enable_x64`` a float64 estimate keeps its digits)."""
+    return x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32))
+
+
 def _sum_all(leaves: list[jax.Array]) -> jax.Array:
     return sum((jnp.sum(x) for x in leaves), jnp.zeros((), jnp.float32))
 
@@ -87,7 +93,8 @@ def group_sums(fn: Callable[..., jax.Array], *trees: Any) -> dict[str, jax.Array
       *trees: pytrees of identical structure (the first one decides the groups).
 
     Returns:
-      ``{group_name: scalar float32}`` with the names of :func:`group_names`.
+      ``{group_name: scalar}`` (float32, float64 for float64 trees) with the names of
+      :func:`group_names`.
 
     Example:
       >>> group_sums(lambda x, y: x * y, g, g_exact)["all"]  # the dot product <g, g_exact>
@@ -95,14 +102,14 @@ def group_sums(fn: Callable[..., jax.Array], *trees: Any) -> dict[str, jax.Array
     ref = trees[0]
 
     def sums(*subtrees: Any) -> jax.Array:
-        vals = jax.tree.map(lambda *xs: fn(*[x.astype(jnp.float32) for x in xs]), *subtrees)
+        vals = jax.tree.map(lambda *xs: fn(*[accumulate(x) for x in xs]), *subtrees)
         return _sum_all(jax.tree.leaves(vals))
 
     out: dict[str, jax.Array] = {}
     if _is_stack(ref):
         out["embed"] = sums(*[t["embed"] for t in trees])
         block_vals = jax.tree.map(
-            lambda *xs: fn(*[x.astype(jnp.float32) for x in xs]), *[t["blocks"] for t in trees]
+            lambda *xs: fn(*[accumulate(x) for x in xs]), *[t["blocks"] for t in trees]
         )
         per_layer = [
             jnp.sum(v.reshape(v.shape[0], -1), axis=1) for v in jax.tree.leaves(block_vals)

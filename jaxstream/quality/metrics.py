@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxstream.quality.groups import group_sums
+from jaxstream.quality.groups import accumulate, group_sums
 
 Groups = dict[str, jax.Array]
 
@@ -112,13 +112,13 @@ def seed_statistics(estimates: Any, exact: Any) -> SeedStatistics:
             f"seed_statistics: need at least 2 seeds on the leading axis, got {num_seeds}"
         )
     per_seed = jax.vmap(estimate_quality, in_axes=(0, None))(estimates, exact)
-    mean = jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0), estimates)
+    mean = jax.tree.map(lambda x: jnp.mean(accumulate(x), axis=0), estimates)
     ee = group_sums(lambda e: e * e, exact)
     bias_sq = group_sums(lambda m, e: (m - e) ** 2, mean, exact)
     # total sample variance: sum over seeds and coordinates of squared deviations / (R - 1);
     # the seed axis is summed first so that the groups see params-shaped leaves.
     sq_dev = jax.tree.map(
-        lambda x, m: jnp.sum((x.astype(jnp.float32) - m) ** 2, axis=0), estimates, mean
+        lambda x, m: jnp.sum((accumulate(x) - m) ** 2, axis=0), estimates, mean
     )
     var_sum = group_sums(lambda s: s, sq_dev)
     variance = {k: v / (num_seeds - 1) for k, v in var_sum.items()}
