@@ -72,6 +72,7 @@ def scale_by_max_belief(
 
     if max_of not in MAX_OF:
         raise ValueError(f"max_of: {max_of!r} is not allowed; choose one of {MAX_OF}")
+    _check_hyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root)
     corrected = use_max and max_of == "corrected"
 
     def init_fn(params: optax.Params) -> ScaleByMaxBeliefState:
@@ -132,6 +133,19 @@ def belief_step(m_hat: Any, nu_max: Any, count: jax.Array, b2: float, eps: float
         nu_hat,
         is_leaf=lambda x: x is None,
     )
+
+
+def _check_hyper(**values: Any) -> None:
+    """Decays in [0, 1) (b2 = 1 never updates the belief from 0: every step divides by eps
+    alone, or is 0/0 with bias correction), epsilons >= 0; each named. Traced values pass."""
+    for name, v in values.items():
+        if isinstance(v, jax.core.Tracer) or jnp.ndim(v):
+            continue
+        v = float(v)
+        if name.startswith("b") and not 0.0 <= v < 1.0:
+            raise ValueError(f"max_adabelief: {name} must be in [0, 1), got {v!r}")
+        if name.startswith("eps") and not v >= 0.0:
+            raise ValueError(f"max_adabelief: {name} must be >= 0, got {v!r}")
 
 
 def max_adabelief(

@@ -1,5 +1,7 @@
 """Max-AdaBelief against a float64 NumPy reference and against optax.adabelief."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +84,19 @@ def test_corrected_maximum_matches_reference(b2):
 def test_bad_max_of_is_an_error():
     with pytest.raises(ValueError, match="max_of: 'mean' is not allowed"):
         max_adabelief(1e-3, max_of="mean")
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"b2": 1.0}, "b2 must be in [0, 1), got 1.0"),  # the belief never leaves 0
+    ({"b1": 1.5}, "b1 must be in [0, 1), got 1.5"),
+    ({"b1": -0.1}, "b1 must be in [0, 1)"),
+    ({"eps": -1e-8}, "eps must be >= 0"),
+    ({"eps_root": float("nan")}, "eps_root must be >= 0"),
+])
+def test_hyperparameters_out_of_range_are_refused_by_name(kw, says):
+    with pytest.raises(ValueError, match=re.escape(f"max_adabelief: {says}")):
+        max_adabelief(1e-3, **kw)
+    max_adabelief(1e-3, b1=0.0, b2=0.0, eps=0.0, eps_root=0.0)  # the ends that are allowed
 
 
 def test_maximum_changes_the_trajectory():
