@@ -94,7 +94,7 @@ def array_spec(shape: tuple[int, ...], chunk: tuple[int, ...], dtype: str,
         "data_type": str(np.dtype(dtype)),
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        "fill_value": 0,
+        "fill_value": False if np.dtype(dtype) == np.bool_ else 0,  # zarr3: a bool's is a bool
     }
 
 

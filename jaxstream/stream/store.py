@@ -55,7 +55,7 @@ from jaxstream.stream.io_bytes import IOBytes
 from jaxstream.stream.layout import KvSpec, make_context, open_array, open_kvstore
 from jaxstream.stream.manifest import FORMAT, MANIFEST, PARTS, check_array, decode
 from jaxstream.stream.store_commit import Commits
-from jaxstream.stream.store_init import tree_structures, write_new_store
+from jaxstream.stream.store_init import check_optimizer, tree_structures, write_new_store
 from jaxstream.stream.store_parts import (
     TreeFuture,
     check_config,
@@ -150,6 +150,7 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
             if np.ndim(x) < 1 or np.shape(x)[0] != num_layers:
                 raise StoreError(f"every params['blocks'] leaf needs the leading layer axis {num_layers}, "
                                  f"got shape {np.shape(x)}")
+        check_optimizer(params, optimizer)  # before anything is written
         ctx = make_context(file_io_concurrency, file_io_sync)
         root = open_kvstore(location, ctx)
         lock = WriterLock(location)

@@ -48,6 +48,14 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
     templates = {"embed": params["embed"], "blocks": layer0, "head": params["head"]}
     opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
     opt_init = jax.tree.map(np.asarray, opt_init)
+    # one initial state for every layer, unless it depends on the parameters' values (as
+    # schedule-free's z does): then each layer's own, stacked (L, ...)
+    per_layer = None
+    if optimizer is not None and reads_values(optimizer, layer0):
+        per_layer = jax.tree.map(lambda *xs: np.stack(xs), *[
+            jax.tree.map(np.asarray, optimizer.init(jax.tree.map(lambda x, l=l: x[l],
+                                                                 params["blocks"])))
+            for l in range(num_layers)])
     manifest = {
         "format": FORMAT, "step": int(step), "generation": 0, "num_layers": num_layers,
         "model_config": dict(model_config or {}),
@@ -55,7 +63,7 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
                    "opt": {p: leaf_table(opt_init[p]) for p in PARTS}},
         "slots": {"embed": 0, "head": 0, "blocks": [0] * num_layers},
         "extra": {},
-        "digests": initial_digests(params, opt_init, num_layers),
+        "digests": initial_digests(params, opt_init, num_layers, per_layer),
     }
     write_group(root, "", {"jaxstream": ROOT_ATTRIBUTES})
     for kind, trees in (("params", templates), ("opt", opt_init)):
@@ -73,6 +81,7 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
                            chunk=(1,) * len(lead) + shape, dtype=str(np.asarray(leaf).dtype),
                            attributes=attrs)
     futs = []
+    stacked = jax.tree_util.tree_leaves(per_layer) if per_layer is not None else None
     for kind, trees in (("params", params), ("opt", opt_init)):
         for part in PARTS:
             for i, leaf in enumerate(jax.tree_util.tree_leaves(trees[part])):
@@ -85,7 +94,9 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
                         for l in range(num_layers):
                             arr[l, 0].write(zero).result()
                 elif part == "blocks":
-                    futs.append(arr[:, 0].write(np.broadcast_to(leaf, (num_layers,) + np.shape(leaf))))
+                    futs.append(arr[:, 0].write(stacked[i] if stacked is not None else
+                                                np.broadcast_to(leaf, (num_layers,)
+                                                                + np.shape(leaf))))
                 else:
                     futs.append(arr[0].write(leaf))
     for f in futs:
@@ -93,9 +104,65 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
     write_manifest(root, manifest, str(location))
 
 
-def initial_digests(params: dict, opt_init: dict, num_layers: int) -> dict:
+def check_optimizer(params: dict, optimizer: Any) -> None:
+    """Before anything is written: ``optimizer.init`` runs on each unit's parameters alone
+    (the embed, one block layer, the head: the store keeps its state per unit), its state holds
+    no PRNG key (a store keeps numbers per layer), and a store allocated from shapes is not
+    given an optimizer whose initial state reads the parameters' values. ValueError naming
+    what is wrong otherwise."""
+    if optimizer is None:
+        return
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(params))
+    units = {"embed": params["embed"], "head": params["head"],
+             "blocks": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+                                    if abstract else np.asarray(x)[0], params["blocks"])}
+    for part, tree in units.items():
+        try:
+            state = jax.eval_shape(optimizer.init, tree)
+        except Exception as e:
+            raise ValueError(
+                f"LayerStore.create: the optimizer cannot be initialised on the {part}'s "
+                f"parameters alone ({type(e).__name__}: {str(e).splitlines()[0][:200]}); the "
+                f"store keeps its state per unit (the embed, each block layer, the head), so a "
+                f"mask or a per-parameter setting must be a callable or fit one unit") from e
+        keys = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_leaves_with_path(state)
+                if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+        if keys:
+            raise ValueError(
+                f"LayerStore.create: the optimizer keeps a PRNG key in its state ({keys[0]}: "
+                f"noisy_sgd and kin); a layer store keeps arrays of numbers per layer, and one "
+                f"key per layer would draw other noise than in memory: use an optimizer "
+                f"without random state")
+    if abstract and reads_values(optimizer, jax.tree.map(lambda x: np.zeros(x.shape, x.dtype),
+                                                         units["blocks"])):
+        raise ValueError(
+            "LayerStore.create: the optimizer's initial state depends on the parameters' "
+            "values (optimizer.init(params) differs for other values), and a store allocated "
+            "from shapes (jax.ShapeDtypeStruct) has none yet; create it from the parameters "
+            "themselves")
+
+
+def reads_values(optimizer: Any, layer: Any) -> bool:
+    """Whether ``optimizer.init`` of one layer depends on the parameters' values (compared at
+    the layer's values and at their double plus one), not only on their shapes."""
+    a = optimizer.init(layer)
+    b = optimizer.init(jax.tree.map(lambda x: np.asarray(x) * 2 + 1, layer))
+    return not all(np.array_equal(_plain(x), _plain(y))
+                   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _plain(x: Any) -> np.ndarray:
+    """A state leaf as NumPy (a PRNG key by its data)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def initial_digests(params: dict, opt_init: dict, num_layers: int,
+                    per_layer: Any = None) -> dict:
     """The crc32c of every chunk of slot 0 as :func:`write_new_store` writes it (abstract
-    block parameters: zeros; optimizer blocks: the one initial state in every layer)."""
+    block parameters: zeros; optimizer blocks: the one initial state in every layer, or each
+    layer's own where ``per_layer`` stacks them)."""
     def leaves(tree):
         return jax.tree_util.tree_leaves(tree)
 
@@ -105,7 +172,9 @@ def initial_digests(params: dict, opt_init: dict, num_layers: int) -> dict:
     out = {}
     for kind, trees in (("params", params), ("opt", opt_init)):
         out[kind] = {p: [digest(x) for x in leaves(trees[p])] for p in ("embed", "head")}
-        if kind == "opt":
+        if kind == "opt" and per_layer is not None:
+            out[kind]["blocks"] = block_rows(per_layer, lambda x, l: x[l])
+        elif kind == "opt":
             out[kind]["blocks"] = block_rows(trees["blocks"], lambda x, l: x)
         elif any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves(trees["blocks"])):
             out[kind]["blocks"] = block_rows(
