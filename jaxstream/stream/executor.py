@@ -81,9 +81,10 @@ class StreamedExecutor(Driver):
         self.plan = plan_of(estimator, config.update, self.engine)
         check_local_losses(stack, self.plan.local_target, "stream")
         shapes = jax.eval_shape(stack.init, jax.random.key(0))
-        store.check_model(shapes)  # a store of another model (widths, leaves) is refused
         self.stack, self.estimator, self.store, self.cfg = stack, estimator, store, config
         self.optimizer = standard_promotion(optimizer)  # optax's arithmetic: optax's rules
+        # a store of another model (widths, leaf names) or another optimizer's state: refused
+        store.check_model(shapes, self.optimizer)
         check_elementwise(self.optimizer, jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x.shape[1:], x.dtype), shapes["blocks"]), self.engine)
         self.spec: TangentSpec = self.plan.spec
@@ -99,6 +100,7 @@ class StreamedExecutor(Driver):
         self.pending = Pending(self, lazy.waiting(store.extra))
         self._resident: tuple | None = None  # (unit, hosts, device params) kept for the reverse
         self._reused = 0  # layers the reverse sweep took from the forward sweep (no read)
+        self._closed = False
 
     # ------------------------------------------------------------------ loading
     def _block_hosts(self, unit: Unit, staged: bool = False) -> list:
@@ -163,6 +165,9 @@ class StreamedExecutor(Driver):
         key = self._checked(batch, key)
         at = self.store.step
         step = at if step is None else int(step)
+        if step < at:  # committed as step + 1: the store's step would go back
+            raise ValueError(f"step: {step} is before the store's step {at}; the step commits "
+                             f"step + 1, so it must be at least {at} (default: the store's)")
         t0 = time.perf_counter()
         self.events, self.queue.clock = [], new_clock()
         self.store.io.reset()
@@ -195,12 +200,16 @@ class StreamedExecutor(Driver):
         self.clock["wait_commit_s"] += time.perf_counter() - tc
 
     def _checked(self, batch: Any, key: Any) -> jax.Array:
-        """The in-memory estimators' argument checks (a micro-batched batch, integer labels, a
-        key), before anything runs, reading nothing back from a device (labels in range: where
-        they are NumPy arrays); a raw ``jax.random.PRNGKey`` comes back typed."""
+        """The in-memory estimators' argument checks (a micro-batched batch, integer labels in
+        range, a key), before anything runs; labels on a device are read back for it (one small
+        read at the step's start: out of range they would give a nan loss and a committed step
+        that changed nothing). A raw ``jax.random.PRNGKey`` comes back typed."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__}: this executor is closed (its host "
+                               "worker has ended); build a new one on the store to go on")
         check_key(key, self.engine)
         check_micro_batches(batch, self.engine)
-        check_labels(self.stack, batch, self.engine, read=False)
+        check_labels(self.stack, batch, self.engine)  # labels are read: a few integers
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         return key
@@ -272,6 +281,7 @@ class StreamedExecutor(Driver):
         stays open: it is the caller's). A notebook or a sweep that builds many executors
         closes each when done instead of leaving an idle thread per executor until it is
         collected; a closed executor does not step again."""
+        self._closed = True
         try:
             self.queue.shutdown()
         finally:

@@ -206,10 +206,11 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
         treedefs, opt_treedefs = tree_structures(m, location, template, optimizer)
         return cls(root, ctx, m, str(location), treedefs, opt_treedefs, WriterLock(location))
 
-    def check_model(self, template: Any) -> None:
+    def check_model(self, template: Any, optimizer: Any = None) -> None:
         """StoreMismatchError unless the store holds parameters shaped as ``template`` (params,
-        or ``jax.eval_shape`` of them): the check :meth:`open` makes with a template."""
-        tree_structures(self._m, self._where, template, None)
+        or ``jax.eval_shape`` of them) and, given ``optimizer``, its state: the checks
+        :meth:`open` makes with a template and an optimizer."""
+        tree_structures(self._m, self._where, template, optimizer)
 
     # ------------------------------------------------------------------ properties
     @property

@@ -195,6 +195,11 @@ def tree_structures(m: dict, location: Any, template: dict | None, optimizer: An
                 lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), template[part])
             found = leaf_table(jax.tree.map(lambda x: np.zeros(x.shape, master_dtype(x)), t))
             for a, b in zip(table, found):
+                if a["name"] != b["name"]:  # same shapes, other names: weights in other places
+                    raise StoreMismatchError(
+                        f"store at {location} holds another model: {part} leaf {a['name']!r} "
+                        f"is {b['name']!r} in the model (leaves in order: "
+                        f"{[e['name'] for e in table]} vs {[e['name'] for e in found]})")
                 if a["shape"] != b["shape"] or a["dtype"] != b["dtype"]:
                     raise StoreMismatchError(
                         f"store at {location} holds another model: {part} leaf {a['name']!r} has "
@@ -218,9 +223,18 @@ def tree_structures(m: dict, location: Any, template: dict | None, optimizer: An
                       for e in m["leaves"]["params"][part]]
             t = jax.tree_util.tree_unflatten(treedefs[part], shapes)
             st = jax.eval_shape(optimizer.init, t)
-            if len(jax.tree_util.tree_leaves(st)) != len(m["leaves"]["opt"][part]):
-                raise StoreMismatchError(f"store at {location}: optimizer state of {part} has "
-                                         f"{len(m['leaves']['opt'][part])} leaves, this optimizer has "
-                                         f"{len(jax.tree_util.tree_leaves(st))}")
+            kept = [e["name"] for e in m["leaves"]["opt"][part]]  # (shapes: checked against
+            mine = [e["name"] for e in leaf_table(st)]               # the arrays on read)
+            if kept != mine:  # another optimizer (sgd on adam's state: trained with sgd,
+                raise StoreMismatchError(  # adam's state left behind)
+                    f"store at {location} keeps the state of another optimizer: {part}'s is "
+                    f"{_few(kept)}, this optimizer's {_few(mine)}; use the optimizer the store "
+                    f"was created with")
             opt_treedefs[part] = jax.tree_util.tree_structure(st)
     return treedefs, opt_treedefs
+
+
+def _few(leaves: list) -> str:
+    """A state's leaves as a short text: the count and the first few names."""
+    names = list(leaves)
+    return f"{len(names)} leaves {names[:4]}" + (" ..." if len(names) > 4 else "")

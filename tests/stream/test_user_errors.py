@@ -84,7 +84,10 @@ def test_a_batch_and_key_are_checked_as_in_memory(store):
               TypeError, r"stream: batch\['y'\] holds float32"),
              (jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), batch), jax.random.key(0),
               ValueError, "needs a leading micro-batch axis"),
-             (batch, 0, TypeError, "stream: key must be a PRNG key")]
+             (batch, 0, TypeError, "stream: key must be a PRNG key"),
+             # device labels out of range: read back and refused (a nan step was committed)
+             ({**batch, "y": batch["y"] + 3}, jax.random.key(0), ValueError,
+              r"stream: batch\['y'\] holds the label [3-5]; .*in \[0, 3\)")]
     for b, key, err, match in cases:
         for call in (ex.step, ex.estimate):
             with pytest.raises(err, match=match):
@@ -95,3 +98,60 @@ def test_a_batch_and_key_are_checked_as_in_memory(store):
     assert loss == loss_raw
     jax.tree.map(np.testing.assert_array_equal, g, g_raw)
     ex.close()
+
+
+def test_a_store_of_other_leaf_names_is_refused(tmp_path):
+    """Same shapes, other names (a refactored block: mlp_in / mlp_out vs up / down): the
+    stored weights would land in other layers."""
+    import flax.nnx as nnx
+
+    import jaxstream as js
+
+    def model(names):
+        class Block(nnx.Module):
+            def __init__(self, rngs):
+                for n in names:
+                    setattr(self, n, nnx.Linear(8, 8, rngs=rngs))
+
+            def __call__(self, x):
+                for n in names:
+                    x = getattr(self, n)(x)
+                return x
+
+        layers = [nnx.Linear(6, 8, rngs=nnx.Rngs(0)), Block(nnx.Rngs(1)), Block(nnx.Rngs(2)),
+                  nnx.Linear(8, 3, rngs=nnx.Rngs(3))]
+        seq = js.models.from_sequential(nnx.Sequential(*layers), loss="cross_entropy")
+        return seq, js.models.as_stack(seq)
+
+    seq, view = model(["mlp_in", "mlp_out"])
+    store = LayerStore.create(str(tmp_path / "s"), view.params(seq.init(None)), optimizer=SGD)
+    _, other = model(["up", "down"])
+    with pytest.raises(StoreMismatchError, match="holds another model: blocks leaf"):
+        StreamedExecutor(other.stack, jg.backprop(), SGD, store, CFG)
+    StreamedExecutor(view.stack, jg.backprop(), SGD, store, CFG).close()
+
+
+@pytest.mark.standard_promotion
+def test_an_optimizer_other_than_the_stores_is_refused(tmp_path):
+    """sgd on adam's state trained with sgd and left adam's state behind; lion raised inside
+    optax."""
+    s = LayerStore.create(str(tmp_path / "s"), STACK.init(jax.random.key(0)),
+                          optimizer=optax.adam(1e-3))
+    for other in (optax.sgd(0.1), optax.lion(1e-3)):
+        with pytest.raises(StoreMismatchError, match="keeps the state of another optimizer"):
+            StreamedExecutor(STACK, jg.backprop(), other, s, CFG)
+    StreamedExecutor(STACK, jg.backprop(), optax.adam(1e-3), s, CFG).close()
+
+
+def test_a_step_number_before_the_stores_and_a_closed_executor_are_refused(store):
+    ex = StreamedExecutor(STACK, jg.backprop(), SGD, store, CFG)
+    ex.step(micro_batch(), jax.random.key(0))
+    ex.step(micro_batch(), jax.random.key(1))
+    for bad in (0, -3):  # committed as step + 1: the store's step would go back (or < 0)
+        with pytest.raises(ValueError, match=f"step: {bad} is before the store's step 2"):
+            ex.step(micro_batch(), jax.random.key(2), step=bad)
+    assert store.step == 2
+    ex.close()
+    with pytest.raises(RuntimeError, match="this executor is closed"):
+        ex.step(micro_batch(), jax.random.key(2))
+    assert store.step == 2
