@@ -103,7 +103,7 @@ def test_a_batch_and_key_are_checked_as_in_memory(store):
 def test_a_store_of_other_leaf_names_is_refused(tmp_path):
     """Same shapes, other names (a refactored block: mlp_in / mlp_out vs up / down): the
     stored weights would land in other layers."""
-    import flax.nnx as nnx
+    from flax import nnx
 
     import jaxstream as js
 
