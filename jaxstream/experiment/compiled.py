@@ -123,14 +123,13 @@ def _diagnostics(engine: Any, stack: Any, local: bool) -> Callable:
     except (TypeError, ValueError):
         with_diag = False
 
-    def diag(state, batch, key):
-        extra = {}
+    def estimated(state, batch, key):
         if with_diag:
             _, g, info = estimate(state, batch, key, diagnostics=True)
-            extra = _scalar_diagnostics(info)
-        else:
-            _, g = estimate(state, batch, key)
-        params = engine.params(state)
+            return g, _scalar_diagnostics(info)
+        return estimate(state, batch, key)[1], {}
+
+    def against_exact(g, extra, params, batch):
         ge = jax.grad(stack)(params, batch)
         ratio = optax.tree.norm(g) / (optax.tree.norm(ge) + 1e-30)
         out = {"cosine": tree_cosine(g, ge), "norm_ratio": ratio, **extra}
@@ -140,6 +139,18 @@ def _diagnostics(engine: Any, stack: Any, local: bool) -> Callable:
                 out.update(segment_cosines("local_cosine", g,
                                            local_targets(stack, params, batch)))
         return out
+
+    if getattr(engine, "host_estimate", False):  # the engine's estimate runs on the host (a
+        compare = jax.jit(against_exact)          # streamed sweep): only the comparison jits
+
+        def host(state, batch, key):
+            g, extra = estimated(state, batch, key)
+            return _host_record(jax.device_get(compare(g, extra, engine.params(state), batch)))
+        return host
+
+    def diag(state, batch, key):
+        g, extra = estimated(state, batch, key)
+        return against_exact(g, extra, engine.params(state), batch)
 
     jitted = jax.jit(diag)
     return lambda *a: _host_record(jax.device_get(jitted(*a)))

@@ -405,6 +405,9 @@ class StreamEngine:
         committing: the store keeps its step (see :meth:`StreamedExecutor.warm_up`)."""
         self._executor().warm_up(self._micro(batch), key, step=int(state.step))
 
+    #: :meth:`estimate` streams on the host (not jittable): diagnostics call it as it is
+    host_estimate = True
+
     def estimate(self, state: StreamState, batch: dict, key: jax.Array):
         ex = self._executor()
         loss, grads = ex.estimate(self._micro(batch), key, step=int(state.step))
