@@ -60,13 +60,18 @@ def read_float(v: Any) -> float:
     if abs(number) > FLOAT32_MAX:  # runs compute in float32, where it would be ±inf
         raise ValueError(f"{number!r} is inf in float32 (training's precision); allowed: "
                          f"magnitudes up to {FLOAT32_MAX:.4g}")
+    if 0 < abs(number) < FLOAT32_TINY:  # ... or 0 (a learning rate that trains nothing)
+        raise ValueError(f"{number!r} underflows float32 (training's precision: it is 0 or "
+                         f"subnormal there); allowed: 0 or magnitudes from {FLOAT32_TINY:.4g}")
     return number
 
 
 #: The largest finite float32: every float field's bound (a run computes in float32).
 FLOAT32_MAX = 3.4028234663852886e38
+#: The smallest normal float32: a nonzero float field's lower bound.
+FLOAT32_TINY = 1.1754943508222875e-38
 #: How :func:`read_float` starts refusing a number (not a non-number): a union says only this.
-NUMBER_REFUSALS = ("expected a finite number", "inf in float32")
+NUMBER_REFUSALS = ("expected a finite number", "inf in float32", "underflows float32")
 
 
 def read_bool(v: Any) -> bool:

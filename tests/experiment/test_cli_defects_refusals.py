@@ -91,6 +91,9 @@ def test_a_float_infinite_in_float32_is_refused(tmp_path, capsys, monkeypatch, f
     line = _refused(capsys, ["run", str(QUICKSTART), "steps=1", f"{field}=1e308",
                              "--out", "o"])
     assert f"{field}: 1e+308 is inf in float32" in line
+    line = _refused(capsys, ["run", str(QUICKSTART), "steps=1", f"{field}=1e-50",
+                             "--out", "o"])  # 0 in float32: a learning rate training nothing
+    assert f"{field}: 1e-50 underflows float32" in line
     assert not (tmp_path / "o").exists()
     _, cfg = load_experiment(QUICKSTART, ["arms.0.lr=3e38"])  # finite in float32: accepted
     assert cfg.arms[0].lr == 3e38
