@@ -11,6 +11,10 @@ larger (other values, not a multiple, which Adam-like normalisers do not see; la
 clip that the first gradient leaves idle acts on the second). An element-wise optimizer moves
 the entries left alone identically in every run.
 
+The optimizer must also run the same program (the same primitives in order) on one layer as
+on layers stacked along a leading axis, as the blocks are in memory: a mask or a setting that
+reads leaf shapes (``ndim > 1``) treats a layer alone otherwise.
+
 Example:
   >>> check_elementwise(optax.adam(1e-3), {"w": jnp.zeros((3, 3))}, "stream")       # passes
   >>> check_elementwise(optax.lamb(1e-3), {"w": jnp.zeros((3, 3))}, "stream")
@@ -58,6 +62,33 @@ def _mixes(jaxpr: Any) -> bool:
     return False
 
 
+def _primitives(jaxpr: Any) -> list[str]:
+    """The program's primitives in order, nested jaxprs included (names only: shapes differ)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn.primitive.name)
+        for value in eqn.params.values():
+            for j in _sub_jaxprs(value):
+                out.extend(_primitives(j))
+    return out
+
+
+def _program(optimizer: Any, like: Any) -> list[str]:
+    """The primitives of one init and update on a tree shaped like ``like``."""
+    def step(p):
+        return optimizer.update(p, optimizer.init(p), p)
+    return _primitives(jax.make_jaxpr(step)(like).jaxpr)
+
+
+def same_as_stacked(optimizer: Any, like: Any) -> bool:
+    """Whether the optimizer runs the same program on one layer (``like``) as on layers
+    stacked along a leading axis, as the blocks are in memory: a mask or a setting that reads
+    leaf shapes (``mask=lambda p: tree.map(lambda a: a.ndim > 1, p)`` decays a LayerNorm's
+    scale in memory, (L, d), and not alone, (d,)) runs another."""
+    stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype), like)
+    return _program(optimizer, like) == _program(optimizer, stacked)
+
+
 def _traced_elementwise(optimizer: Any, params: Any) -> bool:
     """The update's program holds no entry-combining primitive (traced, not run)."""
     state = jax.eval_shape(optimizer.init, params)
@@ -100,9 +131,18 @@ def check_elementwise(optimizer: Any, like: Any, who: str) -> None:
     """ValueError naming ``who`` unless ``optimizer`` updates each entry of a tree shaped like
     ``like`` (a unit's parameters) from that entry's own gradient, value and state alone."""
     params = _probe(like, 0)
+    traced = None
     with contextlib.suppress(Exception):  # not traceable alone: the run below says why
-        if _traced_elementwise(optimizer, params):
-            return
+        traced = (same_as_stacked(optimizer, like), _traced_elementwise(optimizer, params))
+    if traced is not None and not traced[0]:
+        raise ValueError(
+            f"{who}: optimizer treats a block layer alone differently than the stacked blocks "
+            f"in memory (a mask or a setting that reads leaf shapes, e.g. mask=lambda p: "
+            f"jax.tree.map(lambda a: a.ndim > 1, p): a LayerNorm scale is (L, d) in memory, "
+            f"(d,) alone), and the streamed engines apply it layer by layer; decide by leaf "
+            f"name or path instead of shape, or train in memory")
+    if traced is not None and traced[1]:
+        return
     grads = [_probe(like, 1), _probe(like, 2)]
     other = [_probe(like, 3, 1e6), _probe(like, 4, 1e6)]
     with jax.default_device(jax.local_devices(backend="cpu")[0]):

@@ -155,3 +155,22 @@ def test_a_step_number_before_the_stores_and_a_closed_executor_are_refused(store
     with pytest.raises(RuntimeError, match="this executor is closed"):
         ex.step(micro_batch(), jax.random.key(2))
     assert store.step == 2
+
+
+@pytest.mark.standard_promotion
+def test_a_mask_that_reads_leaf_shapes_is_refused(tmp_path):
+    """adamw decaying leaves with ndim > 1: in memory a block's bias is (L, d) and decayed,
+    alone it is (d,) and not (streamed and in memory differed by 1 % after 5 steps)."""
+    by_ndim = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)  # noqa: E731
+    opt = optax.adamw(1e-2, weight_decay=0.5, mask=by_ndim)
+    params = STACK.init(jax.random.key(0))
+    stacked = by_ndim(params["blocks"])
+    alone = by_ndim(jax.tree.map(lambda a: a[0], params["blocks"]))
+    assert jax.tree.leaves(stacked) != jax.tree.leaves(alone)  # the bias: decayed or not
+    s = LayerStore.create(str(tmp_path / "s"), params, optimizer=opt)
+    with pytest.raises(ValueError, match="treats a block layer alone differently than the "
+                                         "stacked blocks"):
+        StreamedExecutor(STACK, jg.backprop(), opt, s, CFG)
+    same = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: True, p))
+    s2 = LayerStore.create(str(tmp_path / "s2"), params, optimizer=same)
+    StreamedExecutor(STACK, jg.backprop(), same, s2, CFG).close()
