@@ -161,7 +161,7 @@ def test_a_step_number_before_the_stores_and_a_closed_executor_are_refused(store
 def test_a_mask_that_reads_leaf_shapes_is_refused(tmp_path):
     """adamw decaying leaves with ndim > 1: in memory a block's bias is (L, d) and decayed,
     alone it is (d,) and not (streamed and in memory differed by 1 % after 5 steps)."""
-    by_ndim = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)  # noqa: E731
+    by_ndim = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
     opt = optax.adamw(1e-2, weight_decay=0.5, mask=by_ndim)
     params = STACK.init(jax.random.key(0))
     stacked = by_ndim(params["blocks"])
