@@ -101,6 +101,7 @@ class StreamedExecutor(Driver):
         self._resident: tuple | None = None  # (unit, hosts, device params) kept for the reverse
         self._reused = 0  # layers the reverse sweep took from the forward sweep (no read)
         self._closed = False
+        self._commit_seen = (store.step, store.generation)
 
     # ------------------------------------------------------------------ loading
     def _block_hosts(self, unit: Unit, staged: bool = False) -> list:
@@ -197,6 +198,7 @@ class StreamedExecutor(Driver):
         with jax.profiler.TraceAnnotation("commit"):
             self.store.commit(step, extra={**self.store.extra, **extra},
                               wait=not self.cfg.async_commit)
+        self._commit_seen = (self.store.step, self.store.generation)
         self.clock["wait_commit_s"] += time.perf_counter() - tc
 
     def _checked(self, batch: Any, key: Any) -> jax.Array:
@@ -207,12 +209,21 @@ class StreamedExecutor(Driver):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__}: this executor is closed (its host "
                                "worker has ended); build a new one on the store to go on")
+        self._sync_pending()
         check_key(key, self.engine)
         check_micro_batches(batch, self.engine)
         check_labels(self.stack, batch, self.engine)  # labels are read: a few integers
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         return key
+
+    def _sync_pending(self) -> None:
+        """The deferred updates as the store's last commit holds them, where another executor
+        on the same store committed since this one did (its records would be lost)."""
+        commit = (self.store.step, self.store.generation)
+        if commit != self._commit_seen:
+            self.pending = Pending(self, lazy.waiting(self.store.extra))
+        self._commit_seen = commit
 
     def _metrics(self, loss: Any, dt: float) -> dict:
         """The step's metrics (see :meth:`step`)."""
@@ -295,10 +306,12 @@ class StreamedExecutor(Driver):
 
     def flush(self, step: int | None = None) -> None:
         """Applies every pending lazy update and commits (before a checkpoint or evaluation)."""
+        self._sync_pending()
         if not self.pending.apply_all():
             return
         self.store.commit(self.store.step if step is None else step,
                           extra={**self.store.extra, "pending": {}})
+        self._commit_seen = (self.store.step, self.store.generation)
         self.placement.agree(self.store)
 
     # ------------------------------------------------------------------ the sweeps

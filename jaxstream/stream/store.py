@@ -222,6 +222,11 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
     def num_layers(self) -> int:
         return int(self._m["num_layers"])
 
+    @property
+    def generation(self) -> int:
+        """The number of the last commit (every commit advances it, a rollback too)."""
+        return int(self._m["generation"])
+
     def unit_sizes(self) -> dict[str, int]:
         """Parameter count of the embed, of one block and of the head, from the manifest's
         leaf table (nothing read)."""
