@@ -61,3 +61,17 @@ def test_the_pipeline_checks_labels_and_key():
         pipe(params, batch((4, 2)), 3)
     loss, _, _ = pipe(params, batch((4, 2)), KEY)
     assert jnp.isfinite(loss)
+
+
+def test_one_hot_labels_are_named_by_the_loss():
+    """Labels shaped as the logits (one-hot) raised 'indices and arr must have the same number
+    of dimensions' inside jnp.take_along_axis: the loss names the shape it takes, in every
+    estimator and engine that runs it (checked at trace time: shapes are static)."""
+    params = STACK.init(jax.random.key(0))
+    b = batch((8,))
+    one_hot = {**b, "y": jax.nn.one_hot(b["y"], 3).astype(jnp.int32)}
+    for est in (js.grad.backprop(), js.grad.forward(num_tangents=1)):
+        with pytest.raises(ValueError, match=r"batch\['y'\] has shape \(8, 3\).*one-hot"):
+            est(STACK, params, one_hot, KEY)
+    with pytest.raises(ValueError, match=r"batch\['y'\] has shape \(8, 2\); .* \(8,\)"):
+        js.grad.backprop()(STACK, params, {**b, "y": jnp.zeros((8, 2), jnp.int32)}, KEY)

@@ -140,6 +140,12 @@ def cross_entropy(logits: jax.Array, batch: Batch) -> jax.Array:
     float32 (bf16 / fp16 logits are upcast; float64 logits stay float64, so float64 references
     check every engine at float64 precision).
     """
+    y = batch["y"]
+    if jnp.shape(y) != logits.shape[:-1]:  # a shape is static: no cost in a jitted step
+        hint = " (one-hot labels? give y.argmax(-1))" if jnp.shape(y) == logits.shape else ""
+        raise ValueError(f"batch['y'] has shape {jnp.shape(y)}; cross-entropy takes integer "
+                         f"class labels shaped as the logits {logits.shape} without their "
+                         f"last axis, {logits.shape[:-1]}{hint}")
     logp = jax.nn.log_softmax(logits.astype(loss_dtype(logits.dtype)), axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["y"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll = -jnp.take_along_axis(logp, y[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return nll.reshape(nll.shape[0], -1).mean(axis=1)
