@@ -51,6 +51,9 @@ class DataConfig(Checked):
             raise ValueError(f"{section}: holds about {need / 2**30:.3g} GiB; this machine has "
                              f"{have / 2**30:.3g} GiB of memory; make the data set smaller")
         n = self.train_size(seed)
+        if n == 0:
+            raise ValueError(f"{section}: the data set has no training examples (its train "
+                             f"split is empty), so no {field} fits; give it at least one")
         if batch_size > n:
             raise ValueError(f"{field}: {batch_size} exceeds the {n} training examples of the "
                              f"data set; allowed: 1..{n}")

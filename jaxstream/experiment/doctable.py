@@ -75,11 +75,26 @@ def run_kind(run: dict[str, Any]) -> str:
 
 
 def check_comparable(run: dict[str, Any]) -> None:
-    """Refuse a run whose kind ``compare`` does not compare (one line)."""
+    """Refuse (one line) a run whose kind ``compare`` does not compare, or whose summary.json
+    is missing (the run did not finish) or has no arms: its rows would be left out silently."""
+    check_summary(run)
     kind = run_kind(run)
     if kind not in COMPARED_KINDS:
         raise ConfigError(f"{run['dir']}: a {kind!r} run; compare compares "
                           f"{' and '.join(repr(k) for k in COMPARED_KINDS)} runs only")
+
+
+def check_summary(run: dict[str, Any]) -> None:
+    """Refuse (one line) a run without summary.json or whose summary has no arms."""
+    path = run["dir"] / "summary.json"
+    if not path.is_file():
+        config = run["env"].get("config") or "CONFIG"
+        raise ConfigError(f"{run['dir']}: no summary.json: the run did not finish (killed or "
+                          f"still running); finish it with `jaxstream run {config} --out "
+                          f"{run['dir']} --resume`, or leave it out")
+    if not isinstance(run["summary"].get("arms"), dict):
+        raise ConfigError(f"{path}: has no \"arms\" (an object of each arm's figures); not "
+                          "the summary of a finished train run")
 
 
 def plot_path(plot: str | Path) -> Path:
@@ -212,6 +227,8 @@ def generate(command: str, root: Path = Path(".")) -> str:
     full = f"python -m jaxstream.experiment.doctable {command}"
     if what == "compare":
         runs = [read_run(d) for d in dirs]
+        for run in runs:
+            check_summary(run)
         target = runs[0]["summary"].get("target_accuracy", 0.95)
         return train_markdown(runs, target) + "\n\n" + provenance(runs[0], full)
     if what == "sweep":

@@ -105,15 +105,37 @@ def check_optimizer(cfg: OptimizerConfig, path: str = "optimizer") -> None:
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
+        params = None
+    if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        for key, value in cfg.options.items():
+            if key not in params or key == "learning_rate":
+                allowed = [p for p in params if p != "learning_rate"]
+                raise ValueError(f"{path}.options.{key}: unknown option for {cfg.name!r}; "
+                                 f"allowed: {allowed}")
+            _check_option_type(f"{path}.options.{key}", value, params[key].default)
+    _check_builds(cfg, factory, path)
+
+
+def _check_builds(cfg: OptimizerConfig, factory: OptimizerFactory, path: str) -> None:
+    """Build the optimizer once (cheap: no arrays), so that a value its factory refuses
+    (``mu_dtype: float99``) is a ValueError naming the option now, not a traceback mid-run."""
+    try:
+        factory(1e-3, **cfg.options)
         return
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return
-    for key, value in cfg.options.items():
-        if key not in params or key == "learning_rate":
-            allowed = [p for p in params if p != "learning_rate"]
-            raise ValueError(f"{path}.options.{key}: unknown option for {cfg.name!r}; "
-                             f"allowed: {allowed}")
-        _check_option_type(f"{path}.options.{key}", value, params[key].default)
+    except (TypeError, ValueError) as e:
+        err = e
+    for key, value in cfg.options.items():  # which option: the first refused on its own
+        try:
+            factory(1e-3, **{key: value})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}.options.{key}: {_first_line(e)} (got {value!r})") from e
+    where = f"{path}.options" if cfg.options else f"{path}.name"
+    raise ValueError(f"{where}: {cfg.name!r} cannot be built with these options: "
+                     f"{_first_line(err)}") from err
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _check_option_type(field: str, value: Any, default: Any) -> None:

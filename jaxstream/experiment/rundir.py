@@ -22,7 +22,7 @@ import platform
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -155,18 +155,24 @@ class MetricsLog:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.damaged: list[int] = []  # line numbers (1-based) the last read could not parse
+        self.repeated: list[int] = []  # line numbers the last read skipped as repeats
         self.incomplete = False  # whether the last read dropped an unfinished last line
+        self._backup = False  # whether the next rewrite keeps the file read beside it
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self, key: Callable[[dict[str, Any]], str | None] | None = None
+             ) -> list[dict[str, Any]]:
         """All records. An incomplete last line (a crash mid-write) is dropped quietly; a
         damaged line elsewhere is skipped with a warning naming it, and every valid record
-        after it is kept (:attr:`damaged` lists those lines)."""
-        self.damaged, self.incomplete = [], False
+        after it is kept (:attr:`damaged` lists those lines). With ``key`` (a record's
+        identity, e.g. ``"arm bp step 3"``, or None for a record that has none), a record
+        repeating an earlier one's key is skipped with a warning too, the first kept
+        (:attr:`repeated` lists those lines)."""
+        self.damaged, self.repeated, self.incomplete = [], [], False
         if not self.path.exists():
             return []
         text = self.path.read_text()
         lines = text.split("\n")
-        out = []
+        out, seen, again = [], set(), []
         for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -174,22 +180,36 @@ class MetricsLog:
                 rec = json.loads(line)
                 if not isinstance(rec, dict):
                     raise json.JSONDecodeError("not a record", line, 0)
-                out.append(rec)
             except ValueError:
                 if i == len(lines) and not text.endswith("\n"):
                     self.incomplete = True
                     continue  # the unfinished last line of a killed run
                 self.damaged.append(i)
+                continue
+            k = key(rec) if key is not None else None
+            if k is not None and k in seen:
+                self.repeated.append(i)
+                again.append(k)
+                continue
+            seen.add(k)
+            out.append(rec)
         if self.damaged:
             warnings.warn(f"{self.path}: line(s) {self.damaged} are damaged and were skipped; "
                           f"the {len(out)} valid records are kept", stacklevel=2)
+        self._backup = bool(self.damaged or self.repeated)
+        if self.repeated:
+            shown = ", ".join(dict.fromkeys(again[:5])) + (", ..." if len(again) > 5 else "")
+            warnings.warn(f"{self.path}: line(s) {_spans(self.repeated)} repeat earlier records "
+                          f"({shown}) and were skipped; the first of each is kept", stacklevel=2)
         return out
 
     def rewrite(self, records: Iterable[dict[str, Any]]) -> None:
-        """Replaces the file atomically; a file with damaged lines is kept beside it first
-        (``metrics.jsonl.damaged``), so nothing is lost by the rewrite."""
-        if self.damaged and self.path.exists():
+        """Replaces the file atomically; a file with damaged or repeated lines is kept beside
+        it first (``metrics.jsonl.damaged``, once: later rewrites do not replace it), so
+        nothing is lost by the rewrite."""
+        if self._backup and self.path.exists():
             shutil.copyfile(self.path, self.path.with_suffix(".jsonl.damaged"))
+        self._backup = False
         self._rewrite(records)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -204,6 +224,17 @@ class MetricsLog:
                 tmp.replace(self.path)
             finally:
                 tmp.unlink(missing_ok=True)
+
+
+def _spans(numbers: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def diverged_record(record: dict[str, Any]) -> bool:
@@ -289,8 +320,20 @@ def undo_on_refusal(run_dir: Path, refusals: tuple[type[BaseException], ...], *,
 
 
 def read_run_id(run_dir: str | Path | None) -> str | None:
-    """The identity a run directory's ``env.json`` records (None without one)."""
+    """The identity a run directory's ``env.json`` records (None without one); a damaged
+    env.json is a ConfigError naming it (a new identity would disown the run's checkpoints)."""
+    from jaxstream.experiment.config import ConfigError
+
     env = Path(run_dir) / "env.json" if run_dir is not None else None
     if env is None or not env.is_file():
         return None
-    return json.loads(env.read_text()).get("run_id")
+    try:
+        data = json.loads(env.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = e
+    if not isinstance(data, dict):
+        why = (f"not readable JSON ({data})" if isinstance(data, ValueError)
+               else f"expected a JSON object, got {type(data).__name__}")
+        raise ConfigError(f"{env}: {why}; it holds the run's identity (run_id) that its "
+                          "checkpoints carry: restore it, or start a new run in another --out")
+    return data.get("run_id")

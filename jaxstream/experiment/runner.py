@@ -7,7 +7,6 @@ Example:
 from __future__ import annotations
 
 import inspect
-import json
 import uuid
 import warnings
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ from jaxstream.experiment.rundir import (
     environment,
     latest_run_dir,
     new_run_dir,
+    read_run_id,
     run_lock,
     undo_on_refusal,
     write_json,
@@ -133,11 +133,12 @@ def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, 
     with run_lock(run_dir), undo_on_refusal(run_dir, _refusals(), new=not resume, made=made):
         if resume:
             _check_resume(run_dir, kind, cfg, rollback)
+        run_id = _run_id(run_dir, resume)  # a damaged env.json is refused before any write
         with writing(run_dir / "config.yaml"):
             (run_dir / "config.yaml").write_text(dump_yaml(cfg, {"kind": kind}))
         write_json(run_dir / "env.json", {**environment(), "config": str(config_path),
                                           "overrides": overrides, "resume": resume,
-                                          "run_id": _run_id(run_dir, resume)})
+                                          "run_id": run_id})
         if on_start is not None:
             on_start(run_dir)
         summary = exp.run(cfg, run_dir, **kwargs)
@@ -148,12 +149,8 @@ def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, 
 def _run_id(run_dir: Path, resume: bool) -> str:
     """The run's identity: made when the run is new, kept by every ``--resume`` (a store or a
     checkpoint that another run has written is told apart by it)."""
-    env = run_dir / "env.json"
-    if resume and env.is_file():
-        saved = json.loads(env.read_text()).get("run_id")
-        if saved:
-            return saved
-    return uuid.uuid4().hex
+    saved = read_run_id(run_dir) if resume else None
+    return saved or uuid.uuid4().hex
 
 
 def _check_resume(run_dir: Path, kind: str, cfg: Any, rollback: bool = False) -> None:
@@ -211,8 +208,10 @@ def _check_metrics(flag: str, log: MetricsLog, records: list[dict], steps: dict[
 
 
 def _refusals() -> tuple[type[BaseException], ...]:
-    """The errors that refuse a run (a config, store or checkpoint it cannot honour)."""
+    """The errors that refuse a run (a config, store or checkpoint it cannot honour; a value
+    a library refuses while the run is built, a TypeError or ValueError): a run they stop
+    before it computed anything leaves its directory as it found it."""
     from jaxstream.experiment.checkpoints import CheckpointError
     from jaxstream.stream.errors import StoreError
 
-    return (ConfigError, StoreError, CheckpointError)
+    return (ConfigError, StoreError, CheckpointError, TypeError, ValueError)

@@ -47,6 +47,14 @@ def _eval_record(evaluate: Callable, params: Any, train: Mapping, test: Mapping
             "train_loss": float(train_loss), "train_accuracy": float(train_acc)}
 
 
+def step_key(record: dict) -> str | None:
+    """A train record's identity (one record per arm and step), for :meth:`MetricsLog.read`
+    to skip a repeated one; None for a rollback mark, which shares its step's number."""
+    if record.get("rollback") or "arm" not in record or "step" not in record:
+        return None
+    return f"arm {record['arm']} step {record['step']}"
+
+
 def _diverged(record: dict) -> bool:
     """A non-finite loss, or a commit that failed a layer store's divergence guard."""
     return not math.isfinite(record.get("loss", 0.0)) or bool(record.get("guard_failed"))
@@ -204,7 +212,7 @@ def run_train(cfg: TrainConfig, run_dir: Path, resume: bool = False,
     init_params = stack.init(jax.random.fold_in(jax.random.key(cfg.seed), 0))
     _check_arms_trace(cfg, stack, init_params, batch_at(data.train, cfg.batch_size, cfg.seed, 0))
     log = MetricsLog(run_dir / "metrics.jsonl")
-    old = log.read() if resume else []
+    old = log.read(key=step_key) if resume else []  # damaged or repeated lines: skipped
     names = [a.name for a in cfg.arms]
 
     results: dict[str, dict] = {}
