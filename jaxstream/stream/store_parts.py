@@ -28,6 +28,11 @@ def read_error(err: BaseException, what: str) -> StoreError:
     if isinstance(err, StoreError):
         return err
     msg = str(err)
+    if "zarr.json" in msg and "Error opening" in msg:  # the array's metadata, not a chunk
+        state = ("missing" if "NOT_FOUND" in msg or "does not exist" in msg
+                 else "damaged (not the metadata tensorstore wrote)")
+        return StoreCorruptError(f"{what}: the array's metadata file zarr.json is {state}; "
+                                 f"restore the store from a copy ({msg})")
     if "NOT_FOUND" in msg or "is missing" in msg:
         return StoreCorruptError(f"{what}: the chunk is missing ({msg})")
     if "DATA_LOSS" in msg or "Digest mismatch" in msg:

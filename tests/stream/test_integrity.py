@@ -308,3 +308,16 @@ def test_a_manifest_write_a_killed_writer_left_is_not_reused(store_path, wait):
     assert again.step == 1 and not os.path.exists(stale)
     np.testing.assert_array_equal(again.read(0).result()["w"], _layer(1.0)["w"])
     json.loads(Path(store_path, "manifest.json").read_bytes())  # nothing after the manifest
+
+
+@pytest.mark.parametrize("damage, state", [("garbage", "is damaged"), ("delete", "is missing")])
+def test_a_damaged_array_metadata_file_is_named_as_such(store_path, damage, state):
+    """An array's zarr.json (its metadata, not a chunk): it was reported as a damaged or
+    missing chunk."""
+    meta = os.path.join(store_path, "params", "blocks", "0", "zarr.json")
+    if damage == "garbage":
+        Path(meta).write_text("{not json")
+    else:
+        os.remove(meta)
+    with pytest.raises(StoreCorruptError, match=f"metadata file zarr.json {state}"):
+        _open(store_path).read(0).result()
