@@ -120,6 +120,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {key.strip()}: {e.problem}") from None
     except RecursionError:
         raise ConfigError(f"override {key.strip()}: nested deeper than YAML can read") from None
+    except yaml.constructor.ConstructorError as e:
+        if "yaml.org,2002:value" not in str(e):
+            raise
+        raise ConfigError(f"override {key.strip()}: {raw!r} is not a value (YAML reads a bare "
+                          f"'=' as a tag); write {key.strip()}=VALUE with one '=', and quote a "
+                          f"string that is '='") from None
     check_size(value, f"override {key.strip()}")
     return path, value
 

@@ -87,6 +87,7 @@ def test_override_list_items_by_index():
         (["shape.sides=[1, 2, 3]"], r"^shape\.sides: expected 2 items, got 3"),
         (["limit=1.5"], r"^limit: expected int"),
         (["nope"], r"must look like key.subkey=value"),
+        (["scale=="], r"override scale: '=' is not a value .*one '='"),  # not 'a Python tag'
     ],
 )
 def test_bad_values_name_the_field(overrides, pattern):
