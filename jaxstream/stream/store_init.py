@@ -46,16 +46,7 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
         params = jax.tree.map(lambda x: np.asarray(x, master_dtype(x)), params)
         layer0 = jax.tree.map(lambda x: x[0], params["blocks"])
     templates = {"embed": params["embed"], "blocks": layer0, "head": params["head"]}
-    opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
-    opt_init = jax.tree.map(np.asarray, opt_init)
-    # one initial state for every layer, unless it depends on the parameters' values (as
-    # schedule-free's z does): then each layer's own, stacked (L, ...)
-    per_layer = None
-    if optimizer is not None and reads_values(optimizer, layer0):
-        per_layer = jax.tree.map(lambda *xs: np.stack(xs), *[
-            jax.tree.map(np.asarray, optimizer.init(jax.tree.map(lambda x, l=l: x[l],
-                                                                 params["blocks"])))
-            for l in range(num_layers)])
+    opt_init, per_layer = initial_states(optimizer, templates, params["blocks"], num_layers)
     manifest = {
         "format": FORMAT, "step": int(step), "generation": 0, "num_layers": num_layers,
         "model_config": dict(model_config or {}),
@@ -102,6 +93,20 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
     for f in futs:
         f.result()
     write_manifest(root, manifest, str(location))
+
+
+def initial_states(optimizer: Any, templates: dict, blocks: Any, num_layers: int
+                   ) -> tuple[dict, Any]:
+    """``(state of each unit template, per-layer block states or None)``: one initial block
+    state for every layer, unless it depends on the parameters' values (as schedule-free's z
+    does); then each layer's own, stacked (L, ...)."""
+    opt_init = {p: (optimizer.init(templates[p]) if optimizer is not None else ()) for p in PARTS}
+    opt_init = jax.tree.map(np.asarray, opt_init)
+    if optimizer is None or not reads_values(optimizer, templates["blocks"]):
+        return opt_init, None
+    return opt_init, jax.tree.map(lambda *xs: np.stack(xs), *[
+        jax.tree.map(np.asarray, optimizer.init(jax.tree.map(lambda x, l=l: x[l], blocks)))
+        for l in range(num_layers)])
 
 
 def check_optimizer(params: dict, optimizer: Any) -> None:
