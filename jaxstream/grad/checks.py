@@ -175,6 +175,8 @@ def check_label_range(y: Any, num_classes: int | None, who: str) -> None:
     class (-1: the last) or give nan. Traced labels (inside jit or vmap) are not checked."""
     if isinstance(y, jax.core.Tracer) or jnp.size(y) == 0:
         return
+    if isinstance(y, jax.Array) and not y.is_fully_addressable:
+        return  # spread over processes: each process checks the labels it was given
     y = np.asarray(y)  # on the host: a jnp reduction inside a trace would be staged
     lo, hi = int(y.min()), int(y.max())
     bad = lo if lo < 0 else hi if num_classes is not None and hi >= num_classes else None
