@@ -176,7 +176,7 @@ def check_label_range(y: Any, num_classes: int | None, who: str) -> None:
     if isinstance(y, jax.core.Tracer) or jnp.size(y) == 0:
         return
     if isinstance(y, jax.Array) and not y.is_fully_addressable:
-        return  # spread over processes: each process checks the labels it was given
+        return  # spread over processes: not readable by one (not checked here)
     y = np.asarray(y)  # on the host: a jnp reduction inside a trace would be staged
     lo, hi = int(y.min()), int(y.max())
     bad = lo if lo < 0 else hi if num_classes is not None and hi >= num_classes else None
