@@ -232,6 +232,9 @@ class ForwardTableConfig(Checked):
     def check(self) -> None:
         for what, names in (("arms", [a.name for a in self.arms]),
                             ("datasets", [d.name for d in self.datasets])):
+            if not names:
+                raise ValueError(f"{what}: list at least one (the table has a row per arm "
+                                 f"and a column per data set)")
             if len(set(names)) != len(names):
                 raise ValueError(f"{what}: names must be distinct, got {names}")
         taken = {a.name for a in self.arms} & set(BASELINE_NAMES)
@@ -248,6 +251,10 @@ class ForwardTableConfig(Checked):
                 if name not in names:
                     raise ValueError(f"arms.{j}.datasets.{k}: {name!r} is not a data set of "
                                      f"the table; allowed: {names}")
+            for name in a.lrs_by_dataset:  # a misspelt one ran the arm at its lrs silently
+                if name not in names:
+                    raise ValueError(f"arms.{j}.lrs_by_dataset.{name}: not a data set of the "
+                                     f"table; allowed: {names}")
             a.engine.check_arm(a, f"arms.{j}")  # the engine runs the arm's estimator
             if a.match_memory_of is not None:
                 self._check_match(j, a)

@@ -189,7 +189,8 @@ class StreamEngineConfig(EngineConfig):
                     os.path.join(spec["path"], MANIFEST)):
                 raise ConfigError(
                     f"engine.store: a layer store already exists at {where} (arm {name!r}); "
-                    "pass --resume to continue that run, set engine.continue_store=true to train "
+                    "pass --resume to continue that run (a train run), set "
+                    "engine.continue_store=true to train "
                     "on from it, or choose another path")
 
     def build(self, *, stack: Any, estimator: Any, optimizer: Any, model: Any = None,
@@ -321,7 +322,8 @@ class StreamEngine:
                              "older copy); point engine.store at this run's store or start a new run")
         if not may_exist:
             raise StoreError(f"engine.store: a layer store already exists at {self.location} "
-                             f"(step {store.step}); pass --resume to continue that run, set "
+                             f"(step {store.step}); pass --resume to continue that run (a train "
+                             "run), set "
                              "engine.continue_store=true to train on from it, or choose "
                              "another path")
         self._check_owner(store, resume)

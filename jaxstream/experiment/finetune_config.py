@@ -99,6 +99,8 @@ class FinetuneConfig(Checked):
     def check(self) -> None:
         if self.data_store is not None and not self.data_store.strip():
             raise ValueError("data_store: a directory or null (<run>/data), got ''")
+        if not self.arms:
+            raise ValueError("arms: list at least one arm")
         for i, arm in enumerate(self.arms):
             if type(arm.engine) not in (LocalEngineConfig, StreamEngineConfig):
                 raise ValueError(f"arms.{i}.engine: a fine-tune arm trains in memory (type: local) "

@@ -73,7 +73,13 @@ class LRSweepConfig(Checked):
             raise ValueError("lrs: list one or more learning rates")
         if not self.arms:
             raise ValueError("arms: list at least one arm")
+        if len(set(self.lrs)) != len(self.lrs):
+            raise ValueError(f"lrs: each rate at most once, got {list(self.lrs)}")
+        names = [a.name for a in self.arms]
         for i, arm in enumerate(self.arms):
+            if names.index(arm.name) != i:  # results are kept by name: one would be lost
+                raise ValueError(f"arms.{i}.name: {arm.name!r} is used twice; names must be "
+                                 "unique")
             what, n = arm.estimator.batch_divisor()
             if self.batch_size % n:
                 raise ValueError(f"arms.{i}.estimator.{what}: batch_size={self.batch_size}"

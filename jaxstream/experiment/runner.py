@@ -50,7 +50,8 @@ def check_parents(base: Path, what: str) -> None:
                               "pass --out DIR")
 
 
-def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: bool) -> Path:
+def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: bool,
+                    resumable: bool = True) -> Path:
     """Where a run writes (created if new).
 
     Without ``out``: ``runs/<config stem>``, or ``runs/<stem>_2``, ... if taken (nothing is
@@ -69,8 +70,10 @@ def resolve_run_dir(config_path: str | Path, out: str | Path | None, resume: boo
         raise ConfigError(f"--out: {base} is a file, not a directory")
     if out is not None:
         if base.exists() and any(base.iterdir()):
-            raise ConfigError(f"--out: {base} already holds files; pass --resume to continue that "
-                             "run or choose another directory")
+            how = ("pass --resume to continue that run or choose another directory"
+                   if resumable else "this kind of run cannot be resumed: choose another "
+                   "directory, or remove that one")
+            raise ConfigError(f"--out: {base} already holds files; {how}")
         return _made(base, "--out", lambda: base.mkdir(parents=True, exist_ok=True) or base)
     return _made(base, "the default run directory", lambda: new_run_dir(base))
 
@@ -129,7 +132,8 @@ def _run(config_path: str | Path, overrides: list[str], out: str | Path | None, 
     elif rollback:
         raise ConfigError(f"--rollback: experiments of kind {kind!r} cannot be rolled back")
     made = not (out is not None and Path(out).exists())
-    run_dir = resolve_run_dir(config_path, out, resume)
+    run_dir = resolve_run_dir(config_path, out, resume,
+                              resumable="resume" in inspect.signature(exp.run).parameters)
     with run_lock(run_dir), undo_on_refusal(run_dir, _refusals(), new=not resume, made=made):
         if resume:
             _check_resume(run_dir, kind, cfg, rollback)

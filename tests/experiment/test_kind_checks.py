@@ -1,0 +1,46 @@
+"""The other run kinds refuse, before anything runs, what would lose results or crash late:
+a duplicate lr_sweep arm (one arm's results were dropped: they are kept by name), a rate listed
+twice, a forward_table lrs_by_dataset key that names no data set (the arm ran at its plain lrs
+silently), an empty arms or datasets list (a matplotlib traceback after the table ran), and a
+finetune with no arms (an IndexError after pretraining)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxstream.experiment.config import ConfigError
+from jaxstream.experiment.registry import load_experiment
+
+ROOT = Path(__file__).resolve().parents[2] / "experiments"
+
+
+@pytest.mark.parametrize("config, overrides, says", [
+    ("lr_sweep_digits.yaml",
+     ["arms=[{name: a, estimator: {type: backprop}}, {name: a, estimator: {type: forward}}]"],
+     r"arms\.1\.name: 'a' is used twice"),
+    ("lr_sweep_digits.yaml", ["lrs=[0.01, 1e-2]"], r"lrs: each rate at most once"),
+    ("forward_table_quick.yaml",
+     [("arms=[{name: BP, estimator: {type: backprop}, lrs: [0.01], "
+       "lrs_by_dataset: {digitz: [0.5]}}]"), "report={}"],
+     r"arms\.0\.lrs_by_dataset\.digitz: not a data set of the table"),
+    ("forward_table_quick.yaml", ["arms=[]", "report={}"], r"^arms: list at least one"),
+    ("forward_table_quick.yaml", ["datasets=[]"], r"^datasets: list at least one"),
+    ("finetune_stream.yaml", ["arms=[]"], r"^arms: list at least one arm"),
+])
+def test_refused_before_anything_runs(config, overrides, says):
+    with pytest.raises((ConfigError, ValueError), match=says):
+        load_experiment(ROOT / config, overrides)
+
+
+def test_a_kind_that_cannot_resume_does_not_point_at_resume(tmp_path):
+    """--out holding files: a train run is told to --resume; an lr_sweep, which cannot be
+    resumed, is told to choose another directory."""
+    from jaxstream.experiment.runner import resolve_run_dir
+
+    (tmp_path / "x").write_text("")
+    with pytest.raises(ConfigError, match="pass --resume to continue that run"):
+        resolve_run_dir("c.yaml", tmp_path, resume=False)
+    with pytest.raises(ConfigError, match="cannot be resumed: choose another directory"):
+        resolve_run_dir("c.yaml", tmp_path, resume=False, resumable=False)
