@@ -383,6 +383,19 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
     return rows
 
 
+def _invocation(run_dir: Path, command: str) -> tuple[str | None, str]:
+    """``(config file, command line)`` of the run writing ``run_dir``, from the ``env.json``
+    the runner wrote before it started (the report names both); else ``(None, command)``."""
+    env = run_dir / "env.json"
+    try:
+        e = json.loads(env.read_text()) if env.is_file() else {}
+    except ValueError:
+        e = {}
+    if not isinstance(e, dict) or not e.get("config"):
+        return None, command
+    return e["config"], " ".join([command, e["config"], *map(str, e.get("overrides") or [])])
+
+
 @register_experiment("forward_table", ForwardTableConfig)
 def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "jaxstream run",
                       resume: bool = False) -> dict:
@@ -393,9 +406,10 @@ def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "ja
     run_dir.mkdir(parents=True, exist_ok=True)
     done = _written_rows(run_dir / "rows.json") if resume else []
     t0 = time.perf_counter()
+    config, command = _invocation(run_dir, command)
 
     def write(rows: list[dict]) -> None:
-        payload = {"command": command, "machine": machine(), "rows": rows,
+        payload = {"command": command, "config": config, "machine": machine(), "rows": rows,
                    "seconds": time.perf_counter() - t0, "report": to_dict(cfg.report)}
         write_json(run_dir / "rows.json", rows)
         frontier_plot(rows, str(run_dir / "frontier.png"))

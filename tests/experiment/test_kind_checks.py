@@ -44,3 +44,16 @@ def test_a_kind_that_cannot_resume_does_not_point_at_resume(tmp_path):
         resolve_run_dir("c.yaml", tmp_path, resume=False)
     with pytest.raises(ConfigError, match="cannot be resumed: choose another directory"):
         resolve_run_dir("c.yaml", tmp_path, resume=False, resumable=False)
+
+
+def test_the_tables_report_names_the_command_and_config_the_runner_recorded(tmp_path):
+    """results.md said `jaxstream run` (config `?`): it now reads the run's env.json."""
+    import json
+
+    from jaxstream_lab.forward_table import _invocation
+
+    assert _invocation(tmp_path, "jaxstream run") == (None, "jaxstream run")
+    (tmp_path / "env.json").write_text(json.dumps(
+        {"config": "ft.yaml", "overrides": ["seeds=2", "arms.0.lrs=[0.01]"]}))
+    assert _invocation(tmp_path, "jaxstream run") == (
+        "ft.yaml", "jaxstream run ft.yaml seeds=2 arms.0.lrs=[0.01]")
