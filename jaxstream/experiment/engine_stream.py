@@ -180,7 +180,19 @@ class StreamEngineConfig(EngineConfig):
     def check_run(self, names: list[str], resume: bool) -> None:
         """Before anything is written: a new run refuses an existing store (unless
         ``continue_store``); only local paths can be checked here."""
-        if resume or self.continue_store or self.store is None:
+        if self.store is None:
+            return
+        for name in names:  # a file where the store's directory would be, or above it
+            spec = kvstore_spec(self.location(name))
+            if isinstance(spec, dict) and spec.get("driver") == "file":
+                path = os.path.abspath(spec["path"])
+                taken = next((p for p in [path, *map(str, Path(path).parents)]
+                              if os.path.isfile(p)), None)
+                if taken is not None:
+                    raise ConfigError(f"engine.store: {self.location(name)} (arm {name!r}) "
+                                      f"{'is' if taken == path else 'lies under'} a file, "
+                                      f"{taken}; a layer store is a directory")
+        if resume or self.continue_store:
             return
         for name in names:
             where = self.location(name)

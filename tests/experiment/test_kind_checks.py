@@ -57,3 +57,20 @@ def test_the_tables_report_names_the_command_and_config_the_runner_recorded(tmp_
         {"config": "ft.yaml", "overrides": ["seeds=2", "arms.0.lrs=[0.01]"]}))
     assert _invocation(tmp_path, "jaxstream run") == (
         "ft.yaml", "jaxstream run ft.yaml seeds=2 arms.0.lrs=[0.01]")
+
+
+@pytest.mark.parametrize("below", ["", "/{arm}"])
+def test_a_store_path_that_is_or_lies_under_a_file_names_engine_store(tmp_path, capsys, below):
+    """It was 'StoreWriteError: cannot open the writer lock ...: File exists' (or 'Not a
+    directory'), naming no field."""
+    from jaxstream.cli import main
+
+    (tmp_path / "afile").write_text("hi")
+    store = f"{tmp_path / 'afile'}{below}"
+    assert main(["run", str(ROOT / "quickstart.yaml"), "steps=2", "plots=false",
+                 f"engine={{type: stream, store: '{store}'}}",
+                 "arms=[{name: bp, estimator: {type: backprop}, lr: 0.01}]",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: engine.store: ") and "a file" in err, err
+    assert not (tmp_path / "run").exists()
