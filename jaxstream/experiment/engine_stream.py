@@ -207,13 +207,15 @@ class StreamEngineConfig(EngineConfig):
 
     def build(self, *, stack: Any, estimator: Any, optimizer: Any, model: Any = None,
               arm: Any = None, micro_batches: int = 1, optimizer_config: Any = None,
+              learning_rate: float | None = None, total_steps: int | None = None,
               **_: Any) -> StreamEngine:
         """The engine (the registry calls this; keywords: :mod:`jaxstream.experiment.engines`):
         its own section, the model and optimizer sections and the arm's name, not the whole
         experiment config."""
         return self.engine_class()(self, stack=stack, estimator=estimator, optimizer=optimizer,
                                    model=model, arm=arm, micro_batches=micro_batches,
-                                   optimizer_config=optimizer_config)
+                                   optimizer_config=optimizer_config,
+                                   learning_rate=learning_rate, total_steps=total_steps)
 
     def engine_class(self) -> type[StreamEngine]:
         """The engine :meth:`build` makes (the composed engine's section makes its own)."""
@@ -239,7 +241,8 @@ class StreamEngine:
 
     def __init__(self, cfg: StreamEngineConfig, *, stack: Any, estimator: Any, optimizer: Any,
                  model: Any = None, arm: Any = "arm", micro_batches: int = 1,
-                 optimizer_config: Any = None, **_: Any):
+                 optimizer_config: Any = None, learning_rate: float | None = None,
+                 total_steps: int | None = None, **_: Any):
         """``model``: the model section (recorded in the store, checked when it is reopened);
         ``arm``: the arm's name (an arm section gives its ``name``), which owns the store;
         ``optimizer_config``: the optimizer section (its name and options are recorded in the
@@ -259,6 +262,10 @@ class StreamEngine:
         self.optimizer_id = (None if optimizer_config is None else
                              {"name": optimizer_config.name,
                               "options": dict(optimizer_config.options)})
+        self.optimizer_config = optimizer_config
+        # the rate the store's deferred (lazy) updates are made at: committed with every step
+        self.rate = (None if learning_rate is None else
+                     {"lr": float(learning_rate), "total_steps": total_steps})
 
     def _open(self) -> LayerStore | None:
         if self.location is None:
@@ -283,14 +290,15 @@ class StreamEngine:
             self.executor = self._new_executor(store)
         return self.executor
 
-    def _new_executor(self, store: LayerStore) -> StreamedExecutor:
+    def _new_executor(self, store: LayerStore, optimizer: Any = None) -> StreamedExecutor:
         scfg = StreamConfig(self.cfg.prefetch, self.cfg.compute_dtype, self.cfg.update,
                             self.cfg.depth, rewrite_every=self.cfg.rewrite_every,
                             async_commit=self.cfg.async_commit,
                             layers_per_unit=self.cfg.layers_per_unit,
                             residuals=self.cfg.residuals,
                             updates_in_flight=self.cfg.updates_in_flight)
-        return StreamedExecutor(self.stack, self.estimator, self.optimizer, store, scfg)
+        return StreamedExecutor(self.stack, self.estimator, optimizer or self.optimizer, store,
+                                scfg)
 
     def init(self, params: Any, key: jax.Array) -> StreamState:
         """Remembers ``params``: the store is created from them (or reopened) on first use."""
@@ -340,6 +348,7 @@ class StreamEngine:
                              "another path")
         self._check_owner(store, resume)
         self._check_optimizer(store)
+        self._settle_pending(store)
         self.executor = self._new_executor(store)
         if store.step > ckpt:
             return StreamState(jnp.asarray(store.step, jnp.int32)), store.step
@@ -366,7 +375,27 @@ class StreamEngine:
         out: dict = {"run": self.run_id} if self.run_id else {}
         if self.optimizer_id is not None:
             out["optimizer"] = self.optimizer_id
+        if self.rate is not None:
+            out["rate"] = self.rate
         return out
+
+    def _settle_pending(self, store: LayerStore) -> None:
+        """Deferred (lazy) updates the store holds were made at the rate its last commit
+        records; a run at another rate (a hand-over, a rollback with a new ``lr``) applies
+        them first at that rate, as the steps that made them would have (applied at this
+        run's rate they would change steps already committed)."""
+        theirs = store.extra.get("rate")
+        if (not store.extra.get("pending") or theirs is None or self.rate is None
+                or theirs == self.rate or self.optimizer_config is None):
+            return
+        from jaxstream.experiment.optimizers import build_optimizer
+
+        old = build_optimizer(self.optimizer_config, theirs["lr"], theirs.get("total_steps"))
+        ex = self._new_executor(store, old)
+        try:
+            ex.flush()
+        finally:
+            ex.close()
 
     def _check_optimizer(self, store: LayerStore) -> None:
         """A store holds one optimizer's state (Adam's and AdaBelief's have the same shapes):
