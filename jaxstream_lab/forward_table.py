@@ -75,6 +75,7 @@ from jaxstream.experiment.rundir import write_json
 from jaxstream.grad import local_targets
 from jaxstream.models import to_stack, with_local_heads
 from jaxstream_lab.budget_report import family
+from jaxstream_lab.invocation import invocation
 from jaxstream_lab.table_baselines import baselines
 from jaxstream_lab.table_config import (
     BASELINES,
@@ -383,19 +384,6 @@ def run_table(cfg: ForwardTableConfig, datasets: list[str] | None = None,
     return rows
 
 
-def _invocation(run_dir: Path, command: str) -> tuple[str | None, str]:
-    """``(config file, command line)`` of the run writing ``run_dir``, from the ``env.json``
-    the runner wrote before it started (the report names both); else ``(None, command)``."""
-    env = run_dir / "env.json"
-    try:
-        e = json.loads(env.read_text()) if env.is_file() else {}
-    except ValueError:
-        e = {}
-    if not isinstance(e, dict) or not e.get("config"):
-        return None, command
-    return e["config"], " ".join([command, e["config"], *map(str, e.get("overrides") or [])])
-
-
 @register_experiment("forward_table", ForwardTableConfig)
 def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "jaxstream run",
                       resume: bool = False) -> dict:
@@ -406,7 +394,7 @@ def run_forward_table(cfg: ForwardTableConfig, run_dir: Path, command: str = "ja
     run_dir.mkdir(parents=True, exist_ok=True)
     done = _written_rows(run_dir / "rows.json") if resume else []
     t0 = time.perf_counter()
-    config, command = _invocation(run_dir, command)
+    config, command = invocation(run_dir, command)
 
     def write(rows: list[dict]) -> None:
         payload = {"command": command, "config": config, "machine": machine(), "rows": rows,

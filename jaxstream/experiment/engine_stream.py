@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxstream.experiment.config import ConfigError
+from jaxstream.experiment.engine_stream_checks import (
+    check_store_paths,
+    data_bytes,
+    describe_optimizer,
+)
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.experiment.rundir import read_run_id
 from jaxstream.ranges import Count, Every
@@ -40,8 +43,6 @@ from jaxstream.stream.errors import (
     StoreNotFoundError,
 )
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
-from jaxstream.stream.layout import kvstore_spec
-from jaxstream.stream.manifest import MANIFEST
 from jaxstream.stream.store import LayerStore
 
 
@@ -179,31 +180,9 @@ class StreamEngineConfig(EngineConfig):
 
     def check_run(self, names: list[str], resume: bool) -> None:
         """Before anything is written: a new run refuses an existing store (unless
-        ``continue_store``); only local paths can be checked here."""
-        if self.store is None:
-            return
-        for name in names:  # a file where the store's directory would be, or above it
-            spec = kvstore_spec(self.location(name))
-            if isinstance(spec, dict) and spec.get("driver") == "file":
-                path = os.path.abspath(spec["path"])
-                taken = next((p for p in [path, *map(str, Path(path).parents)]
-                              if os.path.isfile(p)), None)
-                if taken is not None:
-                    raise ConfigError(f"engine.store: {self.location(name)} (arm {name!r}) "
-                                      f"{'is' if taken == path else 'lies under'} a file, "
-                                      f"{taken}; a layer store is a directory")
-        if resume or self.continue_store:
-            return
-        for name in names:
-            where = self.location(name)
-            spec = kvstore_spec(where)
-            if isinstance(spec, dict) and spec.get("driver") == "file" and os.path.exists(
-                    os.path.join(spec["path"], MANIFEST)):
-                raise ConfigError(
-                    f"engine.store: a layer store already exists at {where} (arm {name!r}); "
-                    "pass --resume to continue that run (a train run), set "
-                    "engine.continue_store=true to train "
-                    "on from it, or choose another path")
+        ``continue_store``), and a store path that is or lies under a file is refused; only
+        local paths can be checked here (:func:`check_store_paths`)."""
+        check_store_paths(self, names, resume)
 
     def build(self, *, stack: Any, estimator: Any, optimizer: Any, model: Any = None,
               arm: Any = None, micro_batches: int = 1, optimizer_config: Any = None,
@@ -407,7 +386,7 @@ class StreamEngine:
             return
         raise StoreError(
             f"engine.store: the layer store at {self.location} (step {store.step}) holds the "
-            f"state of optimizer {_describe(theirs)}, this run's optimizer is {_describe(mine)}; "
+            f"state of optimizer {describe_optimizer(theirs)}, this run's optimizer is {describe_optimizer(mine)}; "
             "set the optimizer section to the store's, or start from a new store (another "
             "engine.store path)")
 
@@ -465,22 +444,3 @@ class StreamEngine:
                              f"{self.location} holds step {ex.store.step}")
         ex.flush()
         return jax.tree.map(jnp.asarray, ex.store.read_params())
-
-
-def data_bytes(m: dict) -> dict[str, float]:
-    """A step's bytes for the run's records: ``bytes_read`` / ``bytes_written`` of the arrays
-    (parameters, optimizer state, scratch, carried means) and of the parameters alone. The
-    manifest's bytes (in the executor's metrics) are left out: they depend on the writing
-    process (its pid in the manifest) and on a reopened store's checks, and a run's records are
-    a function of its config (a resumed run logs what an uninterrupted one does)."""
-    kinds = ("params", "opt", "scratch", "carry")
-    return {"bytes_read": float(sum(m[f"bytes_read_{k}"] for k in kinds)),
-            "bytes_written": float(sum(m[f"bytes_written_{k}"] for k in kinds)),
-            "bytes_read_params": float(m["bytes_read_params"]),
-            "bytes_written_params": float(m["bytes_written_params"])}
-
-
-def _describe(opt: dict) -> str:
-    """``adam`` or ``sgd (momentum=0.9)``."""
-    options = ", ".join(f"{k}={v}" for k, v in sorted(opt.get("options", {}).items()))
-    return f"{opt.get('name')}" + (f" ({options})" if options else "")

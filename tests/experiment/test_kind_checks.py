@@ -50,12 +50,12 @@ def test_the_tables_report_names_the_command_and_config_the_runner_recorded(tmp_
     """results.md said `jaxstream run` (config `?`): it now reads the run's env.json."""
     import json
 
-    from jaxstream_lab.forward_table import _invocation
+    from jaxstream_lab.invocation import invocation
 
-    assert _invocation(tmp_path, "jaxstream run") == (None, "jaxstream run")
+    assert invocation(tmp_path, "jaxstream run") == (None, "jaxstream run")
     (tmp_path / "env.json").write_text(json.dumps(
         {"config": "ft.yaml", "overrides": ["seeds=2", "arms.0.lrs=[0.01]"]}))
-    assert _invocation(tmp_path, "jaxstream run") == (
+    assert invocation(tmp_path, "jaxstream run") == (
         "ft.yaml", "jaxstream run ft.yaml seeds=2 arms.0.lrs=[0.01]")
 
 
