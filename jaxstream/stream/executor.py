@@ -163,7 +163,7 @@ class StreamedExecutor(Driver):
           updates' records, part of the manifest written), and ``bytes_read_per_layer`` /
           ``bytes_written_per_layer``: the totals over the layers the step ran.
         """
-        key = self._checked(batch, key)
+        key = self._checked(batch, key, read_labels=False)
         at = self.store.step
         step = at if step is None else int(step)
         if step < at:  # committed as step + 1: the store's step would go back
@@ -177,6 +177,9 @@ class StreamedExecutor(Driver):
         try:
             with jax.profiler.StepTraceAnnotation("stream_step", step_num=step):
                 loss, run_extra = self._run(batch, key, self.layers(step), self.queue.update, t0)
+                # device labels read once the sweeps are done (the loss read drained the
+                # device already): out of range, the step is dropped before its commit
+                check_labels(self.stack, batch, self.engine)
                 self._commit(step + 1, {**run_extra, **((extra(float(loss)) if callable(extra)
                                                          else extra) or {})})
         except BaseException as e:
@@ -201,18 +204,19 @@ class StreamedExecutor(Driver):
         self._commit_seen = (self.store.step, self.store.generation)
         self.clock["wait_commit_s"] += time.perf_counter() - tc
 
-    def _checked(self, batch: Any, key: Any) -> jax.Array:
+    def _checked(self, batch: Any, key: Any, read_labels: bool = True) -> jax.Array:
         """The in-memory estimators' argument checks (a micro-batched batch, integer labels in
-        range, a key), before anything runs; labels on a device are read back for it (one small
-        read at the step's start: out of range they would give a nan loss and a committed step
-        that changed nothing). A raw ``jax.random.PRNGKey`` comes back typed."""
+        range, a key), before anything runs; labels on a device are read back for it (a few
+        integers; out of range they would give a nan loss and a committed step that changed
+        nothing), or with ``read_labels=False`` left to :meth:`step`, which reads them after its
+        sweeps, before the commit. A raw ``jax.random.PRNGKey`` comes back typed."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__}: this executor is closed (its host "
                                "worker has ended); build a new one on the store to go on")
         self._sync_pending()
         check_key(key, self.engine)
         check_micro_batches(batch, self.engine)
-        check_labels(self.stack, batch, self.engine)  # labels are read: a few integers
+        check_labels(self.stack, batch, self.engine, read=read_labels)  # NumPy ones always
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         return key
