@@ -328,7 +328,7 @@ class StreamedExecutor(Driver):
         self.pending.applied, self._reused, self._resident = set(), 0, None
         loss, new = sweeps_of(plan)(self, batch, key, list(layers), sink, t0, commit_lazy)
         records = self.pending.merge(new) if commit_lazy else self.pending.records
-        return loss, {"pending": lazy.pack(records)}
+        return loss, {"pending": lazy.pack(records, fresh=new, since=self.store.step)}
 
     def _keeping_last(self, layers: Sequence[int]) -> Callable:
         """:meth:`_load` that keeps the sweep's last block unit (host and device params) for

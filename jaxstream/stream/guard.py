@@ -58,7 +58,8 @@ def leaf_sq(x: np.ndarray) -> float:
     return float(np.dot(v, v))
 
 
-def _sq(tree: Any) -> float:
+def tree_sq(tree: Any) -> float:
+    """The squared L2 norm of a pytree's float leaves (:func:`leaf_sq` summed)."""
     import jax
 
     leaves = (np.asarray(x) for x in jax.tree_util.tree_leaves(tree))
@@ -77,7 +78,7 @@ def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:
 
     def committed(key: str) -> float:  # the unit's squared norm in the commit before this one
         if key not in known:
-            known[key] = _sq(store.read(_unit(key)).result())
+            known[key] = tree_sq(store.read(_unit(key)).result())
         return known[key]
 
     new = {}
@@ -85,7 +86,7 @@ def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:
         if key in staged:
             new[key] = staged[key]
         elif key in store._staged:  # staged but its norm was not taken: read what was staged
-            new[key] = _sq(store.read(_unit(key), staged=True).result())
+            new[key] = tree_sq(store.read(_unit(key), staged=True).result())
         else:
             new[key] = committed(key)
     base = old_sane["norm"] if old_sane else math.sqrt(sum(committed(k) for k in _keys(m)))

@@ -56,13 +56,15 @@ def take(pending: dict, unit: Any) -> list[dict]:
 PER_UNIT = ("slot", "crc")
 
 
-def pack(pending: dict) -> dict:
+def pack(pending: dict, fresh: dict | None = None, since: int | None = None) -> dict:
     """The committed form of ``pending`` ({unit: [records]}): ``{"records": [each distinct
     step's part of a record once, in first-seen order], "waiting": {unit: [entries]}}``, an
     entry the index of its record, or ``[index, {its own fields}]`` for a record with fields
     of its unit (:data:`PER_UNIT`); ``{}`` when nothing waits. Records are told apart by their
     JSON, so a record read back from an earlier commit and the same record of this step are
-    one."""
+    one. ``fresh`` (the step's new records, among ``pending``'s) and ``since`` (the store's
+    step before it) add ``"fresh": {"records": [their indices], "since": since}``: what
+    :func:`drop_fresh` takes back."""
     records: list[dict] = []
     index: dict[str, int] = {}
     by_id: dict[int, int] = {}  # a record object shared by units (one step's) is read once
@@ -78,7 +80,28 @@ def pack(pending: dict) -> dict:
                 by_id[id(rec)] = i
             own = {k: rec[k] for k in PER_UNIT if k in rec}
             waiting.setdefault(str(unit), []).append([i, own] if own else i)
-    return {"records": records, "waiting": waiting} if waiting else {}
+    if not waiting:
+        return {}
+    out: dict = {"records": records, "waiting": waiting}
+    new = sorted({by_id[id(r)] for v in (fresh or {}).values() for r in v if id(r) in by_id})
+    if new and since is not None:
+        out["fresh"] = {"records": new, "since": int(since)}
+    return out
+
+
+def drop_fresh(committed: dict) -> tuple[dict, int | None]:
+    """A committed ``pending`` without the records its step made (:func:`pack`'s ``fresh``)
+    and the step before them; ``(committed, None)`` when it names none. The way back from a
+    diverging deferred update: those records are the update, so the store returns to the
+    step before it, as an eager store would."""
+    fresh = committed.get("fresh")
+    if not fresh:
+        return committed, None
+    drop = set(fresh["records"])
+    index = lambda e: e[0] if isinstance(e, list) else e
+    left = {u: [e for e in es if index(e) not in drop] for u, es in committed["waiting"].items()}
+    left = {u: es for u, es in left.items() if es}
+    return ({"records": committed["records"], "waiting": left} if left else {}), int(fresh["since"])
 
 
 def unpack(committed: dict) -> dict:

@@ -56,11 +56,14 @@ class Pending:
         if force or len(recs) >= ex.cfg.rewrite_every or any(map(deferred.is_combine, recs)):
             ex.store.write(unit, params, opt)
             self.applied.add(str(unit))
+        else:  # the guard judges the params the step used (the records stay for later)
+            ex.store.note_norm(unit, params)
         return params
 
     def merge(self, new: dict) -> dict:
         """After a step: records applied in it are gone, skipped layers keep theirs, ``new``
-        ones are appended. Returns the records to commit."""
+        ones are appended. Returns the records to commit (:func:`lazy.pack` them with
+        ``fresh=new``)."""
         # new lists: the dict committed with the step before may still be written (async)
         self.records = {k: list(v) for k, v in self.records.items()
                         if k not in self.applied and v}

@@ -282,7 +282,7 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
         """
         part, l = self._part(unit)
         key = part if l is None else f"blocks/{l}"
-        self._check_sane()
+        self.check_sane()
         self._begin_write()
         with self._lock:
             slot = 1 - int(self._m["slots"][part] if l is None else self._m["slots"]["blocks"][l])
@@ -394,6 +394,7 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
         with self._lock:
             self._staged.clear()
             self._staged_digests.clear()
+            self._effective = None
             writes, self._writes = self._writes, []
         for _, f, _ in writes:
             try:

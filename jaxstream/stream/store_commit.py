@@ -8,11 +8,12 @@ import json
 import os
 import socket
 import threading
+from typing import Any
 
 from jaxstream.stream.errors import (
     StoreError,
 )
-from jaxstream.stream.guard import guard_commit
+from jaxstream.stream.guard import guard_commit, tree_sq
 from jaxstream.stream.io_bytes import PART_OF_MANIFEST
 from jaxstream.stream.manifest import encode
 from jaxstream.stream.store_parts import (
@@ -46,6 +47,7 @@ class Commits:
             staged = dict(self._staged)
             digests = dict(self._staged_digests)
             norms, self._staged_norms = self._staged_norms, {}
+            effective, self._effective = self._effective or {}, None
         for key, f, _ in writes:
             try:
                 f.result()
@@ -70,8 +72,8 @@ class Commits:
         m["writer_pid"], m["writer_host"] = os.getpid(), socket.gethostname()
         if extra is not None:
             m["extra"] = extra
-        guard_commit(self, m, {k: n for k, (c, n) in norms.items()
-                               if digests.get(("params", k)) == c})
+        guard_commit(self, m, {**effective, **{k: n for k, (c, n) in norms.items()
+                                               if digests.get(("params", k)) == c}})
         try:
             self._count_manifest(m)
         except StoreError:
@@ -90,6 +92,18 @@ class Commits:
             self._staged_digests.clear()
         if self._writer is not None:
             self._writer.release()
+
+    _effective: dict | None = None  # unit -> squared norm of params read, updated, not written
+
+    def note_norm(self, unit: Unit, params: Any) -> None:
+        """Gives the guard ``unit``'s params as this step used them: its deferred updates
+        applied on read but not written back (``rewrite_every``). The next commit judges their
+        norm instead of the committed one's, so a diverging deferred update is seen at the
+        first commit after it was applied, written back or not. Dropped by :meth:`abort`."""
+        part, l = self._part(unit)
+        sq = tree_sq(params)
+        with self._lock:
+            self._effective = {**(self._effective or {}), part if l is None else f"blocks/{l}": sq}
 
     def _count_manifest(self, m: dict) -> None:
         """Counts the bytes of the manifest ``m`` a commit writes, and of the deferred

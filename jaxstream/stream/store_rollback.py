@@ -13,6 +13,7 @@ from jaxstream.stream.errors import (
     StoreNotCommittedError,
 )
 from jaxstream.stream.guard import guard_message, sane_after_rollback
+from jaxstream.stream.lazy import drop_fresh
 from jaxstream.stream.store_parts import (
     read_error,
     write_manifest,
@@ -55,6 +56,11 @@ class Rollbacks:
         """Makes the last sane commit current again (nothing to do when the last commit is
         sane) and returns its step; its chunks are checked as :meth:`rollback` checks them.
 
+        With deferred (lazy) updates the commit after a diverging step still looks sane: the
+        step's updates wait in it as records, applied on the next read, and the guard sees
+        them at the next commit. So a sane commit that holds its own step's records goes back
+        without them, to the step before, where an eager store goes back to (the same values).
+
         Example::
 
             store = LayerStore.open("/nvme/run/stores/bp")
@@ -63,11 +69,15 @@ class Rollbacks:
         target = self._m.get("sane", {})
         if "slots" not in target:
             return self.step
+        pending, since = drop_fresh((target.get("extra") or {}).get("pending") or {})
+        if since is not None:  # its step's deferred updates are the diverging ones
+            target = {**target, "step": since, "extra": {**target["extra"], "pending": pending}}
         return self._roll_back_to(target)
 
-    def _check_sane(self) -> None:
-        """Refuses to stage writes past a commit that failed the guard: they would overwrite
-        the chunks of the last sane commit, the rollback target."""
+    def check_sane(self) -> None:
+        """Raises :class:`StoreDivergedError` (why, and the way back) when the last commit
+        failed the guard; a store that does so refuses to stage writes past it: they would
+        overwrite the chunks of the last sane commit, the rollback target."""
         failed = self._m.get("sane", {}).get("failed")
         if failed is not None and "slots" in self._m["sane"]:
             raise StoreDivergedError(guard_message(self._where, self._m["sane"]))

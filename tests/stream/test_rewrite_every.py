@@ -96,8 +96,12 @@ def test_each_record_is_committed_once_and_old_manifests_still_resume(tmp_path):
     committed = store.extra["pending"]
     per_layer = lazy.waiting(store.extra)
     units = sorted(per_layer)
-    assert len(units) == STACK.num_layers and all(len(per_layer[u]) == 3 for u in units)
+    # every unit waits (the embed and head too: a commit's records are its whole update)
+    assert units == sorted(["embed", "head", *map(str, range(STACK.num_layers))])
+    assert all(len(per_layer[u]) == 3 for u in units)
     assert len(committed["records"]) == 3  # one per step, not one per layer and step
+    assert committed["fresh"] == {"records": [2], "since": 2}  # the last step's, taken back
+                                                               # by a rollback to this commit
     spelled = json.dumps(per_layer, sort_keys=True)
     assert len(json.dumps(committed, sort_keys=True)) < len(spelled) / 2
     # the same store with the per-layer spelling committed at the same step

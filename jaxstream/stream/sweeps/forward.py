@@ -45,13 +45,14 @@ def forward_sweep(ex: Any, batch: dict, keys: Any, layers: list, t0: float,
 def run_forward(ex: Any, batch: dict, key: Any, layers: list, sink: Callable, t0: float,
                 commit_lazy: bool) -> tuple[float, dict]:
     """The forward estimator: the forward sweep, the K coefficients, then an update sweep
-    (eager) or one (key, coefficients) record per block (lazy). ``(loss, new records)``."""
+    (eager) or one (key, coefficients) record per unit, embed and head too (lazy), so a
+    commit's records are the whole of its step's update. ``(loss, new records)``."""
     n = jax.tree.leaves(batch)[0].shape[0]
     keys = jnp.stack([key] * n)
-    lazy_units = layers if (ex.cfg.update == "lazy" and commit_lazy) else []
+    every: list[LayerKey] = ["embed", *layers, "head"]
+    lazy_units = every if (ex.cfg.update == "lazy" and commit_lazy) else []
     losses, d, hosts, _, _, key_data = forward_sweep(
         ex, batch, keys, layers, t0, also=jax.random.key_data(key) if lazy_units else None)
-    every: list[LayerKey] = ["embed", *layers, "head"]
     coeffs = _coefficients(ex, key, d.mean(axis=0), every, hosts)
     eager_units = [of_key(u) for u in every if u not in lazy_units]
 
