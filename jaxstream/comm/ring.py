@@ -43,7 +43,8 @@ def ring_all_reduce(x: jax.Array, axis_name: str, *, mean: bool = False) -> jax.
       mean: divide by the number of devices.
 
     Returns:
-      An array of ``x``'s shape and dtype, identical on every device.
+      An array of ``x``'s shape, identical on every device; ``x``'s dtype, or for the mean of
+      an integer array the float dtype ``lax.pmean`` gives (on any number of devices).
 
     Example:
       >>> f = shard_map(lambda x: ring_all_reduce(x, "data"), mesh=mesh,
@@ -51,7 +52,7 @@ def ring_all_reduce(x: jax.Array, axis_name: str, *, mean: bool = False) -> jax.
     """
     n = jax.lax.axis_size(axis_name)
     if n == 1:
-        return x
+        return x / n if mean else x  # the dtype a mean has on more devices
     flat = x.reshape(-1)
     size = flat.shape[0]
     chunk = ring_chunk_size(size, n)

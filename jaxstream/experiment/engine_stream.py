@@ -327,6 +327,7 @@ class StreamEngine:
                              "another path")
         self._check_owner(store, resume)
         self._check_optimizer(store)
+        store.check_sane()  # a diverged store is rolled back first, never trained past
         self._settle_pending(store)
         self.executor = self._new_executor(store)
         if store.step > ckpt:

@@ -193,8 +193,11 @@ class Resume:
 
 def resumed_records(kept: list[dict], start: int, tags: dict[str, Any]) -> list[dict]:
     """The records of steps ``0 .. start`` from an earlier session, in step order; a step done
-    whose record the log lost gets ``{**tags, "step": k, "lost": True}``."""
+    whose record the log lost gets ``{**tags, "step": k, "lost": True}``. A run that began on a
+    store another run trained (its first record ``handed_over``) has no steps before that."""
     records = [r for r in kept if r["step"] <= start] if start else []
     logged = {r["step"] for r in records}
-    records += [{**tags, "step": k, "lost": True} for k in range(1, start + 1) if k not in logged]
+    first = min((r["step"] for r in records if r.get("handed_over")), default=0)
+    records += [{**tags, "step": k, "lost": True} for k in range(first + 1, start + 1)
+                if k not in logged]
     return sorted(records, key=lambda r: r["step"])

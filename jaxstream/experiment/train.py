@@ -112,9 +112,10 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         state, start = loop.begin(state)
         if rollback:
             ckpt.drop_after(start)
-        records = resumed_records(kept, start, tags)
-        if start == 0:
-            records = [{**tags, "step": 0,
+        handed = start > 0 and not (resume or rollback)  # a new run on another run's store
+        records = [] if handed else resumed_records(kept, start, tags)
+        if start == 0 or handed:  # where this run starts: evaluated, a hand-over said so
+            records = [{**tags, "step": start, **({"handed_over": True} if handed else {}),
                         **_eval_record(evaluate, engine.params(state), data.train, data.test)}]
         if rollback:  # the lr may have changed: the log says from which step this one applies
             records.append({**tags, "step": start, "rollback": True, "lr": arm.lr})

@@ -130,7 +130,7 @@ class Spaces:
             raise StoreError(f"carry slot must be 0 or 1, got {slot!r}")
         part, l = self._part(unit)
         idx = (slot,) if l is None else (l, slot)
-        self._check_sane()
+        self.check_sane()
         self._begin_write()
         what = f"carry of {part if l is None else f'layer {l}'} to the store at {self._where}"
         futs, crcs = [], []

@@ -49,6 +49,15 @@ def test_ring_mean_and_integer_sum_exact():
     np.testing.assert_allclose(mean[0], xf.mean(0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_ring_mean_of_integers_has_pmeans_dtype_on_any_device_count(n):
+    x = np.arange(n * 3, dtype=np.int32).reshape(n, 3)
+    ring = _sharded(lambda v: ring_all_reduce(v, "data", mean=True), n)(x)
+    pmean = _sharded(lambda v: jax.lax.pmean(v, "data"), n)(x)
+    assert ring.dtype == pmean.dtype
+    np.testing.assert_array_equal(np.asarray(ring), np.asarray(pmean))
+
+
 def test_ring_tree_keeps_structure_and_dtypes():
     n = 8
     mesh = _mesh(n)

@@ -70,3 +70,23 @@ def test_a_rolled_back_store_trains_on_in_a_new_run(tmp_path):
     after = LayerStore.open(str(tmp_path / "stores" / "bp"))
     assert after.step == 4 and after.extra["handovers"] == [
         {"from_run": _run_id(a), "to_run": _run_id(b), "step": 1}]
+
+
+def test_a_handed_over_run_logs_where_it_began_not_lost_steps(tmp_path):
+    """A run that continues another run's store starts at the store's step: its first record
+    is that step, evaluated and marked ``handed_over``; no step before it is logged (they are
+    the other run's), not as lost either, and a resume of it keeps it so."""
+    store = tmp_path / "stores" / "{arm}"
+    run_experiment(STREAM, [*TINY, f"engine.store={store}", "max_steps=2"], out=tmp_path / "a")
+    b = tmp_path / "b"
+    args = [*TINY, f"engine.store={store}", "engine.continue_store=true"]
+    _, summary = run_experiment(STREAM, [*args, "max_steps=3"], out=b)
+    _, summary = run_experiment(STREAM, args, out=b, resume=True)
+    assert summary["finished"]
+    records = [json.loads(x) for x in (b / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r.get("arm") == "bp"]
+    assert steps == [2, 3, 4], steps
+    first = records[[r.get("arm") for r in records].index("bp")]
+    assert first["handed_over"] and "test_accuracy" in first and "loss" not in first
+    assert not any(r.get("lost") for r in records)
+    assert summary["arms"]["bp"].get("lost_steps", []) == []

@@ -118,3 +118,28 @@ def test_a_store_allocated_with_zeros_takes_its_first_weights(tmp_path):
         store.commit(l + 1)
         assert store.sane_step == l + 1
     assert _equal(store.read_params()["blocks"], big["blocks"])
+
+
+def test_a_diverged_store_handed_to_a_new_run_is_refused_until_rolled_back(tmp_path, capsys):
+    """``engine.continue_store`` onto a store whose last commit failed the guard: refused by
+    name before any step (exit 2, the way back named, the store untouched); rolled back
+    (``LayerStore.rollback_to_sane``) it trains on."""
+    store = tmp_path / "stores" / "{arm}"
+    cut = [*TINY[:1], "max_steps=2", *TINY[1:]]
+    _, summary = run_experiment(STREAM, [*cut, _arm(2e38), f"engine.store={store}"],
+                                out=tmp_path / "a")
+    assert summary["arms"]["bp"]["diverged"]
+    path = str(tmp_path / "stores" / "bp")
+    manifest = (tmp_path / "stores" / "bp" / "manifest.json").read_bytes()
+    args = ["run", str(STREAM), *cut, _arm(0.1), f"engine.store={store}",
+            "engine.continue_store=true", "--out", str(tmp_path / "b")]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "failed the divergence guard" in err and "rollback_to_sane()" in err, err
+    assert (tmp_path / "stores" / "bp" / "manifest.json").read_bytes() == manifest
+    s = LayerStore.open(path)
+    assert s.rollback_to_sane() == 0
+    s.close()
+    assert cli_main([*args[:-1], str(tmp_path / "c")]) == 0
+    s = LayerStore.open(path)
+    assert s.step == s.sane_step == 2
