@@ -160,8 +160,8 @@ def arm_summary(records: list[dict], sizes: dict[str, int], engine: Any) -> dict
                                           "bytes_written_params")})
         out["first_step_bytes_read"] = steps[0]["bytes_read"]
         out["model_reads_per_step"] = out["bytes_read_params"] / sizes["fp32_bytes"]
-        out["block_writes_per_step"] = ((out["bytes_written_params"] - sizes["ends_bytes"])
-                                        / (sizes["fp32_bytes"] - sizes["ends_bytes"]))
+        # every unit (embed and head too) is written back on the same steps as the blocks
+        out["block_writes_per_step"] = out["bytes_written_params"] / sizes["fp32_bytes"]
         out["read_bandwidth"] = read / sum(r["step_time"] for r in steady)
         out["budget_bytes"] = budget(engine, sizes)
     return out

@@ -106,14 +106,24 @@ def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:
                             "bound": bound, "loss_finite": loss_ok}}
 
 
+def target_step(sane: dict) -> int:
+    """The step a rollback to the ``sane`` record returns to: its commit's, or the step before
+    the deferred updates its own step made (they are the diverging ones, see
+    :meth:`LayerStore.rollback_to_sane`)."""
+    from jaxstream.stream.lazy import drop_fresh
+
+    since = drop_fresh(((sane.get("extra") or {}).get("pending")) or {})[1]
+    return int(sane["step"]) if since is None else since
+
+
 def guard_message(where: str, sane: dict) -> str:
     """Why the store refuses to go on past a commit that failed the guard, and the way back."""
     f = sane["failed"]
-    why = ("the step's loss was not finite" if not f["loss_finite"] else
-           f"its parameter norm {f['norm']:.3g} exceeds {GROWTH:g}x the last sane commit's "
+    why = (f["why"] if "why" in f else "the step's loss was not finite" if not f["loss_finite"]
+           else f"its parameter norm {f['norm']:.3g} exceeds {GROWTH:g}x the last sane commit's "
            f"({sane['norm']:.3g})" if f["norm"] is not None else "its parameter norm overflowed")
     return (f"the store at {where}: the commit of step {f['step']} failed the divergence guard "
-            f"({why}); the last sane commit, step {sane['step']}, is kept: roll back to it "
+            f"({why}); the last sane state, step {target_step(sane)}, is kept: roll back to it "
             "(jaxstream run CONFIG --out RUN --rollback, or LayerStore.rollback_to_sane()) "
             "and train on with a smaller learning rate")
 

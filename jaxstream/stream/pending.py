@@ -5,6 +5,7 @@ next read (DESIGN §9, ``update="lazy"``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -12,6 +13,7 @@ import numpy as np
 
 from jaxstream.stream import deferred, lazy
 from jaxstream.stream import kernels as K
+from jaxstream.stream.guard import GROWTH, tree_sq
 from jaxstream.stream.host_queue import to_host
 from jaxstream.stream.sweeps.combine import combined, record
 from jaxstream.stream.units import LayerKey, parse_key
@@ -53,11 +55,19 @@ class Pending:
                     g = K.unit_estimate(ex.spec, K.step_seg_keys(key, unit), coeffs, params)
                 params, opt = K.optax_step(ex.optimizer, g, opt, params)
             params, opt = jax.tree.map(np.asarray, (params, opt))
+        sq = tree_sq(params)
+        bound = ex.store.growth_bound()
+        if not math.sqrt(sq) <= bound:  # the commit holds a diverging update: say so now
+            size = f"norm {math.sqrt(sq):.3g}" if math.isfinite(sq) else "values non-finite"
+            ex.store.fail_commit(f"the deferred updates waiting for {_name(unit)} make its "
+                                 f"parameter {size}, over {bound:.3g}, {GROWTH:g}x the last sane "
+                                 "commit's whole norm")
+            ex.store.check_sane()  # raises StoreDivergedError: why, and the way back
         if force or len(recs) >= ex.cfg.rewrite_every or any(map(deferred.is_combine, recs)):
             ex.store.write(unit, params, opt)
             self.applied.add(str(unit))
         else:  # the guard judges the params the step used (the records stay for later)
-            ex.store.note_norm(unit, params)
+            ex.store.note_norm(unit, sq)
         return params
 
     def merge(self, new: dict) -> dict:
@@ -80,3 +90,7 @@ class Pending:
             self.apply(unit, self.ex.store.read(unit).result(), force=True)
         self.records = {}
         return True
+
+
+def _name(unit: LayerKey) -> str:
+    return unit if isinstance(unit, str) and not unit.isdigit() else f"layer {unit}"

@@ -8,12 +8,11 @@ import json
 import os
 import socket
 import threading
-from typing import Any
 
 from jaxstream.stream.errors import (
     StoreError,
 )
-from jaxstream.stream.guard import guard_commit, tree_sq
+from jaxstream.stream.guard import guard_commit
 from jaxstream.stream.io_bytes import PART_OF_MANIFEST
 from jaxstream.stream.manifest import encode
 from jaxstream.stream.store_parts import (
@@ -95,13 +94,13 @@ class Commits:
 
     _effective: dict | None = None  # unit -> squared norm of params read, updated, not written
 
-    def note_norm(self, unit: Unit, params: Any) -> None:
-        """Gives the guard ``unit``'s params as this step used them: its deferred updates
-        applied on read but not written back (``rewrite_every``). The next commit judges their
-        norm instead of the committed one's, so a diverging deferred update is seen at the
-        first commit after it was applied, written back or not. Dropped by :meth:`abort`."""
+    def note_norm(self, unit: Unit, sq: float) -> None:
+        """Gives the guard the squared norm ``sq`` (:func:`~jaxstream.stream.guard.tree_sq`) of
+        ``unit``'s params as this step used them: its deferred updates applied on read but not
+        written back (``rewrite_every``). The next commit judges it instead of the committed
+        params' norm, so a diverging deferred update is seen at the first commit after it was
+        applied, written back or not. Dropped by :meth:`abort`."""
         part, l = self._part(unit)
-        sq = tree_sq(params)
         with self._lock:
             self._effective = {**(self._effective or {}), part if l is None else f"blocks/{l}": sq}
 

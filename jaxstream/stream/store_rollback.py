@@ -5,14 +5,16 @@ again after every chunk of it is checked against its digests. A part of
 from __future__ import annotations
 
 import json
+import math
 import os
+import threading
 
 from jaxstream.stream.errors import (
     StoreDivergedError,
     StoreError,
     StoreNotCommittedError,
 )
-from jaxstream.stream.guard import guard_message, sane_after_rollback
+from jaxstream.stream.guard import GROWTH, guard_message, sane_after_rollback, target_step
 from jaxstream.stream.lazy import drop_fresh
 from jaxstream.stream.store_parts import (
     read_error,
@@ -20,6 +22,7 @@ from jaxstream.stream.store_parts import (
 )
 
 Unit = str | int  # "embed", "head" or a layer index
+_FAILING = threading.Lock()
 
 
 class Rollbacks:
@@ -48,9 +51,42 @@ class Rollbacks:
 
     @property
     def sane_step(self) -> int:
-        """The step of the last commit that passed the guard (:mod:`jaxstream.stream.guard`):
-        the store's own step unless its last commit failed it."""
-        return int(self._m.get("sane", {}).get("step", self.step))
+        """The step :meth:`rollback_to_sane` returns to (:mod:`jaxstream.stream.guard`): the
+        store's own step unless its last commit failed the guard."""
+        target = self._m.get("sane", {})
+        return target_step(target) if "slots" in target else int(target.get("step", self.step))
+
+    def growth_bound(self) -> float:
+        """The guard's bound on the parameters' global norm for the next commit: one unit's
+        norm past it fails the commit whatever the others hold (inf: no sane norm known)."""
+        sane = self._m.get("sane") or {}
+        return GROWTH * max(1.0, float(sane["norm"])) if sane.get("norm") else math.inf
+
+    def fail_commit(self, why: str) -> None:
+        """Marks the last commit as failing the guard, for ``why`` (its deferred updates, applied
+        on read, made parameters non-finite: the guard never saw them, as they were not yet
+        applied when it judged the commit). Staged writes are dropped; writes past it are then
+        refused and :meth:`rollback_to_sane` returns to the step before its updates."""
+        with _FAILING:  # prefetch threads apply updates concurrently: the first one marks it
+            if "slots" not in self._m.get("sane", {}):  # else already failed: the target stays
+                self._fail(why)
+
+    def _fail(self, why: str) -> None:
+        self.abort()
+        self._begin_write()
+        try:
+            m = json.loads(json.dumps(self._m))
+            keep = {k: m[k] for k in ("slots", "digests", "extra") if k in m}
+            norm = (m.get("sane") or {}).get("norm", 0.0)
+            m["sane"] = {"step": int(m["step"]), "norm": norm, **keep, "norms": m.get("norms"),
+                         "failed": {"step": int(m["step"]), "norm": None, "bound": None,
+                                    "loss_finite": True, "why": why}}
+            m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
+            write_manifest(self._root, m, self._where)
+            self._m = m
+        finally:
+            if self._writer is not None:
+                self._writer.release()
 
     def rollback_to_sane(self) -> int:
         """Makes the last sane commit current again (nothing to do when the last commit is

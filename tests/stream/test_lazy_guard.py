@@ -15,7 +15,7 @@ import pytest
 import jaxstream.grad as jg
 from jaxstream.models import mlp
 from jaxstream.stream import LayerStore
-from jaxstream.stream.errors import StoreDivergedError
+from jaxstream.stream.errors import StoreDivergedError, StoreNonFiniteError
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 
 STACK = mlp(5, 6, 3, 4)
@@ -31,7 +31,11 @@ def _by_kernel(spike: optax.GradientTransformation) -> optax.GradientTransformat
     return optax.multi_transform({"spike": spike, "calm": optax.sgd(1e-2)}, label)
 
 
-OPT = _by_kernel(optax.sgd(lambda count: jnp.where(count == BAD, 1e9, 1e-2)))
+def _spiking(lr: float) -> optax.GradientTransformation:
+    return _by_kernel(optax.sgd(lambda count: jnp.where(count == BAD, lr, 1e-2)))
+
+
+OPT = _spiking(1e9)
 CALM = _by_kernel(optax.sgd(optax.constant_schedule(1e-2)))  # the same state, no spike
 
 
@@ -45,16 +49,17 @@ def _key(t: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(3), t)
 
 
-def _train(path, est, cfg: StreamConfig, steps: range) -> LayerStore:
-    """Steps until the store refuses to go on (the guard failed) or ``steps`` end."""
-    store = LayerStore.open(path, optimizer=OPT)
-    with StreamedExecutor(STACK, est, OPT, store, cfg) as ex:
+def _train(path, est, cfg: StreamConfig, steps: range, opt=OPT) -> LayerStore:
+    """Steps until the store refuses to go on (the guard failed, or non-finite values were
+    refused) or ``steps`` end."""
+    store = LayerStore.open(path, optimizer=opt)
+    with StreamedExecutor(STACK, est, opt, store, cfg) as ex:
         for t in steps:
             if store.sane_step != store.step:
                 break
             try:
                 ex.step(_batch(t), _key(t), step=t)
-            except StoreDivergedError:
+            except (StoreDivergedError, StoreNonFiniteError):
                 break
     return store
 
@@ -68,23 +73,30 @@ def _settled(path, est, opt=OPT) -> list:
     return jax.tree.leaves(store.read_params())
 
 
-@pytest.mark.parametrize("name, k", [("forward", 1), ("forward", 3), ("hybrid", 1)])
-def test_a_lazy_rollback_does_not_replay_the_diverging_update(tmp_path, name, k):
-    est = ESTIMATORS[name]
+@pytest.mark.parametrize("name, k, spike", [("forward", 1, 1e9), ("forward", 3, 1e9),
+                                            ("hybrid", 1, 1e9), ("forward", 1, 1e38),
+                                            ("forward", 3, 1e38), ("hybrid", 1, 1e38)])
+def test_a_lazy_rollback_does_not_replay_the_diverging_update(tmp_path, name, k, spike):
+    """At 1e9 the guard fails on the norm; at 1e38 the update overflows: the eager step's
+    write is refused (the store keeps the step before), the lazy step that applies the
+    records finds them non-finite and fails the commit that holds them."""
+    est, opt = ESTIMATORS[name], _spiking(spike)
     params = STACK.init(jax.random.key(0))
     runs = {"eager": StreamConfig(compute_dtype="float32"),
             "lazy": StreamConfig(compute_dtype="float32", update="lazy", rewrite_every=k)}
     for run, cfg in runs.items():
-        LayerStore.create(str(tmp_path / run), params, optimizer=OPT).close()
-        store = _train(str(tmp_path / run), est, cfg, range(8))
-        assert store.sane_step < store.step, f"{run}: the guard did not fail"
+        LayerStore.create(str(tmp_path / run), params, optimizer=opt).close()
+        store = _train(str(tmp_path / run), est, cfg, range(8), opt)
+        assert store.sane_step == BAD, f"{run}: the guard did not see the step"
+        assert store.step > BAD or (run, spike) == ("eager", 1e38)
         store.close()
-    eager = LayerStore.open(str(tmp_path / "eager"), optimizer=OPT)
-    lazy_store = LayerStore.open(str(tmp_path / "lazy"), optimizer=OPT)
+    eager = LayerStore.open(str(tmp_path / "eager"), optimizer=opt)
+    lazy_store = LayerStore.open(str(tmp_path / "lazy"), optimizer=opt)
     assert eager.rollback_to_sane() == BAD
     assert lazy_store.rollback_to_sane() == BAD  # not BAD + 1: its records are dropped
     eager.close(), lazy_store.close()
-    for a, b in zip(_settled(str(tmp_path / "eager"), est), _settled(str(tmp_path / "lazy"), est)):
+    for a, b in zip(_settled(str(tmp_path / "eager"), est, opt),
+                    _settled(str(tmp_path / "lazy"), est, opt)):
         np.testing.assert_array_equal(a, b)
     # Training on from there at a calm rate equals the eager run's, sanely.
     for run, cfg in runs.items():
