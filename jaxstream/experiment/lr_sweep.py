@@ -133,10 +133,12 @@ def _sweep_arm(cfg: LRSweepConfig, arm: SweepArm, stack: Any, data: Any, log: Me
                     on_eval)
     bar.close()
     evals = out.curve[:, :, 1].T  # (evaluations, lrs): test accuracy
-    final = np.mean(evals[-cfg.final_evals:], axis=0)
+    n = min(cfg.final_evals, len(evals))  # a short run has fewer evaluations than asked for
+    final = np.mean(evals[-n:], axis=0)
     best = np.max(evals, axis=0)
     return {lr: {"steps_to_target": hits[i], "final_accuracy": float(final[i]),
-                 "best_accuracy": float(best[i])} for i, lr in enumerate(cfg.lrs)}
+                 "best_accuracy": float(best[i]), "final_evals": n}
+            for i, lr in enumerate(cfg.lrs)}
 
 
 def format_sweep(summary: dict[str, Any], lrs: tuple[float, ...]) -> str:
@@ -168,8 +170,9 @@ def run_lr_sweep(cfg: LRSweepConfig, run_dir: Path) -> dict[str, Any]:
         arms[arm.name] = {"estimator": describe(arm.estimator),
                           "picked_lr": pick_lr(results, cfg.stable_accuracy),
                           "results": {str(lr): r for lr, r in results.items()}}
+    used = {r["final_evals"] for a in arms.values() for r in a["results"].values()}
     summary = {"target_accuracy": cfg.target_accuracy, "stable_accuracy": cfg.stable_accuracy,
-               "final_evals": cfg.final_evals,
+               "final_evals": min(used, default=cfg.final_evals),  # the evaluations averaged
                "arms": arms}
     print(format_sweep(summary, cfg.lrs))
     from jaxstream.experiment.plots import write_sweep_plots

@@ -91,7 +91,17 @@ class GradQualityConfig(Checked):
 
     def check(self) -> None:
         from jaxstream.experiment.estimators import check_correction
+        from jaxstream.grad import combine
 
+        if not self.corrections:  # the study's verdict picks the best of them
+            raise ValueError("corrections: list one or more of "
+                             + ", ".join(repr(c) for c in combine.corrections()))
+        if len(set(self.corrections)) < len(self.corrections):
+            twice = next(c for c in self.corrections if self.corrections.count(c) > 1)
+            raise ValueError(f"corrections: {twice!r} is listed twice; list each at most once")
+        if self.theory_seeds == 1:
+            raise ValueError("theory_seeds: 0 (skip the check) or at least 2 (its tolerance is "
+                             "a standard error over the keys), got 1")
         for i, c in enumerate(self.corrections):
             try:
                 check_correction(c)

@@ -162,6 +162,9 @@ def check_labels(loss_fn: Callable, batch: Any, who: str, read: bool = True) -> 
         raise ValueError(f"{who}: a model Stack needs batch = {{'x': inputs, 'y': labels}}; got "
                          f"{type(batch).__name__} with keys {sorted(batch) if isinstance(batch, dict) else '-'}")
     y = batch["y"]
+    if jnp.size(y) == 0:  # a mean over no examples: nan, or an index error deep in a trace
+        raise ValueError(f"{who}: the batch holds no examples (batch['y'] has shape "
+                         f"{tuple(jnp.shape(y))}); give at least one")
     if not jnp.issubdtype(jnp.result_type(y), jnp.integer):
         raise TypeError(f"{who}: batch['y'] holds {jnp.result_type(y)} values; cross-entropy needs "
                         "integer class labels (e.g. y.astype(jnp.int32))")

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxstream.quality.metrics import SeedStatistics, seed_statistics
 from jaxstream.quality.table import QualityTable, rows_from_statistics
@@ -32,6 +33,14 @@ def flatten_microbatches(batch: Any) -> Any:
       >>> flatten_microbatches({"x": jnp.zeros((16, 8, 64))})["x"].shape
       (128, 64)
     """
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    lead = [tuple(jnp.shape(a)[:2]) for _, a in leaves]
+    for path, a in leaves:
+        if jnp.ndim(a) < 2 or tuple(jnp.shape(a)[:2]) != max(lead, key=lead.count):
+            raise ValueError(
+                f"microbatched: the batch must be shaped (micro_batches, batch, ...) on every "
+                f"leaf; leaf {jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(a))} "
+                "(a flat batch: split it, e.g. x.reshape(n, -1, *x.shape[1:]))")
     return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), batch)
 
 
@@ -48,7 +57,9 @@ def _backprop(estimator: Estimator, loss_fn: LossFn, params: Any, batch: Any):
 
 
 def _keys(seeds: int | jax.Array, seed: int = 0) -> jax.Array:
-    if isinstance(seeds, int):
+    if isinstance(seeds, bool) or not isinstance(seeds, (int, np.integer, np.ndarray, jax.Array)):
+        raise TypeError(f"seeds: an int R >= 2 or an array of R keys, got {seeds!r}")
+    if isinstance(seeds, (int, np.integer)):
         if seeds < 2:
             raise ValueError(f"seeds: need at least 2 seeds for bias/variance, got {seeds}")
         return jax.random.split(jax.random.key(seed), seeds)

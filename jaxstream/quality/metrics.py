@@ -90,6 +90,27 @@ def cosine_similarity(estimate: Any, exact: Any) -> jax.Array:
     return estimate_quality(estimate, exact).cosine["all"]
 
 
+def check_seed_axis(estimates: Any, exact: Any, who: str) -> None:
+    """``estimates`` is ``exact``'s tree with one leading (seed) axis on every leaf, the same
+    length on all: a single estimate, or one against another tree, would broadcast into
+    figures of nothing."""
+    ke = jax.tree_util.tree_flatten_with_path(estimates)[0]
+    kx = jax.tree_util.tree_flatten_with_path(exact)[0]
+    if [p for p, _ in ke] != [p for p, _ in kx]:
+        raise ValueError(f"{who}: estimates and exact are different trees ({len(ke)} vs "
+                         f"{len(kx)} leaves, or other paths)")
+    seeds = set()
+    for (path, e), (_, x) in zip(ke, kx):
+        if tuple(jnp.shape(e))[1:] != tuple(jnp.shape(x)):
+            raise ValueError(f"{who}: estimates leaf {jax.tree_util.keystr(path)} has shape "
+                             f"{tuple(jnp.shape(e))}; it must be (seeds, *{tuple(jnp.shape(x))}): "
+                             "the exact gradient's shape with a leading seed axis")
+        seeds.add(jnp.shape(e)[0])
+    if len(seeds) > 1:
+        raise ValueError(f"{who}: the estimates' leaves have different seed counts "
+                         f"{sorted(seeds)} on their leading axis")
+
+
 def seed_statistics(estimates: Any, exact: Any) -> SeedStatistics:
     """Bias, variance, SNR and mean cosine of R stacked estimates, whole and per group.
 
@@ -106,6 +127,7 @@ def seed_statistics(estimates: Any, exact: Any) -> SeedStatistics:
       >>> grads = jax.vmap(lambda k: est(loss_fn, params, batch, k)[1])(keys)
       >>> float(seed_statistics(grads, exact).snr["all"])
     """
+    check_seed_axis(estimates, exact, "seed_statistics")
     num_seeds = jax.tree.leaves(estimates)[0].shape[0]
     if num_seeds < 2:
         raise ValueError(
@@ -161,7 +183,7 @@ class GradientError(NamedTuple):
     @property
     def max(self) -> float:
         """The larger of the two: the one number a test or a benchmark bounds."""
-        return max(self.whole, self.leaf)
+        return max(self.whole, self.leaf) if self.whole == self.whole else self.whole  # nan
 
 
 def gradient_error(a: Any, b: Any, floor: float = LEAF_FLOOR) -> GradientError:
@@ -174,24 +196,29 @@ def gradient_error(a: Any, b: Any, floor: float = LEAF_FLOOR) -> GradientError:
     import numpy as np
 
     pa, pb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
-    if len(pa) != len(pb):
-        raise ValueError(f"trees differ: {len(pa)} vs {len(pb)} leaves")
+    keys_a = [jax.tree_util.keystr(p) for p, _ in pa]
+    keys_b = [jax.tree_util.keystr(p) for p, _ in pb]
+    if keys_a != keys_b:  # the same leaves in another layout would be compared entry by entry
+        only = sorted(set(keys_a) ^ set(keys_b))[:4]
+        raise ValueError(f"trees differ: {len(pa)} vs {len(pb)} leaves"
+                         + (f", leaves in one only: {', '.join(only)}" if only else
+                            ", the same paths in another order"))
+    for key, (_, x), (_, y) in zip(keys_b, pa, pb):
+        if np.shape(x) != np.shape(y):
+            raise ValueError(f"leaf {key}: shapes differ, {np.shape(x)} vs {np.shape(y)}")
     va = [np.asarray(x, np.float64).ravel() for _, x in pa]
     vb = [np.asarray(x, np.float64).ravel() for _, x in pb]
-    for (path, _), u, v in zip(pb, va, vb):
-        if u.shape != v.shape:
-            raise ValueError(f"leaf {jax.tree_util.keystr(path)}: shapes differ, {u.size} vs "
-                             f"{v.size} entries")
     diff = [float(np.sum((u - v) ** 2)) for u, v in zip(va, vb)]
     norm = [float(np.sum(v ** 2)) for v in vb]
     whole_norm = np.sqrt(sum(norm))
     whole = float(np.sqrt(sum(diff)) / max(whole_norm, 1e-300)) if any(diff) else 0.0
-    leaf, worst = 0.0, ""
-    for (path, _), d, n in zip(pb, diff, norm):
-        err = float(np.sqrt(d) / max(np.sqrt(n), floor * whole_norm, 1e-300)) if d else 0.0
-        if err > leaf or not worst:
-            leaf, worst = max(err, leaf), jax.tree_util.keystr(path)
-    return GradientError(whole, leaf, worst)
+    errs = [float(np.sqrt(d) / max(np.sqrt(n), floor * whole_norm, 1e-300)) if d else 0.0
+            for d, n in zip(diff, norm)]
+    if not errs:
+        return GradientError(whole, 0.0, "")
+    nan = [i for i, e in enumerate(errs) if np.isnan(e)]
+    i = nan[0] if nan else int(np.argmax(errs))  # a nan leaf is the worst one
+    return GradientError(whole, errs[i], keys_b[i])
 
 
 def max_rel_err(a: Any, b: Any, floor: float = LEAF_FLOOR) -> float:

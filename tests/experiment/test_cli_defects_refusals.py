@@ -131,3 +131,18 @@ def test_an_optimizer_options_number_gets_the_float_rule(tmp_path, capsys, monke
                              f"optimizer.options={{b1: {value}}}", "--out", "o"])
     assert says in line, line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("theory_seeds=1", "theory_seeds: 0 (skip the check) or at least 2"),
+    ("corrections=[]", "corrections: list one or more of 'control_variate', 'replace'"),
+    ("corrections=[replace, replace]", "corrections: 'replace' is listed twice"),
+])
+def test_grad_quality_fields_that_failed_after_the_study_are_refused_first(
+        tmp_path, capsys, override, expected):
+    """Accepted before, these ran the whole study, then failed in its report and the run
+    directory was removed: now one line, exit 2, before anything is computed or written."""
+    line = _refused(capsys, ["run", str(ROOT / "experiments" / "grad_quality_mlp.yaml"), override,
+                             "--out", str(tmp_path / "o")])
+    assert expected in line, line
+    assert not (tmp_path / "o").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import yaml
 
-from jaxstream.experiment.lr_sweep import pick_lr
+from jaxstream.experiment.lr_sweep import format_sweep, pick_lr
 from jaxstream.experiment.rundir import MetricsLog
 from jaxstream.experiment.runner import run_experiment
 
@@ -32,6 +32,11 @@ def test_sweep_lane_equals_train_run(tmp_path):
         for k in ("loss", "test_loss", "test_accuracy"):
             np.testing.assert_allclose(r[k], ref[r["step"]][k], rtol=1e-4, atol=1e-6)
     assert set(summary["arms"]["fg"]["results"]) == {"0.01", "0.003"}
+    # final accuracy: the mean over the evaluations there were (2 of final_evals' 4), said so
+    assert summary["final_evals"] == 2
+    got = summary["arms"]["fg"]["results"]["0.003"]["final_accuracy"]
+    np.testing.assert_allclose(got, np.mean([r["test_accuracy"] for r in lane]), rtol=1e-6)
+    assert "last 2 evaluations" in format_sweep(summary, (0.01, 0.003))
 
 
 def test_pick_lr_prefers_fast_and_stable():

@@ -35,6 +35,18 @@ def test_wrong_key_labels_and_lengths_are_named(est):
     assert np.isfinite(float(est(stack, params, data, jax.random.PRNGKey(0))[0]))
 
 
+@pytest.mark.parametrize("est", [jg.forward(), jg.hybrid(1), jg.backprop(), jg.spsa()],
+                         ids=["forward", "hybrid", "backprop", "spsa"])
+def test_an_empty_batch_is_refused_by_name(est):
+    stack, params, batch, micro = tiny_problem()
+    data = micro if isinstance(est, jg.Hybrid) else batch
+    empty = jax.tree.map(lambda a: a[..., :0, :] if a.ndim > data["y"].ndim else a[..., :0],
+                         data)
+    with pytest.raises(ValueError, match=r"the batch holds no examples \(batch\['y'\] has "
+                                         r"shape \((\d+, )?0,?\)\)"):
+        est(stack, params, empty, jax.random.key(0))
+
+
 def test_antithetic_is_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"antithetic: .*\(∇L·\(−v\)\)\(−v\) = \(∇L·v\)v"):
         jg.forward(num_tangents=2, antithetic=True, aggregation="projection")

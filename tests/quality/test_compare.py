@@ -70,6 +70,11 @@ def test_compare_bad_input(problem):
         compare({"a": jg.backprop()}, stack, params, batch, microbatched={"b"})
     with pytest.raises(ValueError, match="seeds"):
         compare({"a": jg.backprop()}, stack, params, batch, seeds=1)
+    with pytest.raises(TypeError, match="seeds: an int R >= 2 or an array of R keys, got 2.5"):
+        compare({"a": jg.backprop()}, stack, params, batch, seeds=2.5)
+    flat = jax.tree.map(lambda a: a.reshape((N * B,) + a.shape[2:]), batch)
+    with pytest.raises(ValueError, match=r"microbatched: .* leaf \['y'\] has shape \(24,\)"):
+        compare({"h": jg.hybrid(num_exact=2)}, stack, params, flat, microbatched={"h"})
 
 
 def test_ingredients_match_definitions(problem):

@@ -116,6 +116,21 @@ def test_seed_statistics_needs_two_seeds():
         seed_statistics({"w": jnp.ones((1, 3))}, e)
 
 
+def test_seed_statistics_refuses_estimates_without_a_seed_axis():
+    """A single estimate (no seed axis) or estimates of another shape broadcast against the
+    exact gradient into figures of nothing: refused, naming the leaf and the shape wanted."""
+    e = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \(2,\); it must be "
+                                         r"\(seeds, \*\(2,\)\)"):
+        seed_statistics(e, e)  # one estimate: its first axis is not seeds
+    with pytest.raises(ValueError, match=r"leaf \['b'\] has shape \(3, 2, 2\)"):
+        seed_statistics({"w": jnp.ones((3, 2, 2)), "b": jnp.ones((3, 2, 2))}, e)
+    with pytest.raises(ValueError, match="different seed counts"):
+        seed_statistics({"w": jnp.ones((3, 2, 2)), "b": jnp.ones((4, 2))}, e)
+    with pytest.raises(ValueError, match="different trees"):
+        seed_statistics({"w": jnp.ones((3, 2, 2))}, e)
+
+
 def test_generic_pytree_groups():
     rng = np.random.default_rng(4)
     g = {"a": rng.normal(size=(3, 2)), "b": rng.normal(size=(4,))}
@@ -176,3 +191,23 @@ def test_gradient_error_flags_a_wrong_leaf_and_a_wrong_whole():
     assert np.isclose(e.whole, 0.01) and np.isclose(e.leaf, 0.01)
     with pytest.raises(ValueError, match="trees differ"):
         gradient_error({"a": exact["big"]}, exact)
+
+
+def test_gradient_error_refuses_other_layouts_and_names_a_nan_leaf():
+    """Trees with the same number of entries in another layout (a list against a dict, a
+    transposed or reshaped leaf) are refused, not compared entry by entry; a leaf holding a
+    nan is the worst one, wherever it is."""
+    import numpy as np
+
+    from jaxstream.quality import gradient_error
+
+    a, b = np.arange(6.0).reshape(3, 2), np.ones(2)
+    with pytest.raises(ValueError, match=r"trees differ.*leaves in one only"):
+        gradient_error([a, b], {"a": a, "b": b})
+    with pytest.raises(ValueError, match=r"leaf \['a'\]: shapes differ, \(2, 3\) vs \(3, 2\)"):
+        gradient_error({"a": a.T, "b": b}, {"a": a, "b": b})
+    with pytest.raises(ValueError, match=r"shapes differ, \(2, 1\) vs \(2,\)"):
+        gradient_error({"a": a, "b": b[:, None]}, {"a": a, "b": b})
+    off = {"a": a * 1.01, "b": np.array([1.0, np.nan])}
+    e = gradient_error(off, {"a": a, "b": b})
+    assert np.isnan(e.leaf) and e.worst == "['b']" and np.isnan(e.max)
