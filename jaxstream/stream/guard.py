@@ -103,7 +103,8 @@ def guard_commit(store: Any, m: dict, staged: dict[str, float]) -> None:
                  **{k: old[k] for k in ("slots", "digests", "extra") if k in old},
                  "norms": known if len(known) == len(new) else None,
                  "failed": {"step": int(m["step"]), "norm": norm if math.isfinite(norm) else None,
-                            "bound": bound, "loss_finite": loss_ok}}
+                            "bound": bound, "loss_finite": loss_ok,
+                            "applied": sorted(staged)}}  # units whose updates it judged
 
 
 def target_step(sane: dict) -> int:

@@ -51,9 +51,10 @@ def take(pending: dict, unit: Any) -> list[dict]:
     return list(pending.get(str(unit), []))
 
 
-# Fields of a record that belong to one unit (a deferred combine's carry slot and its crc32c);
-# the rest of the record is the step's, the same for every unit waiting for it.
-PER_UNIT = ("slot", "crc")
+# Fields of a record that belong to one unit (a deferred combine's carry slot and its crc32c;
+# "seen": applied to the unit on a read that did not write it back, so a commit's guard has
+# judged its effect); the rest of the record is the step's, the same for every unit waiting.
+PER_UNIT = ("slot", "crc", "seen")
 
 
 def pack(pending: dict, fresh: dict | None = None, since: int | None = None) -> dict:
@@ -102,6 +103,21 @@ def drop_fresh(committed: dict) -> tuple[dict, int | None]:
     left = {u: [e for e in es if index(e) not in drop] for u, es in committed["waiting"].items()}
     left = {u: es for u, es in left.items() if es}
     return ({"records": committed["records"], "waiting": left} if left else {}), int(fresh["since"])
+
+
+def unjudged(committed: dict, units: list[str]) -> list[str]:
+    """Of ``units`` (store keys: ``"embed"``, ``"head"``, ``"blocks/3"``), those for which the
+    committed ``pending`` holds a record older than its own step's (:func:`pack`'s ``fresh``)
+    that no guard has judged on that unit: one a depth policy's skipped layer kept waiting
+    since an earlier step. A divergence found when it was applied may be that record's."""
+    fresh = set((committed.get("fresh") or {}).get("records", []))
+    out = []
+    for key in units:
+        entries = (committed.get("waiting") or {}).get(key.split("/")[-1], [])
+        if any((e[0] if isinstance(e, list) else e) not in fresh
+               and not (isinstance(e, list) and e[1].get("seen")) for e in entries):
+            out.append(key)
+    return out
 
 
 def unpack(committed: dict) -> dict:

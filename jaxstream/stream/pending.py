@@ -61,13 +61,14 @@ class Pending:
             size = f"norm {math.sqrt(sq):.3g}" if math.isfinite(sq) else "values non-finite"
             ex.store.fail_commit(f"the deferred updates waiting for {_name(unit)} make its "
                                  f"parameter {size}, over {bound:.3g}, {GROWTH:g}x the last sane "
-                                 "commit's whole norm")
+                                 "commit's whole norm", applied=[unit])
             ex.store.check_sane()  # raises StoreDivergedError: why, and the way back
         if force or len(recs) >= ex.cfg.rewrite_every or any(map(deferred.is_combine, recs)):
             ex.store.write(unit, params, opt)
             self.applied.add(str(unit))
         else:  # the guard judges the params the step used (the records stay for later)
             ex.store.note_norm(unit, sq)
+            self.records[str(unit)] = [{**r, "seen": True} for r in recs]
         return params
 
     def merge(self, new: dict) -> dict:

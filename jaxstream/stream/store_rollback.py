@@ -15,7 +15,7 @@ from jaxstream.stream.errors import (
     StoreNotCommittedError,
 )
 from jaxstream.stream.guard import GROWTH, guard_message, sane_after_rollback, target_step
-from jaxstream.stream.lazy import drop_fresh
+from jaxstream.stream.lazy import drop_fresh, unjudged
 from jaxstream.stream.store_parts import (
     read_error,
     write_manifest,
@@ -62,16 +62,20 @@ class Rollbacks:
         sane = self._m.get("sane") or {}
         return GROWTH * max(1.0, float(sane["norm"])) if sane.get("norm") else math.inf
 
-    def fail_commit(self, why: str) -> None:
+    def fail_commit(self, why: str, applied: list[Unit] | None = None) -> None:
         """Marks the last commit as failing the guard, for ``why`` (its deferred updates, applied
         on read, made parameters non-finite: the guard never saw them, as they were not yet
         applied when it judged the commit). Staged writes are dropped; writes past it are then
         refused and :meth:`rollback_to_sane` returns to the step before its updates."""
         with _FAILING:  # prefetch threads apply updates concurrently: the first one marks it
             if "slots" not in self._m.get("sane", {}):  # else already failed: the target stays
-                self._fail(why)
+                self._fail(why, [self._key(u) for u in applied or []])
 
-    def _fail(self, why: str) -> None:
+    def _key(self, unit: Unit) -> str:
+        part, l = self._part(unit)
+        return part if l is None else f"blocks/{l}"
+
+    def _fail(self, why: str, applied: list[str]) -> None:
         self.abort()
         self._begin_write()
         try:
@@ -80,7 +84,7 @@ class Rollbacks:
             norm = (m.get("sane") or {}).get("norm", 0.0)
             m["sane"] = {"step": int(m["step"]), "norm": norm, **keep, "norms": m.get("norms"),
                          "failed": {"step": int(m["step"]), "norm": None, "bound": None,
-                                    "loss_finite": True, "why": why}}
+                                    "loss_finite": True, "why": why, "applied": applied}}
             m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
             write_manifest(self._root, m, self._where)
             self._m = m
@@ -105,7 +109,19 @@ class Rollbacks:
         target = self._m.get("sane", {})
         if "slots" not in target:
             return self.step
-        pending, since = drop_fresh((target.get("extra") or {}).get("pending") or {})
+        committed = (target.get("extra") or {}).get("pending") or {}
+        older = unjudged(committed, target.get("failed", {}).get("applied", []))
+        if older:
+            raise StoreError(
+                f"{self._where}: cannot roll back to a sane state: the commit of step "
+                f"{target['failed']['step']} failed the guard on deferred updates that include "
+                f"ones committed before step {target['step']}, kept waiting for "
+                f"{', '.join(older)} (layers a depth policy skipped since) and never judged; any "
+                "of them may be the diverging one, and the store keeps only the last two "
+                "versions of a layer, so no state before them is whole. The store stays as it "
+                "is: start from a copy of it, or a new store; with a depth policy that skips "
+                "layers, train with eager updates to keep the way back")
+        pending, since = drop_fresh(committed)
         if since is not None:  # its step's deferred updates are the diverging ones
             target = {**target, "step": since, "extra": {**target["extra"], "pending": pending}}
         return self._roll_back_to(target)

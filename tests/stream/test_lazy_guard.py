@@ -109,3 +109,43 @@ def test_a_lazy_rollback_does_not_replay_the_diverging_update(tmp_path, name, k,
     for a, b in zip(_settled(str(tmp_path / "eager"), est, CALM),
                     _settled(str(tmp_path / "lazy"), est, CALM)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_with_skipped_layers_the_way_back_is_exact_or_refused(tmp_path):
+    """A depth policy that skips layers keeps a layer's deferred update waiting past the next
+    commit, unjudged; when it diverges on a later read, the state before it is gone (two
+    versions of a layer are kept). ``rollback_to_sane`` then refuses by name, leaving the store
+    as it was; where only the last step's updates were unjudged it returns to the eager
+    store's state. Over four depth seeds both happen."""
+    from jaxstream.stream import DepthPolicy
+    from jaxstream.stream.errors import StoreError
+
+    spike = _by_kernel(optax.sgd(lambda count: jnp.where(count == 2, 1e9, 1e-2)))
+    est, params, outcomes = ESTIMATORS["forward"], STACK.init(jax.random.key(0)), []
+    for seed in range(4):
+        depth = DepthPolicy(kind="stochastic", keep_prob=0.4, seed=seed)
+        paths = {}
+        for run, cfg in {"eager": {}, "lazy": {"update": "lazy"}}.items():
+            paths[run] = str(tmp_path / f"{run}{seed}")
+            LayerStore.create(paths[run], params, optimizer=spike).close()
+            _train(paths[run], est, StreamConfig(compute_dtype="float32", depth=depth, **cfg),
+                   range(10), spike).close()
+        eager = LayerStore.open(paths["eager"], optimizer=spike)
+        eager.rollback_to_sane()
+        eager.close()
+        lazy_store = LayerStore.open(paths["lazy"], optimizer=spike)
+        manifest = (tmp_path / f"lazy{seed}" / "manifest.json").read_bytes()
+        try:
+            back = lazy_store.rollback_to_sane()
+        except StoreError as err:
+            assert "cannot roll back to a sane state" in str(err) and "skipped" in str(err)
+            assert (tmp_path / f"lazy{seed}" / "manifest.json").read_bytes() == manifest
+            outcomes.append("refused")
+            continue
+        finally:
+            lazy_store.close()
+        assert back == LayerStore.open(paths["eager"]).step
+        for a, b in zip(_settled(paths["eager"], est, spike), _settled(paths["lazy"], est, spike)):
+            np.testing.assert_array_equal(a, b)
+        outcomes.append("exact")
+    assert outcomes[0] == "refused" and "exact" in outcomes, outcomes
