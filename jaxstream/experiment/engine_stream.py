@@ -39,6 +39,7 @@ from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import (
     StoreDivergedError,
     StoreError,
+    StoreMismatchError,
     StoreNonFiniteError,
     StoreNotFoundError,
 )
@@ -257,6 +258,13 @@ class StreamEngine:
                                    file_io_concurrency=self.cfg.file_io_concurrency)
         except StoreNotFoundError:
             return None
+        except StoreMismatchError:  # another optimizer's state: said so, naming both
+            plain = LayerStore.open(self.location)
+            try:
+                self._check_optimizer(plain)
+            finally:
+                plain.close()
+            raise
 
     def _executor(self) -> StreamedExecutor:
         if self.executor is None:

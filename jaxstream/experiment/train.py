@@ -113,6 +113,11 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         if rollback:
             ckpt.drop_after(start)
         handed = start > 0 and not (resume or rollback)  # a new run on another run's store
+        if handed and start >= stop:
+            field = "max_steps" if stop < cfg.steps else "steps"
+            raise ConfigError(f"{field}: {stop} is not past step {start}, where the layer store "
+                              f"this run continues (engine.continue_store) already is: it would "
+                              f"train nothing; set {field} above {start}")
         records = [] if handed else resumed_records(kept, start, tags)
         if start == 0 or handed:  # where this run starts: evaluated, a hand-over said so
             records = [{**tags, "step": start, **({"handed_over": True} if handed else {}),

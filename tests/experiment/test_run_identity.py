@@ -80,6 +80,11 @@ def test_continue_store_refuses_another_optimizers_state(tmp_path):
                                          r"optimizer is adabelief; set the optimizer section"):
         run_experiment(STREAM, [*STORE_TINY, f"engine.store={store}", "optimizer.name=adabelief",
                                 "engine.continue_store=true"], out=tmp_path / "b")
+    # sgd keeps no state: the store's leaves differ too, and still both optimizers are named
+    with pytest.raises(StoreError, match=r"holds the state of optimizer adam, this run's "
+                                         r"optimizer is sgd"):
+        run_experiment(STREAM, [*STORE_TINY, f"engine.store={store}", "optimizer.name=sgd",
+                                "engine.continue_store=true"], out=tmp_path / "b2")
     _, summary = run_experiment(STREAM, [*STORE_TINY, f"engine.store={store}",
                                          "engine.continue_store=true"], out=tmp_path / "c")
     assert summary["finished"]  # the same optimizer hands over as before

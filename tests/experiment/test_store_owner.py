@@ -90,3 +90,17 @@ def test_a_handed_over_run_logs_where_it_began_not_lost_steps(tmp_path):
     assert first["handed_over"] and "test_accuracy" in first and "loss" not in first
     assert not any(r.get("lost") for r in records)
     assert summary["arms"]["bp"].get("lost_steps", []) == []
+
+
+def test_a_hand_over_that_would_train_nothing_is_refused(tmp_path, capsys):
+    from jaxstream.cli import main
+
+    store = tmp_path / "stores" / "{arm}"
+    run_experiment(STREAM, [*TINY, f"engine.store={store}"], out=tmp_path / "a")  # at step 4
+    args = ["run", str(STREAM), *TINY, f"engine.store={store}", "engine.continue_store=true"]
+    assert main([*args, "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "steps: 4 is not past step 4, where the layer store this run continues" in err, err
+    assert not (tmp_path / "b").exists()
+    assert main([*args, "steps=6", "max_steps=3", "--out", str(tmp_path / "c")]) == 2
+    assert "max_steps: 3 is not past step 4" in capsys.readouterr().err
