@@ -167,6 +167,12 @@ class DataParallel:
         if self.batch_axis < 0:
             raise ValueError(f"batch_axis: must be >= 0, got {self.batch_axis}")
         plan = getattr(self.estimator, "plan", None)
+        if plan is not None and plan.exact == "selected" and self.batch_axis == 0:
+            raise ValueError(
+                f"batch_axis: 0 would split {type(self.estimator).__name__}'s micro-batches "
+                "(axis 0 of its (N, B, ...) batch) over the devices, each then selecting its "
+                "own exact ones from its share (another estimator); use batch_axis=1 to split "
+                "every micro-batch's examples")
         if plan is not None and plan.forward_pass.guess and self.tangents == "shared":
             raise ValueError("tangents: 'shared' promises the in-memory estimator of the whole "
                              "batch, but local_guess's guess is each shard's own local "
@@ -185,7 +191,12 @@ class DataParallel:
     def _check_batch(self, batch: Any) -> None:
         n = self.num_devices
         for leaf in jax.tree.leaves(batch):
-            if leaf.ndim <= self.batch_axis or leaf.shape[self.batch_axis] % n:
+            if leaf.ndim <= self.batch_axis:
+                raise ValueError(
+                    f"batch_axis: {self.batch_axis} is not an axis of the batch's leaf of "
+                    f"shape {leaf.shape}; a flat batch splits axis 0, a micro-batched "
+                    "(N, B, ...) one axis 1")
+            if leaf.shape[self.batch_axis] % n:
                 raise ValueError(
                     f"batch: every leaf needs axis {self.batch_axis} divisible by the {n} "
                     f"devices of mesh axis {self.axis!r}; got a leaf of shape {leaf.shape}"

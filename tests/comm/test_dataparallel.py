@@ -136,6 +136,13 @@ def test_bad_options_are_clear_errors(setup):
     odd = jax.tree.map(lambda a: a[:30], batch)
     with pytest.raises(ValueError, match="divisible by the 8 devices"):
         data_parallel(backprop(), mesh)(stack, params, odd, jax.random.key(0))
+    # a hybrid's micro-batches split over the devices would be another estimator: refused
+    with pytest.raises(ValueError, match=r"batch_axis: 0 would split Hybrid's micro-batches.*"
+                                         r"use batch_axis=1"):
+        data_parallel(hybrid(num_exact=2), mesh)
+    with pytest.raises(ValueError, match=r"batch_axis: 2 is not an axis of the batch's leaf of "
+                                         r"shape \(32, 12\)"):
+        data_parallel(backprop(), mesh, batch_axis=2)(stack, params, batch, jax.random.key(0))
 
 
 def test_explicit_2d_mesh_data_axis(setup):
