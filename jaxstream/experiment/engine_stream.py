@@ -238,6 +238,7 @@ class StreamEngine:
         self.executor: StreamedExecutor | None = None
         self._init_params: Any = None
         self.run_id: str | None = None  # the run that owns the store (set by resume_at)
+        self.run_dir: str | None = None  # its directory, resolved (set by resume_at)
         self._stamp: dict = {}  # committed with every step: the run, and a hand-over
         self.optimizer_id = (None if optimizer_config is None else
                              {"name": optimizer_config.name,
@@ -306,6 +307,7 @@ class StreamEngine:
         if self.cfg.store is None:
             self.location = self.cfg.location(self.arm, run_dir)
         self.run_id = read_run_id(run_dir)
+        self.run_dir = str(Path(run_dir).resolve())
         self._stamp = self._identity()
         may_exist = resume or self.cfg.continue_store
         ckpt = int(state.step)
@@ -323,6 +325,8 @@ class StreamEngine:
             if store.step < ckpt:
                 state, start, ckpt = StreamState(jnp.asarray(store.step, jnp.int32)), \
                     store.step, store.step
+        if resume and store.step > ckpt:
+            self._check_copy(store, ckpt)
         if store.step < ckpt:
             raise StoreError(f"the layer store at {self.location} is at step {store.step}, behind "
                              f"the checkpoint at step {ckpt}: it is not this run's store (or an "
@@ -358,9 +362,25 @@ class StreamEngine:
                      {"from_run": owner, "to_run": self.run_id, "step": store.step}]
         self._stamp = {**self._identity(), "handovers": handovers}
 
+    def _check_copy(self, store: LayerStore, ckpt: int) -> None:
+        """A store ahead of the checkpoint was trained on by this run's directory, not by a copy
+        of it (the same run identity, another directory): a copy's steps are not in this log."""
+        theirs = store.extra.get("run_dir")
+        if theirs is None or theirs == self.run_dir or store.extra.get("run") != self.run_id:
+            return
+        raise StoreError(
+            f"--resume: the layer store at {self.location} is at step {store.step}, past this "
+            f"run's checkpoint at step {ckpt}, trained from another directory with this run's "
+            f"identity ({theirs}: a copy of this run, or this run before it was moved); its steps "
+            "are not in this run's log. Resume that directory (or move this one back there), "
+            "or start a new run with engine.continue_store=true to train on from the store")
+
     def _identity(self) -> dict:
-        """What every commit records: the run, and the optimizer whose state the store holds."""
+        """What every commit records: the run (its identity and directory), and the optimizer
+        whose state the store holds."""
         out: dict = {"run": self.run_id} if self.run_id else {}
+        if self.run_dir:
+            out["run_dir"] = self.run_dir
         if self.optimizer_id is not None:
             out["optimizer"] = self.optimizer_id
         if self.rate is not None:

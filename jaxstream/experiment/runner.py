@@ -21,6 +21,7 @@ from jaxstream.experiment.rundir import (
     checkpoint_steps,
     diverged_arms,
     environment,
+    has_results,
     latest_run_dir,
     new_run_dir,
     read_run_id,
@@ -154,6 +155,10 @@ def _run_id(run_dir: Path, resume: bool) -> str:
     """The run's identity: made when the run is new, kept by every ``--resume`` (a store or a
     checkpoint that another run has written is told apart by it)."""
     saved = read_run_id(run_dir) if resume else None
+    if resume and not (run_dir / "env.json").exists() and has_results(run_dir):
+        raise ConfigError(f"--resume: {run_dir / 'env.json'} is missing; "
+                          "it holds the run's identity, which its checkpoints and layer stores "
+                          "were written by: restore it, or start a new run in another --out")
     return saved or uuid.uuid4().hex
 
 
@@ -175,11 +180,14 @@ def _check_resume(run_dir: Path, kind: str, cfg: Any, rollback: bool = False) ->
     if kind == "train":
         _check_metrics(flag, log, records, checkpoint_steps(run_dir), names)
     allowed = list(RESUMABLE_CHANGES)
-    if rollback:
-        allowed += [f"arms.{i}.lr" for i in range(len(getattr(cfg, "arms", ())))]
+    if rollback:  # the diverged arms' rates; another arm's results stand at its own rate
+        diverged = set(diverged_arms(run_dir, records))
+        allowed += [f"arms.{i}.lr" for i, n in enumerate(names) if n in diverged]
     diff = diff_configs(saved, cfg, ignore=allowed)
     if diff:
-        may = ", ".join(RESUMABLE_CHANGES) + (", arms.N.lr" if rollback else "")
+        may = ", ".join(RESUMABLE_CHANGES) + (
+            f", the lr of the arms that diverged ({', '.join(sorted(diverged))})"
+            if rollback else "")
         raise ConfigError(f"{flag}: the config differs from {run_dir / 'config.yaml'} in "
                          f"{', '.join(diff)}; only {may} may change")
 
@@ -204,7 +212,8 @@ def _check_metrics(flag: str, log: MetricsLog, records: list[dict], steps: dict[
         lost = [k for k in range(first, steps.get(arm, 0) + 1) if k not in have]
         if steps.get(arm, 0) and lost:
             found = ("is missing" if not log.path.exists() else
-                     "ends in an incomplete line" if log.incomplete else "lacks records")
+                     "ends in an incomplete line" if log.incomplete else
+                     f"has damaged line(s) {log.damaged}" if log.damaged else "lacks records")
             raise ConfigError(
                 f"{flag}: {log.path} {found}, but checkpoints/{arm} reaches step {steps[arm]}: "
                 f"arm {arm}'s records of {len(lost)} step(s) from step {lost[0]} would be lost "

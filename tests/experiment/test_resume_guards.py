@@ -82,6 +82,13 @@ def test_resume_refuses_a_missing_or_cut_metrics_log_and_keeps_a_crash_tail(tmp_
     err = _refused(args, capsys)
     assert f"{metrics} ends in an incomplete line" in err and "step 2" in err
     assert _files(run) == before
+    lines = text.splitlines()
+    lines[1] = "#" + lines[1][1:]  # a damaged line, not the last one
+    metrics.write_text("\n".join(lines) + "\n")
+    before = _files(run)
+    err = _refused(args, capsys)
+    assert f"{metrics} has damaged line(s) [2]" in err, err
+    assert _files(run) == before
     metrics.unlink()
     before = _files(run)
     err = _refused(args, capsys)
@@ -93,3 +100,18 @@ def test_resume_refuses_a_missing_or_cut_metrics_log_and_keeps_a_crash_tail(tmp_
     assert summary["finished"] and summary["arms"]["bp"]["lost_steps"] == []
     steps = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4]
+
+
+def test_resume_without_env_json_names_it_and_writes_nothing(tmp_path, capsys):
+    """env.json holds the run's identity: with results but no env.json a --resume is refused
+    naming the file (not the checkpoints it would then disown), and no new env.json is left."""
+    from jaxstream.cli import main
+
+    run = tmp_path / "run"
+    args = ["run", str(QUICKSTART), *TINY, "max_steps=2", "--out", str(run)]
+    assert main(args) == 0
+    (run / "env.json").unlink()
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "env.json is missing; it holds the run's identity" in err, err
+    assert not (run / "env.json").exists()

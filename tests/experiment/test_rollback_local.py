@@ -44,3 +44,23 @@ def test_rollback_continues_a_diverged_local_run_from_its_last_sane_checkpoint(t
     marks = [r for r in _records(run) if r.get("rollback")]
     assert len(marks) == 1 and marks[0]["lr"] == 0.1
     assert [r for r in _records(run) if not r.get("rollback")] == _records(clean)
+
+
+def test_rollback_refuses_a_new_lr_for_an_arm_that_did_not_diverge(tmp_path):
+    """Only a diverged arm is trained again; another arm's results stand at the lr they were
+    trained at, so a --rollback that changes its lr is refused (nothing rewritten)."""
+    from jaxstream.experiment.config import ConfigError
+
+    two = ("arms=[{name: bad, estimator: {type: backprop}, lr: %g}, "
+           "{name: good, estimator: {type: backprop}, lr: 0.1}]")
+    run = tmp_path / "run"
+    _, summary = run_experiment(QUICKSTART, [*TINY, two % 3e38], out=run)
+    assert summary["arms"]["bad"]["diverged"] and not summary["arms"]["good"]["diverged"]
+    config = (run / "config.yaml").read_bytes()
+    with pytest.raises(ConfigError, match=r"--rollback: the config differs .* in arms\.1\.lr; "
+                                          r"only .*the lr of the arms that diverged \(bad\)"):
+        run_experiment(QUICKSTART, [*TINY, two.replace("lr: 0.1", "lr: 0.2") % 0.1], out=run,
+                       rollback=True)
+    assert (run / "config.yaml").read_bytes() == config
+    _, summary = run_experiment(QUICKSTART, [*TINY, two % 0.1], out=run, rollback=True)
+    assert summary["finished"] and not summary["arms"]["bad"]["diverged"]

@@ -104,3 +104,21 @@ def test_a_hand_over_that_would_train_nothing_is_refused(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
     assert main([*args, "steps=6", "max_steps=3", "--out", str(tmp_path / "c")]) == 2
     assert "max_steps: 3 is not past step 4" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_store_a_copy_of_the_run_trained(tmp_path):
+    """A run directory copied and resumed trains the store the original names (engine.store
+    outside the run): the original's --resume then finds the store past its checkpoint with
+    steps its log never saw. Refused naming the other directory, nothing logged as lost."""
+    import shutil
+
+    store = tmp_path / "stores" / "{arm}"
+    a = tmp_path / "a"
+    run_experiment(STREAM, [*TINY, f"engine.store={store}", "max_steps=2"], out=a)
+    shutil.copytree(a, tmp_path / "copy")
+    run_experiment(STREAM, [*TINY, f"engine.store={store}"], out=tmp_path / "copy", resume=True)
+    metrics = (a / "metrics.jsonl").read_bytes()
+    with pytest.raises(StoreError, match=r"past this run's checkpoint at step 2, trained from "
+                                         r"another directory with this run's identity \(.*copy"):
+        run_experiment(STREAM, [*TINY, f"engine.store={store}"], out=a, resume=True)
+    assert (a / "metrics.jsonl").read_bytes() == metrics
