@@ -98,7 +98,7 @@ def test_every_arm_starts_from_the_pretrained_model(run):
 
 @pytest.mark.slow
 def test_forward_arm_reads_each_layer_once_and_writes_blocks_every_k_steps(run):
-    p_all, p_ends = _sizes()
+    p_all, _ = _sizes()
     steps = [r for r in _arm(run, "forward_stream") if r["step"] > 0]
     for r in steps[1:]:  # steady steps
         assert r["bytes_read_params"] == p_all
