@@ -172,6 +172,25 @@ def check_labels(loss_fn: Callable, batch: Any, who: str, read: bool = True) -> 
         check_label_range(y, loss_fn.num_classes, who)
 
 
+def check_inputs(loss_fn: Any, params: Any, batch: Any, who: str, micro: bool = False) -> None:
+    """For a model :class:`Stack`: ``batch['x']`` (one micro-batch of it with ``micro``) fits
+    the model's input, checked on shapes alone (``jax.eval_shape`` of its embed), so a wrong
+    feature count is named here rather than by a matrix product deep in the trace."""
+    if not (isinstance(loss_fn, Stack) and isinstance(batch, dict) and "x" in batch
+            and isinstance(params, dict) and "embed" in params):
+        return
+    x = batch["x"]
+    shape = tuple(jnp.shape(x))[1:] if micro else tuple(jnp.shape(x))
+    try:
+        jax.eval_shape(loss_fn.embed, params["embed"],
+                       jax.ShapeDtypeStruct(shape, jnp.result_type(x)))
+    except (TypeError, ValueError) as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{who}: batch['x'] ({jnp.result_type(x)}, shape "
+                         f"{tuple(jnp.shape(x))}) does not fit the model's input ({why}); check "
+                         "its shape and dtype against the model's input") from None
+
+
 def check_label_range(y: Any, num_classes: int | None, who: str) -> None:
     """Concrete integer labels lie in ``[0, num_classes)`` (only ``>= 0`` where the model's
     number of classes is not known): out of range, cross-entropy would silently read another

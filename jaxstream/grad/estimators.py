@@ -15,7 +15,13 @@ from typing import Any, Literal
 import jax
 
 from jaxstream.grad import combine as cb
-from jaxstream.grad.checks import check_examples, check_key, check_labels, check_local_losses
+from jaxstream.grad.checks import (
+    check_examples,
+    check_inputs,
+    check_key,
+    check_labels,
+    check_local_losses,
+)
 from jaxstream.grad.directional import directional, stack_activity
 from jaxstream.grad.layered import is_layered, layered_activity
 from jaxstream.grad.plan import Plan
@@ -42,6 +48,7 @@ class Backprop:
         if key is not None:
             check_key(key, "backprop")
         check_labels(loss_fn, batch, "backprop")
+        check_inputs(loss_fn, params, batch, "backprop")
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         return _finish(loss, grads, {}, diagnostics)
 
@@ -106,6 +113,7 @@ class Forward:
         if isinstance(loss_fn, Stack):
             check_examples(batch, "forward")
             check_local_losses(loss_fn, self.local_losses, "forward")
+        check_inputs(loss_fn, params, batch, "forward")
         if self.perturb == "activations":
             if is_layered(loss_fn):  # a user's layered model (models.from_sequential)
                 if self.local_losses:

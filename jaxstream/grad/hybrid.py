@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxstream.grad import combine as cb
 from jaxstream.grad import corrections as cr
-from jaxstream.grad.checks import check_key, check_labels, check_micro_batches
+from jaxstream.grad.checks import check_inputs, check_key, check_labels, check_micro_batches
 from jaxstream.grad.directional import directional
 from jaxstream.grad.estimators import _finish
 from jaxstream.grad.exact import group_exact_mean
@@ -108,6 +108,7 @@ class Hybrid:
         check_key(key, "hybrid")
         n = micro_batches_of(batch)
         check_labels(loss_fn, batch, "hybrid")
+        check_inputs(loss_fn, params, batch, "hybrid", micro=True)
         idx, depth = self.selection(n, key, loss_fn.num_layers if isinstance(loss_fn, Stack) else None)
         spec, rule = self.spec, cb.get(self.correction)
         keys = jax.vmap(lambda i: micro_key(key, i))(jnp.arange(n))

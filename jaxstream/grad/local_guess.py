@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxstream.grad import segments as sg
-from jaxstream.grad.checks import check_examples, check_labels, check_local_losses
+from jaxstream.grad.checks import check_examples, check_inputs, check_labels, check_local_losses
 from jaxstream.grad.plan import Plan
 from jaxstream.models.stack import AS_STACK, Stack, loss_dtype
 
@@ -93,6 +93,7 @@ class LocalGuess:
         check_labels(loss_fn, batch, "local_guess")
         check_examples(batch, "local_guess")
         check_local_losses(loss_fn, True, "local_guess")
+        check_inputs(loss_fn, params, batch, "local_guess")
         stack = loss_fn
         example = lambda lg: stack.example_loss(lg.astype(loss_dtype(lg.dtype)), batch)
         _, guess = sg.segment_sweep(stack, params, batch["x"],

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.random import fold_in
 
 from jaxstream.grad import combine as cb
-from jaxstream.grad.checks import check_examples, check_key, check_labels
+from jaxstream.grad.checks import check_examples, check_inputs, check_key, check_labels
 from jaxstream.grad.plan import Plan
 from jaxstream.grad.segments import segment_key
 from jaxstream.grad.tangents import (
@@ -134,6 +134,7 @@ class SPSA:
         check_labels(loss_fn, batch, "spsa")
         if isinstance(loss_fn, Stack):
             check_examples(batch, "spsa")
+        check_inputs(loss_fn, params, batch, "spsa")
         if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)
         one = dataclasses.replace(self.spec, num=1)

@@ -29,6 +29,7 @@ import numpy as np
 
 from jaxstream.grad import combine as cb
 from jaxstream.grad.checks import (
+    check_inputs,
     check_key,
     check_labels,
     check_local_losses,
@@ -104,6 +105,7 @@ class Pipeline:
         check_key(key, "pipeline")
         check_labels(self.stack, batch, "pipeline")
         self.check_batch(batch)
+        check_inputs(self.stack, params, batch, "pipeline", micro=True)
         if self.stale and carry is None:
             raise ValueError(f"schedule {self.schedule.name!r} corrects the previous step: pass "
                              "carry=pipe.init_carry(params, batch) (then the returned aux['carry'])")
@@ -151,11 +153,17 @@ def pipeline(stack: Stack, schedule: Schedule, estimator: Any = None, *, num_tan
         raise TypeError(f"estimator must be a jaxstream.grad estimator (one with a .plan), "
                         f"got {type(estimator).__name__}")
     m = schedule.num_stages
+    given = devices is not None
     devices = list(jax.devices() if devices is None else devices)
+    if len(set(devices)) < len(devices):
+        raise ValueError(f"devices: each stage needs its own device; {devices} names one "
+                         "device more than once")
     if m > len(devices):
+        fix = (f"pass at least {m} devices (devices=jax.devices()[:{m}])" if given else
+               f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={m} before JAX "
+               "starts")
         raise ValueError(f"the schedule has num_stages={m} but only {len(devices)} devices are "
-                         f"available (one stage per device); on CPU set XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={m} before JAX starts")
+                         f"{'given' if given else 'available'} (one stage per device); {fix}")
     plan.forward_pass.refuse_unless("pipeline", "pipeline", plan.describe())
     check_local_losses(stack, plan.local_target, "pipeline")
     if stack.num_layers % m:

@@ -47,6 +47,17 @@ def test_an_empty_batch_is_refused_by_name(est):
         est(stack, params, empty, jax.random.key(0))
 
 
+@pytest.mark.parametrize("est", [jg.forward(), jg.hybrid(1), jg.backprop(), jg.spsa()],
+                         ids=["forward", "hybrid", "backprop", "spsa"])
+def test_a_wrong_feature_count_is_named_before_the_trace(est):
+    stack, params, batch, micro = tiny_problem()
+    data = micro if isinstance(est, jg.Hybrid) else batch
+    wide = {**data, "x": jnp.concatenate([data["x"], data["x"][..., :1]], axis=-1)}
+    with pytest.raises(ValueError, match=r"batch\['x'\] \(float32, shape .* does not fit the model's "
+                                         r"input \(dot_general"):
+        est(stack, params, wide, jax.random.key(0))
+
+
 def test_antithetic_is_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"antithetic: .*\(∇L·\(−v\)\)\(−v\) = \(∇L·v\)v"):
         jg.forward(num_tangents=2, antithetic=True, aggregation="projection")

@@ -201,6 +201,10 @@ def test_bad_arguments_fail_before_compiling(monkeypatch):
     stack, params, batch = _setup(4, 4)
     with pytest.raises(ValueError, match="num_stages=16 but only 8 devices"):
         pipeline(mlp(6, 5, 16, 3), gpipe_forward(16, 4))
+    with pytest.raises(ValueError, match=r"only 2 devices are given .*pass at least 4 devices"):
+        pipeline(stack, gpipe_forward(4, 4), devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="devices: each stage needs its own device"):
+        pipeline(stack, gpipe_forward(4, 4), devices=[jax.devices()[0]] * 4)
     with pytest.raises(ValueError, match="micro_batches=0"):
         gpipe_forward(4, 0)
     with pytest.raises(ValueError, match="selected micro-batch 4 outside 0..3"):
@@ -264,3 +268,11 @@ def test_a_table_that_cannot_carry_the_plan_is_refused(monkeypatch, sched, est, 
     monkeypatch.setattr(ex, "_build", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=match):
         pipeline(mlp(6, 5, 4, 3), sched, est)
+
+
+def test_a_wrong_feature_count_is_named():
+    stack, params, batch = _setup(4, 4)
+    pipe = pipeline(stack, gpipe_forward(4, 4))
+    wide = {**batch, "x": jnp.concatenate([batch["x"], batch["x"][..., :1]], axis=-1)}
+    with pytest.raises(ValueError, match=r"pipeline: batch\['x'\] \(float32, shape .* does not fit"):
+        pipe(params, wide, jax.random.key(0))
