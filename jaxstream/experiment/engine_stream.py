@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxstream.experiment.engine_stream_checks import (
+    check_copy,
+    check_optimizer,
     check_store_paths,
     data_bytes,
-    describe_optimizer,
 )
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.experiment.rundir import read_run_id
@@ -262,7 +263,7 @@ class StreamEngine:
         except StoreMismatchError:  # another optimizer's state: said so, naming both
             plain = LayerStore.open(self.location)
             try:
-                self._check_optimizer(plain)
+                check_optimizer(plain, self.location, self.optimizer_id)
             finally:
                 plain.close()
             raise
@@ -326,7 +327,7 @@ class StreamEngine:
                 state, start, ckpt = StreamState(jnp.asarray(store.step, jnp.int32)), \
                     store.step, store.step
         if resume and store.step > ckpt:
-            self._check_copy(store, ckpt)
+            check_copy(store, self.location, self.run_id, self.run_dir, ckpt)
         if store.step < ckpt:
             raise StoreError(f"the layer store at {self.location} is at step {store.step}, behind "
                              f"the checkpoint at step {ckpt}: it is not this run's store (or an "
@@ -338,7 +339,7 @@ class StreamEngine:
                              "engine.continue_store=true to train on from it, or choose "
                              "another path")
         self._check_owner(store, resume)
-        self._check_optimizer(store)
+        check_optimizer(store, self.location, self.optimizer_id)
         store.check_sane()  # a diverged store is rolled back first, never trained past
         self._settle_pending(store)
         self.executor = self._new_executor(store)
@@ -361,19 +362,6 @@ class StreamEngine:
         handovers = [*store.extra.get("handovers", []),
                      {"from_run": owner, "to_run": self.run_id, "step": store.step}]
         self._stamp = {**self._identity(), "handovers": handovers}
-
-    def _check_copy(self, store: LayerStore, ckpt: int) -> None:
-        """A store ahead of the checkpoint was trained on by this run's directory, not by a copy
-        of it (the same run identity, another directory): a copy's steps are not in this log."""
-        theirs = store.extra.get("run_dir")
-        if theirs is None or theirs == self.run_dir or store.extra.get("run") != self.run_id:
-            return
-        raise StoreError(
-            f"--resume: the layer store at {self.location} is at step {store.step}, past this "
-            f"run's checkpoint at step {ckpt}, trained from another directory with this run's "
-            f"identity ({theirs}: a copy of this run, or this run before it was moved); its steps "
-            "are not in this run's log. Resume that directory (or move this one back there), "
-            "or start a new run with engine.continue_store=true to train on from the store")
 
     def _identity(self) -> dict:
         """What every commit records: the run (its identity and directory), and the optimizer
@@ -404,20 +392,6 @@ class StreamEngine:
             ex.flush()
         finally:
             ex.close()
-
-    def _check_optimizer(self, store: LayerStore) -> None:
-        """A store holds one optimizer's state (Adam's and AdaBelief's have the same shapes):
-        one that another optimizer wrote is refused naming both. A store from before stores
-        recorded it is taken as it is (it cannot be told apart)."""
-        theirs = store.extra.get("optimizer")
-        mine = self.optimizer_id
-        if theirs is None or mine is None or theirs == mine:
-            return
-        raise StoreError(
-            f"engine.store: the layer store at {self.location} (step {store.step}) holds the "
-            f"state of optimizer {describe_optimizer(theirs)}, this run's optimizer is {describe_optimizer(mine)}; "
-            "set the optimizer section to the store's, or start from a new store (another "
-            "engine.store path)")
 
     def _micro(self, batch: dict) -> dict:
         micro = split_micro_batches(batch, self.micro_batches)

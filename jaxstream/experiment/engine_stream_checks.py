@@ -1,5 +1,6 @@
-"""The stream engine's checks of a run's store paths before anything is written, and what its
-records say (bytes, an optimizer's description)."""
+"""The stream engine's checks of a run's store paths before anything is written, of a store it
+is handed (its optimizer, the directory that trained it), and what its records say (bytes, an
+optimizer's description)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxstream.experiment.config import ConfigError
+from jaxstream.stream.errors import StoreError
 from jaxstream.stream.layout import kvstore_spec
 from jaxstream.stream.manifest import MANIFEST
 
@@ -58,3 +60,33 @@ def describe_optimizer(opt: dict) -> str:
     """``adam`` or ``sgd (momentum=0.9)``."""
     options = ", ".join(f"{k}={v}" for k, v in sorted(opt.get("options", {}).items()))
     return f"{opt.get('name')}" + (f" ({options})" if options else "")
+
+
+def check_optimizer(store: Any, location: str | None, mine: dict | None) -> None:
+    """A store holds one optimizer's state (Adam's and AdaBelief's have the same shapes): one
+    that another optimizer wrote is refused naming both. A store from before stores recorded
+    it is taken as it is (it cannot be told apart)."""
+    theirs = store.extra.get("optimizer")
+    if theirs is None or mine is None or theirs == mine:
+        return
+    raise StoreError(
+        f"engine.store: the layer store at {location} (step {store.step}) holds the state of "
+        f"optimizer {describe_optimizer(theirs)}, this run's optimizer is "
+        f"{describe_optimizer(mine)}; set the optimizer section to the store's, or start from a "
+        "new store (another engine.store path)")
+
+
+def check_copy(store: Any, location: str | None, run_id: str | None, run_dir: str | None,
+               ckpt: int) -> None:
+    """A store ahead of the checkpoint (step ``ckpt``) was trained on by this run's directory,
+    not by a copy of it (the same run identity, another directory): a copy's steps are not in
+    this run's log."""
+    theirs = store.extra.get("run_dir")
+    if theirs is None or theirs == run_dir or store.extra.get("run") != run_id:
+        return
+    raise StoreError(
+        f"--resume: the layer store at {location} is at step {store.step}, past this run's "
+        f"checkpoint at step {ckpt}, trained from another directory with this run's identity "
+        f"({theirs}: a copy of this run, or this run before it was moved); its steps are not in "
+        "this run's log. Resume that directory (or move this one back there), or start a new "
+        "run with engine.continue_store=true to train on from the store")

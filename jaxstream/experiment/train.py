@@ -113,11 +113,8 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         if rollback:
             ckpt.drop_after(start)
         handed = start > 0 and not (resume or rollback)  # a new run on another run's store
-        if handed and start >= stop:
-            field = "max_steps" if stop < cfg.steps else "steps"
-            raise ConfigError(f"{field}: {stop} is not past step {start}, where the layer store "
-                              f"this run continues (engine.continue_store) already is: it would "
-                              f"train nothing; set {field} above {start}")
+        if handed:
+            _check_handed(cfg, start, stop)
         records = [] if handed else resumed_records(kept, start, tags)
         if start == 0 or handed:  # where this run starts: evaluated, a hand-over said so
             records = [{**tags, "step": start, **({"handed_over": True} if handed else {}),
@@ -151,6 +148,15 @@ def train_arm(cfg: TrainConfig, arm: ArmConfig, *, stack: Any, data: Any, init_p
         arm_done(arm.name, next((r for r in reversed(records) if "test_accuracy" in r), None),
                  cfg.progress, stopped_at=stopped, steps=cfg.steps)
         return {"records": records, "compile_time": compile_time, "diverged": out.stopped}
+
+
+def _check_handed(cfg: TrainConfig, start: int, stop: int) -> None:
+    """A run handed a store at step ``start`` (engine.continue_store) trains past it."""
+    if start >= stop:
+        field = "max_steps" if stop < cfg.steps else "steps"
+        raise ConfigError(f"{field}: {stop} is not past step {start}, where the layer store "
+                          f"this run continues (engine.continue_store) already is: it would "
+                          f"train nothing; set {field} above {start}")
 
 
 def _start_hooks(loop: TrainLoop, engine: Any, ckpt: ArmCheckpointer, run_dir: Path,

@@ -100,16 +100,17 @@ def test_a_with_block_closes_the_executor_and_ends_its_worker(tmp_path):
     """``with StreamedExecutor(...) as ex``: on leaving the block the host updates have landed
     and the host-update thread has ended (a notebook building executors in a loop leaves no
     idle thread behind); the store stays open and committed."""
-    def workers():
-        return [t for t in threading.enumerate() if t.name.startswith("jaxstream-host-update")]
+    def workers():  # other tests' executors may end (be collected) meanwhile: not counted
+        return {t for t in threading.enumerate() if t.name.startswith("jaxstream-host-update")}
 
-    before = len(workers())
+    before = workers()
     store = LayerStore.create(tmp_path / "s", STACK.init(jax.random.key(0)), optimizer=ADAM)
     with StreamedExecutor(STACK, jg.backprop(), ADAM, store,
                           StreamConfig(compute_dtype="float32")) as ex:
         ex.step(_batch(0), jax.random.key(1))
-        assert len(workers()) == before + 1
-    assert len(workers()) == before
+        mine = workers() - before
+        assert len(mine) == 1 and all(t.is_alive() for t in mine)
+    assert not any(t.is_alive() for t in mine)
     assert LayerStore.open(tmp_path / "s").step == 1
 
 
