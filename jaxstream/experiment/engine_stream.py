@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jaxstream.experiment.engine_stream_checks import (
     check_copy,
     check_optimizer,
+    check_owner,
     check_store_paths,
     data_bytes,
 )
@@ -350,18 +351,9 @@ class StreamEngine:
     def _check_owner(self, store: LayerStore, resume: bool) -> None:
         """A resumed run continues only a store it wrote last; a new run that continues
         another's store (``continue_store``) records the hand-over in it."""
-        owner = store.extra.get("run")
-        if self.run_id is None or owner == self.run_id or (resume and owner is None):
-            return  # not run by the runner, its own store, or one from before stores kept it
-        if resume:
-            raise StoreError(
-                f"--resume: the layer store at {self.location} (step {store.step}) was last "
-                f"written by another run ({owner}), not this one ({self.run_id}): its steps are "
-                "not this run's. Point engine.store at this run's store, or start a new run "
-                "with engine.continue_store=true to train on from it deliberately")
-        handovers = [*store.extra.get("handovers", []),
-                     {"from_run": owner, "to_run": self.run_id, "step": store.step}]
-        self._stamp = {**self._identity(), "handovers": handovers}
+        handovers = check_owner(store, self.location, self.run_id, resume)
+        if handovers is not None:
+            self._stamp = {**self._identity(), "handovers": handovers}
 
     def _identity(self) -> dict:
         """What every commit records: the run (its identity and directory), and the optimizer

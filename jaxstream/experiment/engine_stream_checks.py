@@ -90,3 +90,21 @@ def check_copy(store: Any, location: str | None, run_id: str | None, run_dir: st
         f"({theirs}: a copy of this run, or this run before it was moved); its steps are not in "
         "this run's log. Resume that directory (or move this one back there), or start a new "
         "run with engine.continue_store=true to train on from the store")
+
+
+def check_owner(store: Any, location: str | None, run_id: str | None,
+                resume: bool) -> list | None:
+    """A resumed run continues only a store it wrote last (else refused naming both runs); a
+    new run on another run's store gets the store's hand-overs with its own appended (None:
+    the store is this run's, or the run has no identity, or the store predates them)."""
+    owner = store.extra.get("run")
+    if run_id is None or owner == run_id or (resume and owner is None):
+        return None  # not run by the runner, its own store, or one from before stores kept it
+    if resume:
+        raise StoreError(
+            f"--resume: the layer store at {location} (step {store.step}) was last written by "
+            f"another run ({owner}), not this one ({run_id}): its steps are not this run's. "
+            "Point engine.store at this run's store, or start a new run with "
+            "engine.continue_store=true to train on from it deliberately")
+    return [*store.extra.get("handovers", []),
+            {"from_run": owner, "to_run": run_id, "step": store.step}]
