@@ -78,7 +78,9 @@ class DataParallelEngineConfig(EngineConfig):
         available = jax.device_count()
         if self.devices > available:
             raise ValueError(f"engine.devices: {self.devices} requested but only {available} "
-                             f"devices exist; allowed: 0 (all) .. {available}")
+                             f"devices exist; allowed: 0 (all) .. {available} (on a CPU, set "
+                             f"XLA_FLAGS=--xla_force_host_platform_device_count={self.devices} "
+                             "before JAX is imported)")
 
     def check_optimizer(self, opt_cfg: OptimizerConfig, field: str) -> None:
         """``exchange: moments`` averages Max-AdaBelief's moments: refuse any other optimizer

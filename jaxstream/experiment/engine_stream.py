@@ -39,11 +39,13 @@ from jaxstream.experiment.rundir import read_run_id
 from jaxstream.ranges import Count, Every
 from jaxstream.stream.depth import DepthPolicy
 from jaxstream.stream.errors import (
+    StoreCorruptError,
     StoreDivergedError,
     StoreError,
     StoreMismatchError,
     StoreNonFiniteError,
     StoreNotFoundError,
+    StoreReadError,
 )
 from jaxstream.stream.executor import StreamConfig, StreamedExecutor
 from jaxstream.stream.store import LayerStore
@@ -261,6 +263,9 @@ class StreamEngine:
                                    file_io_concurrency=self.cfg.file_io_concurrency)
         except StoreNotFoundError:
             return None
+        except (StoreCorruptError, StoreReadError) as err:  # the way on, beside what is wrong
+            raise type(err)(f"{err}; to go on, restore the store (or its manifest.json) from a "
+                            "copy, or start a new run with another engine.store") from err
         except StoreMismatchError:  # another optimizer's state: said so, naming both
             plain = LayerStore.open(self.location)
             try:

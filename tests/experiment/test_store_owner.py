@@ -122,3 +122,16 @@ def test_resume_refuses_a_store_a_copy_of_the_run_trained(tmp_path):
                                          r"another directory with this run's identity \(.*copy"):
         run_experiment(STREAM, [*TINY, f"engine.store={store}"], out=a, resume=True)
     assert (a / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_damaged_store_manifest_on_resume_says_how_to_go_on(tmp_path, capsys):
+    from jaxstream.cli import main
+
+    store = tmp_path / "stores" / "{arm}"
+    args = ["run", str(STREAM), *TINY, f"engine.store={store}", "--out", str(tmp_path / "a")]
+    assert main([*args, "max_steps=2"]) == 0
+    manifest = tmp_path / "stores" / "bp" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json" in err and "to go on, restore the store" in err, err
