@@ -19,6 +19,7 @@ commit, and ``jaxstream run ... --rollback`` continues from it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -267,11 +268,8 @@ class StreamEngine:
             raise type(err)(f"{err}; to go on, restore the store (or its manifest.json) from a "
                             "copy, or start a new run with another engine.store") from err
         except StoreMismatchError:  # another optimizer's state: said so, naming both
-            plain = LayerStore.open(self.location)
-            try:
+            with contextlib.closing(LayerStore.open(self.location)) as plain:
                 check_optimizer(plain, self.location, self.optimizer_id)
-            finally:
-                plain.close()
             raise
 
     def _executor(self) -> StreamedExecutor:
