@@ -85,9 +85,7 @@ class Rollbacks:
             m["sane"] = {"step": int(m["step"]), "norm": norm, **keep, "norms": m.get("norms"),
                          "failed": {"step": int(m["step"]), "norm": None, "bound": None,
                                     "loss_finite": True, "why": why, "applied": applied}}
-            m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
-            write_manifest(self._root, m, self._where)
-            self._m = m
+            self._publish(m)
         finally:
             if self._writer is not None:
                 self._writer.release()
@@ -152,13 +150,18 @@ class Rollbacks:
                     m.pop(k, None)
                 else:
                     m[k] = v
-            m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
-            write_manifest(self._root, m, self._where)
-            self._m = m
+            self._publish(m)
         finally:
             if self._writer is not None:
                 self._writer.release()
         return self.step
+
+    def _publish(self, m: dict) -> None:
+        """Writes ``m`` (a metadata-only change: no new chunks) as the next generation and makes
+        it this handle's state; the caller holds the writer lock."""
+        m["generation"], m["writer_pid"] = int(m["generation"]) + 1, os.getpid()
+        write_manifest(self._root, m, self._where)
+        self._m = m
 
     def _units(self, slots: dict) -> list[tuple[str, int | None, int]]:
         return ([("embed", None, slots["embed"]), ("head", None, slots["head"])]
