@@ -6,10 +6,13 @@ and copies each chunk from its own read buffer into the destination; fresh desti
 arrays cost a page fault (and the kernel zeroing the page) per page touched. Reading the
 chunk file straight into a reused 4096-byte aligned buffer and checking the crc32c with the
 ``crc32c`` package (SSE4.2 instruction, GIL released) costs about what a plain sequential
-read of the file costs. Where the file system allows it the file is opened with ``O_DIRECT``:
-the bytes go from the disk into the buffer without a page-cache copy, which saves the read
-sweep's CPU beside the compute (``benchmarks/streaming.py`` prints the read sweep's CPU time).
-Elsewhere (tmpfs) it reads through the page cache.
+read of the file costs. A chunk the page cache holds (a layer written back a step ago) is
+copied from it (``preadv`` with ``RWF_NOWAIT``, which never waits for the disk: a few µs a
+chunk); one it does not hold is read with ``O_DIRECT`` where the file system allows it: the
+bytes go from the disk into the buffer without a page-cache copy (on this machine's virtual
+disk a 16 MiB chunk costs 0.2 ms of CPU read directly against 3.8 ms through the page cache,
+and a warm 1 KiB chunk 70 µs read directly against 4 µs from the cache). Elsewhere (tmpfs) it
+reads through the page cache.
 """
 
 from __future__ import annotations
@@ -131,15 +134,15 @@ class FileChunks:
         return ChunkRead(file, self._leaf_shape, self._dtype, what, expect)
 
 
-def _open(file: str, what: str) -> tuple[int, bool]:
+def _open(file: str, what: str, direct: bool = True) -> tuple[int, bool]:
     """``(fd, direct)``: the chunk file opened with ``O_DIRECT`` where the file system allows
     it (the bytes go from the disk into the buffer: no page-cache copy, less CPU and memory
     traffic beside the compute), else a plain read-only descriptor. Asked per file (one
     refused syscall on a file system without it, e.g. tmpfs), so stores on different file
-    systems each get what theirs allows."""
+    systems each get what theirs allows. ``direct=False``: a plain descriptor."""
     flags = os.O_RDONLY
     try:
-        if hasattr(os, "O_DIRECT"):
+        if direct and hasattr(os, "O_DIRECT"):
             try:
                 return os.open(file, flags | os.O_DIRECT), True
             except OSError as err:
@@ -150,10 +153,30 @@ def _open(file: str, what: str) -> tuple[int, bool]:
         raise StoreCorruptError(f"{what}: the chunk is missing ({file})") from err
 
 
-def _read_into(fd: int, buf: np.ndarray, direct: bool) -> int:
-    """Bytes read from the start of ``fd`` into ``buf`` until the end of the file or of
-    ``buf``. A direct read that the kernel refuses is finished with a buffered one."""
+def _from_cache(fd: int, buf: np.ndarray) -> int:
+    """Bytes of ``fd`` (from its start) copied into ``buf`` from the page cache, never waiting
+    for the disk (``RWF_NOWAIT``): 0 where nothing is cached or the system cannot say."""
+    flag = getattr(os, "RWF_NOWAIT", None)
     got = 0
+    while flag is not None and got < buf.nbytes:
+        try:
+            n = os.preadv(fd, [buf[got:]], got, flag)
+        except BlockingIOError:  # the rest is not in the page cache
+            break
+        except OSError as err:
+            if err.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                break
+            raise
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _read_into(fd: int, buf: np.ndarray, direct: bool, got: int = 0) -> int:
+    """Bytes read from offset ``got`` of ``fd`` into ``buf`` until the end of the file or of
+    ``buf`` (``got`` counted in). A direct read that the kernel refuses is finished with a
+    buffered one."""
     while got < buf.nbytes:
         try:
             n = os.preadv(fd, [buf[got:]], got)
@@ -196,10 +219,14 @@ class ChunkRead:
         nbytes = int(np.prod(self._shape, dtype=np.int64)) * self._dtype.itemsize
         want = nbytes + CRC_BYTES
         buf = BUFFERS.take(-(-want // DIRECT_BLOCK) * DIRECT_BLOCK)  # whole blocks: O_DIRECT
-        fd, direct = _open(self._file, self._what)
+        fd, direct = _open(self._file, self._what, direct=False)
         try:
             size = os.fstat(fd).st_size
-            got = _read_into(fd, buf, direct)
+            got = _from_cache(fd, buf)
+            if got == 0 and size > 0:  # not cached: from the disk, O_DIRECT where allowed
+                os.close(fd)
+                fd, direct = _open(self._file, self._what)
+            got = _read_into(fd, buf, direct and got == 0, got)
         finally:
             os.close(fd)
         if size != want or got != want:

@@ -21,7 +21,7 @@ from jaxstream.stream.idle import done_within, split_wait
 from jaxstream.stream.store import LayerStore
 from jaxstream.stream.sweeps.common import copying
 from jaxstream.stream.units import LayerKey
-from jaxstream.stream.values import host_value
+from jaxstream.stream.values import host_value, on_host
 
 
 def new_clock() -> dict:
@@ -63,7 +63,7 @@ class HostQueue:
         is discarded; nothing is staged)."""
         for u in units:
             params, opt = self.store.read(u).result(), self.store.read_opt(u).result()
-            with jax.default_device(self.host):
+            with on_host(self.host):
                 zeros = jax.tree.map(lambda a: np.zeros(np.shape(a), np.float32), params)
                 jax.block_until_ready(K.optax_step(self.optimizer, to_host(zeros, self.host),
                                                    opt, params))
@@ -120,7 +120,7 @@ class HostQueue:
         if opt is None:
             opt = self.store.read_opt(unit, staged=True).result()
         t0 = time.perf_counter()
-        with jax.default_device(self.host), jax.profiler.TraceAnnotation(f"host update {unit}"):
+        with on_host(self.host), jax.profiler.TraceAnnotation(f"host update {unit}"):
             new_p, new_opt = K.optax_step(self.optimizer, to_host(grads, self.host), opt, params)
             new = jax.tree.map(np.asarray, (new_p, new_opt))
         t1 = time.perf_counter()

@@ -17,6 +17,7 @@ from jaxstream.stream.guard import GROWTH, tree_sq
 from jaxstream.stream.host_queue import to_host
 from jaxstream.stream.sweeps.combine import combined, record
 from jaxstream.stream.units import LayerKey, parse_key
+from jaxstream.stream.values import on_host
 
 
 class Pending:
@@ -45,7 +46,7 @@ class Pending:
         if not recs:
             return params
         opt = ex.store.read_opt(unit).result()
-        with jax.default_device(ex.host):
+        with on_host(ex.host):
             for rec in recs:
                 if deferred.is_combine(rec):
                     h = ex.store.read_carry(unit, rec["slot"], rec["crc"]).result()

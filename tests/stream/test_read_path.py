@@ -14,7 +14,7 @@ import optax
 import pytest
 import tensorstore as ts
 
-from jaxstream.stream import LayerStore
+from jaxstream.stream import LayerStore, direct_read
 from jaxstream.stream.direct_read import BufferPool, FileChunks
 from jaxstream.stream.errors import StoreCorruptError
 from jaxstream.stream.layout import make_context, open_array, open_kvstore
@@ -49,13 +49,19 @@ def test_local_store_reads_every_leaf_directly(store_path):
     assert all(isinstance(d, FileChunks) for d in store._direct.values()), store._direct
 
 
-@pytest.mark.parametrize("direct_io", [True, False], ids=["o_direct", "buffered"])
+@pytest.mark.parametrize("mode", ["cache", "o_direct", "buffered", "part_cached"])
 @pytest.mark.parametrize("unit", [0, 1, 2, "embed", "head"])
-def test_direct_read_equals_tensorstore_read(store_path, unit, direct_io, monkeypatch):
-    """Chunk files read with O_DIRECT (where the file system allows it) and with buffered
-    reads (tmpfs, or a refused O_DIRECT) both equal TensorStore's read."""
-    if not direct_io:
+def test_direct_read_equals_tensorstore_read(store_path, unit, mode, monkeypatch):
+    """Chunk files read from the page cache, with O_DIRECT (nothing cached, where the file
+    system allows it), with buffered reads (tmpfs, or a refused O_DIRECT) and partly from the
+    cache (the rest buffered) all equal TensorStore's read."""
+    if mode in ("o_direct", "buffered"):  # the page cache serves nothing
+        monkeypatch.setattr(direct_read, "_from_cache", lambda fd, buf: 0)
+    if mode == "buffered":
         monkeypatch.delattr(os, "O_DIRECT")  # the buffered path, as where O_DIRECT is missing
+    if mode == "part_cached":  # the cache holds the chunk's first 8 bytes only
+        monkeypatch.setattr(direct_read, "_from_cache",
+                            lambda fd, buf: os.preadv(fd, [buf[:8]], 0))
     direct = LayerStore.open(store_path, optimizer=optax.adam(1e-3))
     ref = _tensorstore_path(LayerStore.open(store_path, optimizer=optax.adam(1e-3)))
     for read in ("read", "read_opt"):  # fp32 leaves and adam's int32 count (a scalar leaf)
@@ -67,6 +73,34 @@ def test_direct_read_equals_tensorstore_read(store_path, unit, direct_io, monkey
             assert a.ctypes.data % ALIGN == 0 or a.nbytes == 0  # the CPU client aliases it
     if unit == 1:
         np.testing.assert_array_equal(direct.read(1).result()["w"], np.full((4, 3), 2.0))
+
+
+def test_cached_chunks_come_from_the_page_cache_others_from_the_disk(store_path, monkeypatch):
+    """A chunk the page cache holds is copied from it; one dropped from it (a model larger
+    than memory) is read from the disk (``O_DIRECT`` where allowed: the page cache stays
+    clean)."""
+    if not hasattr(os, "RWF_NOWAIT") or not hasattr(os, "posix_fadvise"):
+        pytest.skip("no RWF_NOWAIT / posix_fadvise here")
+    served: list[int] = []
+    real = direct_read._from_cache
+    monkeypatch.setattr(direct_read, "_from_cache",
+                        lambda fd, buf: served.append(real(fd, buf)) or served[-1])
+    store = LayerStore.open(store_path, optimizer=optax.adam(1e-3))
+    files = [f for f in Path(store_path).rglob("*") if f.is_file() and "/c/" in str(f)]
+    for f in files:  # durable, then warm: read once through the page cache
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd), os.pread(fd, 1 << 20, 0), os.close(fd)
+    want = store.read(2).result()
+    if not all(served):
+        pytest.skip("this file system does not serve RWF_NOWAIT reads from the page cache")
+    served.clear()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED), os.close(fd)
+    got = store.read(2).result()
+    assert served and not any(served), served  # nothing came from the cache
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_memory_store_reads_through_tensorstore():

@@ -14,7 +14,7 @@ import numpy as np
 from jaxstream.stream import deferred
 from jaxstream.stream import kernels as K
 from jaxstream.stream.units import EMBED, HEAD, LayerKey, Unit, block
-from jaxstream.stream.values import host_value
+from jaxstream.stream.values import host_value, on_host
 
 
 def read_h(ex: Any, addr: LayerKey, carried: dict) -> Any:
@@ -39,7 +39,7 @@ def combined(ex: Any, unit: LayerKey, params: Any, h: Any, c: deferred.Combine) 
     """``unit``'s estimate under the plan's rule from its group mean ``h`` and the step's
     :class:`~jaxstream.stream.deferred.Combine` (the eager update sweep and a deferred update
     both form it here, from the same inputs), on the host."""
-    with jax.default_device(ex.host):
+    with on_host(ex.host):
         st = {**c.common(), "h": h, "member": c.member(unit)}
         if c.scale is not None:
             st["direction"] = jax.tree.map(lambda a: np.asarray(a) * np.float32(c.scale), h)

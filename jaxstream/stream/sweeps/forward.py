@@ -15,6 +15,7 @@ from jaxstream.stream import kernels as K
 from jaxstream.stream import lazy
 from jaxstream.stream.readback import read_together
 from jaxstream.stream.units import EMBED, LayerKey, Unit, of_key
+from jaxstream.stream.values import on_host
 
 
 def forward_sweep(ex: Any, batch: dict, keys: Any, layers: list, t0: float,
@@ -58,7 +59,7 @@ def run_forward(ex: Any, batch: dict, key: Any, layers: list, sink: Callable, t0
 
     def load(u: Unit):
         p = ex._like(u.key, hosts, staged=True)
-        with jax.default_device(ex.host):
+        with on_host(ex.host):
             g = K.unit_estimate(ex.spec, K.step_seg_keys(key, u.key), coeffs, p)
         return p, g
 
@@ -71,7 +72,7 @@ def run_forward(ex: Any, batch: dict, key: Any, layers: list, sink: Callable, t0
 def _coefficients(ex: Any, key: Any, dk: np.ndarray, every: list, hosts: dict) -> np.ndarray:
     """The tangents' coefficients (1, K) from ``dk`` (K,), the derivative of the mean loss
     over all micro-batches (on the host)."""
-    with jax.default_device(ex.host):
+    with on_host(ex.host):
         coeffs = coefficients(ex.spec, ex.plan.combine, jnp.asarray(dk), lambda: sum(
             K.unit_gram(ex.spec, K.unit_key(key, u), ex._like(u, hosts)) for u in every))
     return np.asarray(coeffs, np.float32)[None]
