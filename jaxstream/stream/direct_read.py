@@ -22,11 +22,13 @@ import fcntl
 import os
 import sys
 import threading
+from concurrent.futures import Future
 
 import crc32c
 import numpy as np
 import tensorstore as ts
 
+from jaxstream.stream.chunk_write import write_chunk
 from jaxstream.stream.errors import StoreCorruptError, not_committed
 from jaxstream.stream.store_parts import ALIGN
 
@@ -126,12 +128,20 @@ class FileChunks:
             return None
         return cls(str(kv["path"]).rstrip("/") + "/c/", leaf, dtype)
 
+    def file(self, index: tuple[int, ...]) -> str:
+        """The chunk file at ``index`` (one per leading axis)."""
+        return self._path + "/".join(str(int(i)) for i in index) + self._tail
+
     def read(self, index: tuple[int, ...], what: str, expect: int | None = None) -> ChunkRead:
         """A read of the chunk at ``index`` (one per leading axis); ``what`` names it in errors;
         ``expect``: the crc32c the chunk must hold (the manifest's record of what was committed
         there), or None."""
-        file = self._path + "/".join(str(int(i)) for i in index) + self._tail
-        return ChunkRead(file, self._leaf_shape, self._dtype, what, expect)
+        return ChunkRead(self.file(index), self._leaf_shape, self._dtype, what, expect)
+
+    def write(self, index: tuple[int, ...], x: np.ndarray, crc: int, sync: bool = True) -> Future:
+        """Writes ``x`` (the leaf's dtype and shape) and its crc32c ``crc`` as the chunk at
+        ``index``, as TensorStore would (:mod:`~jaxstream.stream.chunk_write`)."""
+        return write_chunk(self.file(index), x, crc, sync)
 
 
 def _open(file: str, what: str, direct: bool = True) -> tuple[int, bool]:

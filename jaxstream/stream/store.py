@@ -116,6 +116,9 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
                     self._arrays[(kind, part, i)] = arr
                     self._direct[(kind, part, i)] = FileChunks.of(arr, len(lead))
         self._fresh: bytes | None = None  # manifest last found current (_check_fresh)
+        # direct chunk writes fsync as TensorStore's would (its ``file_io_sync``)
+        self._sync = bool((context.spec.to_json() if context.spec else {}).get("file_io_sync",
+                                                                               True))
 
     @property
     def manifest_file(self) -> str:
@@ -315,8 +318,10 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
                             f"{self.step}")
                     sq += x_sq if kind == "params" else 0.0
                 crcs.append(digest(x))
+                direct = self._direct[(kind, part, i)]
                 try:
-                    fut = self._arrays[(kind, part, i)][idx].write(x)
+                    fut = (direct.write(idx, x, crcs[-1], self._sync) if direct
+                           else self._arrays[(kind, part, i)][idx].write(x))
                 except Exception as err:
                     raise self._write_error(key, err) from err
                 with self._lock:
@@ -345,10 +350,12 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
                 if self._writes and self._writes[0][1] is fut:
                     self._writes.pop(0)
 
-    def _wait_for_writes(self, key: str) -> None:
-        """Waits for this step's in-flight writes of ``key`` (writes are asynchronous)."""
+    def _wait_for_writes(self, key: str, staged: bool = True) -> None:
+        """Waits for the in-flight writes of ``key`` (writes are asynchronous): those of a
+        commit still landing, which its reads see, and with ``staged`` this step's."""
         with self._lock:
-            futs = [f for k, f, _ in self._writes if k == key]
+            futs = [f for k, f, _ in self._landing_writes if k == key]
+            futs += [f for k, f, _ in self._writes if k == key] if staged else []
         for f in futs:
             try:
                 f.result()

@@ -1,5 +1,6 @@
 """A store's commit: the staged writes made the committed state at once (a manifest written
-and fsynced, on the caller's thread or landing on one of its own). A part of
+and fsynced, on the caller's thread, or landing on one of its own once the writes are durable:
+then the caller goes on while they finish). A part of
 :class:`~jaxstream.stream.store.LayerStore`."""
 
 from __future__ import annotations
@@ -9,9 +10,7 @@ import os
 import socket
 import threading
 
-from jaxstream.stream.errors import (
-    StoreError,
-)
+from jaxstream.stream.errors import StoreError, StoreWriteError
 from jaxstream.stream.guard import guard_commit
 from jaxstream.stream.io_bytes import PART_OF_MANIFEST
 from jaxstream.stream.manifest import encode
@@ -47,11 +46,12 @@ class Commits:
             digests = dict(self._staged_digests)
             norms, self._staged_norms = self._staged_norms, {}
             effective, self._effective = self._effective or {}, None
-        for key, f, _ in writes:
-            try:
-                f.result()
-            except Exception as err:
-                raise self._write_error(key, err) from err
+        if wait:
+            for key, f, _ in writes:
+                try:
+                    f.result()
+                except Exception as err:
+                    raise self._write_error(key, err) from err
         m = json.loads(json.dumps(self._m))
         if "digests" in m:  # what rollback() needs to return to this commit, and check it
             m["previous"] = json.loads(json.dumps(
@@ -79,7 +79,7 @@ class Commits:
             self.abort()
             raise
         if not wait:
-            return self._land(m)
+            return self._land(m, writes)
         try:
             write_manifest(self._root, m, self._where)
         except StoreError:
@@ -113,19 +113,30 @@ class Commits:
             self.io.wrote(PART_OF_MANIFEST, len(json.dumps(pending, sort_keys=True).encode()))
 
     _landing: tuple | None = None  # (manifest before, thread, [error]) of a commit landing
+    _landing_writes: list | tuple = ()  # (key, future, bytes): the writes of the commit landing
     _lost: BaseException | None = None  # a landing's error that an abort swallowed
 
-    def _land(self, m: dict) -> None:
-        """Makes ``m`` this handle's state now and writes it (fsynced) on a thread; the writer
-        lock is released when it has landed."""
+    def _land(self, m: dict, writes: list) -> None:
+        """Makes ``m`` this handle's state now and, on a thread, waits for the step's
+        ``writes`` (durable: each chunk is fsynced) and then writes ``m`` (fsynced); the writer
+        lock is released when it has landed. A read of a unit waits for its writes
+        (:meth:`_wait_for_writes`)."""
         with self._lock:
             old, self._m = self._m, m
             self._staged.clear()
             self._staged_digests.clear()
+            self._landing_writes = writes
         err: list = []
 
         def land() -> None:
             try:
+                for key, f, _ in writes:
+                    try:
+                        f.result()
+                    except Exception as e:
+                        raise StoreWriteError(
+                            f"writing {key} to the store at {self._where} failed ({e}); the "
+                            f"store is unchanged at its last committed step {old['step']}") from e
                 write_manifest(self._root, m, self._where)
             except BaseException as e:  # noqa: BLE001 - raised by settle() on the caller's thread
                 err.append(e)
@@ -152,6 +163,8 @@ class Commits:
             return
         old, t, err = landing
         t.join()
+        with self._lock:
+            self._landing_writes = ()
         if err:
             with self._lock:
                 self._m = old

@@ -41,8 +41,9 @@ class Reads:
     def _read(self, kind: str, unit: Unit, staged: bool) -> TreeFuture:
         part, l = self._part(unit)
         slot = self._slot(part, l, staged)
-        if staged:  # the staged slot may still be being written: its reader must see the writes
-            self._wait_for_writes(part if l is None else f"blocks/{l}")
+        # the slot may still be being written (staged, or a commit landing): the reader must
+        # see the writes
+        self._wait_for_writes(part if l is None else f"blocks/{l}", staged)
         table = self._m["leaves"][kind][part]
         idx = (slot,) if l is None else (l, slot)
         if kind == "params":

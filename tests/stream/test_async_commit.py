@@ -5,6 +5,8 @@ writes anything, and the store, in memory and on disk, is then back at the step 
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -60,11 +62,15 @@ def test_failed_commit_stops_the_next_step_before_it_writes(tmp_path, monkeypatc
     at_one = _leaves(store.read_params())
     real = store_mod.write_manifest
 
+    called = threading.Event()
+
     def failing(root, m, where):
+        called.set()
         raise StoreWriteError(f"writing the manifest of step {m['step']} failed (disk full)")
 
     monkeypatch.setattr(store_mod, "write_manifest", failing)
     ex.step(_batch(1), jax.random.key(1))  # its commit fails on the landing thread
+    assert called.wait(60)  # (the landing waits for the step's writes first)
     monkeypatch.setattr(store_mod, "write_manifest", real)
     with pytest.raises(StoreWriteError, match="manifest of step 2 failed"):
         ex.step(_batch(2), jax.random.key(2))

@@ -117,15 +117,35 @@ class _FullDiskView:
         return _Fut()
 
 
+class _FullDiskFiles:
+    """Wraps a store's direct chunk files so that writes fail like a full disk: at once, or
+    (``late``) when the write's future is waited for."""
+
+    def __init__(self, chunks, late):
+        self._chunks, self._late = chunks, late
+
+    def read(self, *args, **kwargs):
+        return self._chunks.read(*args, **kwargs)
+
+    def write(self, *args, **kwargs):
+        return _FullDiskView(None, self._late).write(None)
+
+
+@pytest.mark.parametrize("path", ["direct", "tensorstore"])
 @pytest.mark.parametrize("late", [False, True])
-def test_full_disk_keeps_last_commit(tmp_path, late):
+def test_full_disk_keeps_last_commit(tmp_path, late, path):
     p = _params()
     store = LayerStore.create(tmp_path / "s", p, optimizer=optax.sgd(0.1))
     step1 = {"b": np.ones(4, np.float32), "w": np.ones((4, 4), np.float32)}
     store.write(0, step1)
     store.commit(1)
     key = ("params", "blocks", 1)  # leaf 1 of a layer ("w") fails
-    store._arrays[key] = _FullDisk(store._arrays[key], late)
+    assert store._direct[key] is not None  # a local store writes its chunk files itself
+    if path == "direct":
+        store._direct[key] = _FullDiskFiles(store._direct[key], late)
+    else:  # a store TensorStore writes (another kvstore)
+        store._direct[key] = None
+        store._arrays[key] = _FullDisk(store._arrays[key], late)
     with pytest.raises(StoreWriteError, match="committed step 1"):
         store.write(0, jax_zeros_like(step1))
         store.write(2, jax_zeros_like(step1))
