@@ -172,3 +172,33 @@ def check_elementwise(optimizer: Any, like: Any, who: str) -> None:
             f"entries (e.g. clip_by_global_norm, lamb, adafactor), and the streamed engines "
             f"apply it layer by layer, which would train something else than in memory; use "
             f"an element-wise one (sgd, adam, adamw, max_adabelief, ...) or train in memory")
+
+
+def check_units(optimizer: Any, shapes: dict, who: str) -> None:
+    """ValueError naming ``who`` unless ``optimizer`` updates each unit (the embed, a block
+    layer, the head) alone as it updates that unit within the whole model's tree, as in memory
+    (``shapes``: ``{"embed", "blocks" (stacked), "head"}``). A mask or labels function that
+    reads the top-level keys sees them in memory and not in a unit's own tree, so it would
+    freeze or decay other parameters. Probed on trees cut as :func:`_probe` cuts them."""
+    params, grads = _probe(shapes, 5), [_probe(shapes, 6), _probe(shapes, 7)]
+    host = jax.local_devices(backend="cpu")[0]
+    with jax.default_device(host):
+        try:
+            whole = _two_steps(optimizer, params, grads)
+        except Exception:  # noqa: BLE001 - no whole-tree program: the unit checks stand
+            return
+        units = [("embed", lambda t: t["embed"]), ("head", lambda t: t["head"])] + [
+            (f"block layer {l}", lambda t, l=l: jax.tree.map(lambda a: a[l], t["blocks"]))
+            for l in range(jax.tree.leaves(params["blocks"])[0].shape[0])]
+        for name, part in units:
+            alone = _two_steps(optimizer, part(params), [part(g) for g in grads])
+            same = jax.tree.structure(alone) == jax.tree.structure(part(whole)) and all(
+                np.allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0.0, equal_nan=True)
+                for a, b in zip(jax.tree.leaves(alone), jax.tree.leaves(part(whole))))
+            if not same:
+                raise ValueError(
+                    f"{who}: the optimizer updates the {name} alone otherwise than within the "
+                    f"whole model's tree (as in memory), and the streamed engines apply it "
+                    f"unit by unit, each unit's own tree (a mask or labels function that "
+                    f"reads the top-level keys 'embed' / 'blocks' / 'head'?); decide by leaf "
+                    f"name within a unit, or train in memory")

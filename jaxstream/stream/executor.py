@@ -33,7 +33,7 @@ from jaxstream.optim.promotion import standard_promotion
 from jaxstream.stream import lazy
 from jaxstream.stream.config import DTYPES, UPDATES, StreamConfig, plan_of
 from jaxstream.stream.driver import Driver
-from jaxstream.stream.elementwise import check_elementwise
+from jaxstream.stream.elementwise import check_elementwise, check_units
 from jaxstream.stream.host_queue import HostQueue, new_clock
 from jaxstream.stream.pending import Pending
 from jaxstream.stream.placement import Placement, placement_for
@@ -87,6 +87,7 @@ class StreamedExecutor(Driver):
         store.check_model(shapes, self.optimizer)
         check_elementwise(self.optimizer, jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x.shape[1:], x.dtype), shapes["blocks"]), self.engine)
+        check_units(self.optimizer, shapes, self.engine)
         self.spec: TangentSpec = self.plan.spec
         self.host = jax.local_devices(backend="cpu")[0]
         self.dtype = jnp.dtype(config.compute_dtype)

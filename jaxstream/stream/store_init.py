@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -56,6 +57,8 @@ def write_new_store(root: ts.KvStore, ctx: ts.Context, location: Any, params: di
         "extra": {},
         "digests": initial_digests(params, opt_init, num_layers, per_layer),
     }
+    if optimizer is not None:  # which optimizer's state: two can share leaf names
+        manifest["opt_structure"] = {p: state_structure(opt_init[p]) for p in PARTS}
     write_group(root, "", {"jaxstream": ROOT_ATTRIBUTES})
     for kind, trees in (("params", templates), ("opt", opt_init)):
         write_group(root, kind, {"jaxstream": {"kind": kind}})
@@ -235,8 +238,29 @@ def tree_structures(m: dict, location: Any, template: dict | None, optimizer: An
                     f"store at {location} keeps the state of another optimizer: {part}'s is "
                     f"{_few(kept)}, this optimizer's {_few(mine)}; use the optimizer the store "
                     f"was created with")
+            made = m.get("opt_structure", {}).get(part)  # (None: a store from before it)
+            if made is not None and made != state_structure(st):  # adam's state for adabelief,
+                raise StoreMismatchError(  # adam's chain for adamw's: same leaf names
+                    f"store at {location} keeps the state of another optimizer: {part}'s is "
+                    f"{_types(made)}, this optimizer's {_types(state_structure(st))}; use the "
+                    f"optimizer the store was created with")
             opt_treedefs[part] = jax.tree_util.tree_structure(st)
     return treedefs, opt_treedefs
+
+
+def state_structure(state: Any) -> str:
+    """An optimizer state's structure as text: its node types (``ScaleByAdamState``,
+    ``ScaleByBeliefState``, a chain's entries) and keys, which tell apart optimizers whose
+    state leaves have the same names."""
+    return str(jax.tree_util.tree_structure(state))
+
+
+def _types(structure: str) -> str:
+    """The state types named in a :func:`state_structure` text."""
+    names = re.findall(r"namedtuple\[(\w+)\]", structure) or [
+        n for n in re.findall(r"([A-Za-z_]\w*)(?=[\[(])", structure)
+        if n not in ("PyTreeDef", "CustomNode")]
+    return "(" + ", ".join(names) + ")" if names else structure
 
 
 def _few(leaves: list) -> str:

@@ -134,10 +134,11 @@ def test_a_store_of_other_leaf_names_is_refused(tmp_path):
 @pytest.mark.standard_promotion
 def test_an_optimizer_other_than_the_stores_is_refused(tmp_path):
     """sgd on adam's state trained with sgd and left adam's state behind; lion raised inside
-    optax."""
+    optax; adamw (adam's chain and one more entry, no leaves) raised inside optax mid-step;
+    adabelief (the same leaf names) took adam's E[g²] for its belief, silently."""
     s = LayerStore.create(str(tmp_path / "s"), STACK.init(jax.random.key(0)),
                           optimizer=optax.adam(1e-3))
-    for other in (optax.sgd(0.1), optax.lion(1e-3)):
+    for other in (optax.sgd(0.1), optax.lion(1e-3), optax.adamw(1e-3), optax.adabelief(1e-3)):
         with pytest.raises(StoreMismatchError, match="keeps the state of another optimizer"):
             StreamedExecutor(STACK, jg.backprop(), other, s, CFG)
     StreamedExecutor(STACK, jg.backprop(), optax.adam(1e-3), s, CFG).close()
@@ -174,6 +175,37 @@ def test_a_mask_that_reads_leaf_shapes_is_refused(tmp_path):
     same = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda a: True, p))
     s2 = LayerStore.create(str(tmp_path / "s2"), params, optimizer=same)
     StreamedExecutor(STACK, jg.backprop(), same, s2, CFG).close()
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("kind", ["multi_transform", "masked"])
+def test_a_mask_that_reads_the_top_level_keys_is_refused(tmp_path, kind):
+    """Labels or a mask by the top-level key (freeze the embed, decay the blocks only): in
+    memory the function sees "embed" / "blocks" / "head", a unit's own tree does not, and the
+    streamed engine trained the embed. Refused before any step; a mask by
+    leaf name inside a unit is taken."""
+    by_top = lambda p: {k: jax.tree.map(lambda _, k=k: k == "embed", v) for k, v in p.items()}
+    opt = (optax.multi_transform({True: optax.set_to_zero(), False: optax.adam(1e-2)}, by_top)
+           if kind == "multi_transform" else
+           optax.chain(optax.masked(optax.add_decayed_weights(0.5),
+                                    lambda p: jax.tree.map(lambda x: not x, by_top(p))),
+                       optax.sgd(0.1)))
+    params = STACK.init(jax.random.key(0))
+    grads = jax.tree.map(jnp.ones_like, params)
+    embed = optax.apply_updates(params, opt.update(grads, opt.init(params), params)[0])["embed"]
+    alone = optax.apply_updates(params["embed"], opt.update(
+        grads["embed"], opt.init(params["embed"]), params["embed"])[0])
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(embed),
+                                                     jax.tree.leaves(alone)))  # they differ
+    s = LayerStore.create(str(tmp_path / "s"), params, optimizer=opt)
+    with pytest.raises(ValueError, match="updates the embed alone otherwise than within the "
+                                         "whole model's tree.*top-level keys"):
+        StreamedExecutor(STACK, jg.backprop(), opt, s, CFG)
+    by_name = optax.multi_transform(
+        {True: optax.set_to_zero(), False: optax.adam(1e-2)},
+        lambda p: jax.tree_util.tree_map_with_path(lambda k, _: "bias" in str(k), p))
+    s2 = LayerStore.create(str(tmp_path / "s2"), params, optimizer=by_name)
+    StreamedExecutor(STACK, jg.backprop(), by_name, s2, CFG).close()
 
 
 def test_two_executors_on_one_store_keep_each_others_deferred_updates(tmp_path):
