@@ -149,7 +149,7 @@ class ExactSubset:
                  *, diagnostics: bool = False):
         n = micro_batches_of(batch)
         idx = select_exact(key, n, self.num_exact)
-        sub = jax.tree.map(lambda x: x[idx], batch)
+        sub = jax.tree.map(lambda x: jnp.asarray(x)[idx], batch)
         # the hybrid's exact part: one rematerialised sweep, no per-micro-batch gradient trees
         masks = cr.group_masks(params, jnp.zeros((self.num_exact,), jnp.int32))
         grads, _, losses = group_exact_mean(loss_fn, params, sub, masks, idx)

@@ -117,7 +117,7 @@ class Hybrid:
         # mean over replicas) before the forward pass, which then sums the residual scalars
         # c = h·v as it draws its tangents.
         # Micro-batch n draws the model's randomness from fold_rng(loss_fn, n) in every pass.
-        h, counts, _ = group_exact_mean(loss_fn, params, jax.tree.map(lambda x: x[idx], batch),
+        h, counts, _ = group_exact_mean(loss_fn, params, jax.tree.map(lambda x: jnp.asarray(x)[idx], batch),
                                         masks, idx)
         h = reduce(h)
         probe = h if rule.residual else None

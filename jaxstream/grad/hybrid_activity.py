@@ -118,7 +118,7 @@ class HybridActivity:
         h, spread, noise = _exact_sums(
             lambda b, i: jax.grad(fold_rng(loss_fn, i))(params, b),
             lambda b, kk, i: est(fold_rng(loss_fn, i), params, b, kk)[1],
-            jax.tree.map(lambda x: x[idx], batch), keys[idx], idx, params)
+            jax.tree.map(lambda x: jnp.asarray(x)[idx], batch), keys[idx], idx, params)
         if self.shrinkage == "none":
             alpha = {"embed": jnp.float32(1.0), "blocks": jnp.ones((loss_fn.num_layers,)),
                      "head": jnp.float32(1.0)}
