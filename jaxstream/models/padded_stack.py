@@ -50,7 +50,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxstream.models.seq_stack import as_stack, check_pure, find_blocks, run_layers
+from jaxstream.models.seq_stack import (
+    as_stack,
+    check_pure,
+    check_shared_buffers,
+    find_blocks,
+    run_layers,
+)
 from jaxstream.models.sequential import Sequential
 from jaxstream.models.stack import Stack
 
@@ -243,18 +249,20 @@ def _layer_shapes(model: Sequential, x: Any) -> list[tuple[int, ...]]:
 def to_stack(model: Any, x: Any = None) -> Any:
     """The stack an engine that places or streams blocks runs: a :class:`Stack` as it is; a
     sequential model through :func:`~jaxstream.models.seq_stack.as_stack` when it has a
-    repeated group of layers, else through :func:`as_padded_stack` (``x``: an input batch).
+    repeated group of layers (whose blocks hold the same non-trainable variables), else through
+    :func:`as_padded_stack` (``x``: an input batch).
 
     Raises:
       ValueError: as those two (``x`` is needed for a model without a repeated group).
     """
     if not isinstance(model, Sequential):
         return model
-    try:
-        find_blocks(model)
+    try:  # a repeated group whose blocks share their non-trainable variables
+        check_shared_buffers(model, *find_blocks(model))
     except ValueError:
         if x is None:
-            raise ValueError(f"model: {model.name!r} has no repeated group of layers; padding it "
-                             "into a stack needs an input batch x") from None
+            raise ValueError(f"model: {model.name!r} has no repeated group of layers (of "
+                             "blocks with the same non-trainable variables); padding it into a "
+                             "stack needs an input batch x") from None
         return as_padded_stack(model, x).stack
     return as_stack(model).stack

@@ -214,16 +214,42 @@ def run_layers(model: Sequential, layers: tuple[int, ...], params: dict, h: jax.
     return h
 
 
+def check_shared_buffers(model: Sequential, f: int, g: int, r: int) -> None:
+    """ValueError unless every block's layers hold the first block's non-trainable variables
+    (an ``nnx.Variable`` that is neither a parameter nor RNG state, e.g. a fixed scale): the
+    stack's blocks all run the first block's layers, so another block's own values would be
+    replaced by the first's, silently."""
+    def buffers(l: int) -> dict:
+        other = model.layers[l].other  # None: a plain function
+        return {} if other is None else {path: np.asarray(v.get_value()) for path, v in
+                                         nnx.to_flat_state(other)
+                                         if not isinstance(v, nnx.RngState)}
+    for k in range(1, r):
+        for j in range(g):
+            first, here = buffers(f + j), buffers(f + k * g + j)
+            for path, a in first.items():
+                b = here.get(path)
+                if b is None or a.shape != b.shape or not np.array_equal(a, b, equal_nan=True):
+                    raise ValueError(
+                        f"as_stack: layer {f + k * g + j} holds its own value of the "
+                        f"non-trainable variable {'.'.join(map(str, path))!r} (layer {f + j}, "
+                        f"the same layer of the first block, holds another); a stack's blocks "
+                        f"all run the first block's layers, so it would be replaced: make it an "
+                        f"nnx.Param, or use as_padded_stack (each layer keeps its own)")
+
+
 def as_stack(model: Sequential) -> StackView:
     """The model as a :class:`Stack` (see the module docstring).
 
     Raises:
       ValueError: no repeated group of layers; or the model keeps batch statistics, uses
-        dropout or ties parameters of two layers (a stack's blocks are pure functions of their
-        own parameters and inputs).
+        dropout, ties parameters of two layers or holds non-trainable variables that differ
+        between blocks (a stack's blocks are pure functions of their own parameters and
+        inputs).
     """
     check_pure(model)
     f, g, r = find_blocks(model)
+    check_shared_buffers(model, f, g, r)
     run = functools.partial(run_layers, model)
 
     embed_l, head_l = tuple(range(f)), tuple(range(f + r * g, model.num_layers))
