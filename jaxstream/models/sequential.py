@@ -60,6 +60,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.errors import TraceContextError
 
 from jaxstream.models import rng_streams as rs
 from jaxstream.models.stack import Batch, cross_entropy, loss_dtype
@@ -187,7 +188,15 @@ class Sequential:
         if dropout_on and layer.has_dropout:
             _bind_dropout(module, jax.random.fold_in(self.rng, l))
         before = rs.counts(streams)
-        out = module(h)
+        try:
+            out = module(h)
+        except TraceContextError as err:  # flax's words name neither the layer nor the way out
+            raise ValueError(
+                f"layer {l}: {type(module).__name__} changes one of its own variables when "
+                f"called ({str(err).splitlines()[0]}); the estimators trace each layer as a pure "
+                f"function of its parameters and input, and carry only parameters and BatchNorm "
+                f"statistics between steps: keep such a value outside the model, or compute it "
+                f"from the layer's input") from err
         where = rs.drawn(streams, before) if train and self.rng is None else None
         if where is not None:
             raise ValueError(

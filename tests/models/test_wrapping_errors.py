@@ -94,3 +94,29 @@ def test_a_view_given_as_loss_fn_names_view_stack(est, padded):
         est(view, sp, data(), jax.random.key(0))
     assert "\n" not in str(err.value)
     assert np.isfinite(float(est(view.stack, sp, data(), jax.random.key(0))[0]))
+
+
+class _Count(nnx.Variable):
+    """A call counter a user's layer keeps."""
+
+
+class _Counting(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(d, d, rngs=rngs)
+        self.n = _Count(jnp.array(0, jnp.int32))
+
+    def __call__(self, x):
+        self.n[...] = self.n[...] + 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("est", [js.grad.backprop(), js.grad.forward(2)])
+def test_a_layer_that_changes_its_own_variable_is_named(est):
+    """Before, flax's TraceContextError named neither the layer nor the variable."""
+    rngs = nnx.Rngs(0)
+    model = from_sequential(nnx.Sequential(nnx.Linear(4, 6, rngs=rngs), _Counting(6, rngs),
+                                           nnx.Linear(6, 3, rngs=rngs)), loss="cross_entropy")
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.zeros(4, np.int32)}
+    with pytest.raises(ValueError, match="layer 1: _Counting changes one of its own variables "
+                                         "when called .*_Count"):
+        est(model, model.init(None), batch, jax.random.key(0))
