@@ -8,6 +8,30 @@ estimator can defer wait for the layer's next read (:mod:`~jaxstream.stream.pend
 estimator's sweeps are in :mod:`jaxstream.stream.sweeps`; this class keeps I/O, prefetch
 (:class:`~jaxstream.stream.driver.Driver`), the update queue and the commit: every step ends
 with :meth:`LayerStore.commit`, so its writes become visible together.
+
+A step's metrics (:meth:`StreamedExecutor.step`): loss, ``step_time_s``, and the main
+thread's idle time per cause: ``stall_s`` (waiting for a layer's read), ``wait_update_s``
+(waiting for the host
+worker — optimizer updates and scratch writes — which runs beside the sweeps:
+``host_update_s`` is its total, mostly overlapped, ``wait_write_s`` the part of it
+spent waiting for staged writes past ``max_write_bytes``), ``wait_commit_s`` (the
+commit: the step's writes, then the manifest written and fsynced; with ``async_commit``
+both on a thread, the step waiting only to build the manifest), ``idle_s``
+(stall, update and commit waits summed: the rest of the step is the main thread's
+dispatch and host work); the device's idle per cause, the parts of those waits
+after the work already dispatched was computed (:mod:`~jaxstream.stream.idle`):
+``stall_idle_s``, ``wait_update_idle_s``, ``wait_commit_s``, summed as
+``device_idle_s``; ``layers_read``; a placement's own (ticks). The main thread
+never waits for the device: it reads the step's few scalars (loss, directional
+derivatives, a selection) once.
+
+Bytes the step's executed reads and writes moved (:mod:`~jaxstream.stream.io_bytes`):
+``bytes_read`` / ``bytes_written`` in all, per kind ``bytes_read_<kind>`` /
+``bytes_written_<kind>`` for ``params``, ``opt`` (optimizer state), ``scratch``,
+``carry`` (a deferred update's carried group means) and ``manifest`` (the writer's
+check at the first write; the commit), ``bytes_written_pending`` (the deferred
+updates' records, part of the manifest written), and ``bytes_read_per_layer`` /
+``bytes_written_per_layer``: the totals over the layers the step ran.
 """
 
 from __future__ import annotations
@@ -142,27 +166,8 @@ class StreamedExecutor(Driver):
             function of the step's loss returning it.
 
         Returns:
-          metrics: loss, ``step_time_s``, and the main thread's idle time per cause:
-          ``stall_s`` (waiting for a layer's read), ``wait_update_s`` (waiting for the host
-          worker — optimizer updates and scratch writes — which runs beside the sweeps:
-          ``host_update_s`` is its total, mostly overlapped, ``wait_write_s`` the part of it
-          spent waiting for staged writes past ``max_write_bytes``), ``wait_commit_s`` (the
-          commit: the step's writes, then the manifest written and fsynced), ``idle_s``
-          (stall, update and commit waits summed: the rest of the step is the main thread's
-          dispatch and host work); the device's idle per cause, the parts of those waits
-          after the work already dispatched was computed (:mod:`~jaxstream.stream.idle`):
-          ``stall_idle_s``, ``wait_update_idle_s``, ``wait_commit_s``, summed as
-          ``device_idle_s``; ``layers_read``; a placement's own (ticks). The main thread
-          never waits for the device: it reads the step's few scalars (loss, directional
-          derivatives, a selection) once.
-
-          Bytes the step's executed reads and writes moved (:mod:`~jaxstream.stream.io_bytes`):
-          ``bytes_read`` / ``bytes_written`` in all, per kind ``bytes_read_<kind>`` /
-          ``bytes_written_<kind>`` for ``params``, ``opt`` (optimizer state), ``scratch``,
-          ``carry`` (a deferred update's carried group means) and ``manifest`` (the writer's
-          check at the first write; the commit), ``bytes_written_pending`` (the deferred
-          updates' records, part of the manifest written), and ``bytes_read_per_layer`` /
-          ``bytes_written_per_layer``: the totals over the layers the step ran.
+          metrics: the step's loss, time, waits per cause and bytes moved (the module's
+          docstring lists them).
         """
         key = self._checked(batch, key, read_labels=False)
         at = self.store.step
