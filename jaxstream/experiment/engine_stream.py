@@ -213,6 +213,15 @@ class StreamState(NamedTuple):
     step: jax.Array
 
 
+def damaged(err: StoreCorruptError, store: LayerStore) -> StoreCorruptError:
+    """A damaged chunk a step (or its warm-up) read: the error with the ways on beside it."""
+    return type(err)(f"{err}; nothing of this step was committed (the store is at step "
+                     f"{store.step}). To go on, restore the store from a copy and --resume; "
+                     f"or, where the damaged chunk is one the last step wrote, return to the "
+                     f"step before it (LayerStore.open(path).rollback()) and train on from it "
+                     f"in a new run (engine.continue_store=true)")
+
+
 class StreamEngine:
     """Engine protocol over a :class:`StreamedExecutor` (see module docstring).
 
@@ -406,6 +415,8 @@ class StreamEngine:
                         extra=lambda loss: {**self._stamp, "loss_finite": math.isfinite(loss)})
         except (StoreNonFiniteError, StoreDivergedError):
             return state, {"loss": float("nan"), "nonfinite_refused": 1.0}
+        except StoreCorruptError as err:
+            raise damaged(err, ex.store) from err
         guard = {} if ex.store.sane_step == s + 1 else {"guard_failed": 1.0}
         return StreamState(jnp.asarray(s + 1, jnp.int32)), {**guard,
             "loss": m["loss"], "stall_time": m["stall_s"], "layers_read": float(m["layers_read"]),
@@ -423,7 +434,11 @@ class StreamEngine:
     def warm_up(self, state: StreamState, batch: dict, key: jax.Array) -> None:
         """Compiles the step's kernels (its sweeps and the host updates) on ``batch`` without
         committing: the store keeps its step (see :meth:`StreamedExecutor.warm_up`)."""
-        self._executor().warm_up(self._micro(batch), key, step=int(state.step))
+        ex = self._executor()
+        try:
+            ex.warm_up(self._micro(batch), key, step=int(state.step))
+        except StoreCorruptError as err:
+            raise damaged(err, ex.store) from err
 
     #: :meth:`estimate` streams on the host (not jittable): diagnostics call it as it is
     host_estimate = True

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,6 +33,7 @@ from jaxstream.experiment.loop import TrainLoop
 from jaxstream.experiment.model_configs import MLPConfig, ModelConfig
 from jaxstream.experiment.progress import work_bar
 from jaxstream.experiment.registry import register_experiment
+from jaxstream.experiment.rundir import write_json
 from jaxstream.quality.baselines import ExactSubset, MicrobatchForward
 from jaxstream.quality.compare import compare
 from jaxstream.quality.report import write_outputs
@@ -263,5 +263,5 @@ def run_grad_quality(cfg: GradQualityConfig, run_dir: Path) -> dict[str, Any]:
         summary["gaussian_single_tangent"] = {**theory_check(stack, params, flat, cfg),
                                               "setting": on}
     summary.update(write_outputs(rows, cfg, run_dir))
-    (run_dir / "quality_summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(run_dir / "quality_summary.json", summary)  # atomically
     return summary

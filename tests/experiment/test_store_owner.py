@@ -135,3 +135,30 @@ def test_a_damaged_store_manifest_on_resume_says_how_to_go_on(tmp_path, capsys):
     assert main([*args, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "manifest.json" in err and "to go on, restore the store" in err, err
+
+
+def test_a_damaged_chunk_found_by_a_step_says_how_to_go_on(tmp_path, capsys):
+    """A chunk of the last commit damaged on disk: the resumed step that reads it names the
+    file and the ways on; the second way (roll back one commit, train on in a new run) runs."""
+    from jaxstream.cli import main
+
+    store = tmp_path / "stores" / "{arm}"
+    args = ["run", str(STREAM), *TINY, f"engine.store={store}", "--out", str(tmp_path / "a")]
+    assert main([*args, "max_steps=2"]) == 0
+    where = tmp_path / "stores" / "bp"
+    slot = json.loads((where / "manifest.json").read_text())["slots"]["blocks"][1]
+    chunk = next((where / "params" / "blocks" / "0" / "c" / "1" / str(slot)).rglob("*"))
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF  # one flipped bit pattern: the crc32c no longer matches
+    chunk.write_bytes(bytes(data))
+    assert main([*args, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and "nothing of this step was committed" in err, err
+    assert "rollback()" in err and "continue_store=true" in err, err
+    opened = LayerStore.open(str(where))
+    assert opened.rollback() == 1
+    opened.close()
+    b = ["run", str(STREAM), *TINY, f"engine.store={store}", "engine.continue_store=true",
+         "--out", str(tmp_path / "b")]
+    assert main(b) == 0
+    assert LayerStore.open(str(where)).step == 4
