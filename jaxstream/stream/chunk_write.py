@@ -24,8 +24,7 @@ import numpy as np
 WRITERS = ThreadPoolExecutor(8, thread_name_prefix="jaxstream-chunk-write")
 """The threads every direct chunk write of this process runs on."""
 
-_DIRS: set[str] = set()  # chunk directories known to exist
-_DIRS_LOCK = threading.Lock()
+TEMPORARY = ".__write."  # in the name of a chunk's temporary file (``<chunk>.__write.<pid>.<tid>``)
 
 
 def write_chunk(file: str, x: np.ndarray, crc: int, sync: bool = True) -> Future:
@@ -37,12 +36,13 @@ def write_chunk(file: str, x: np.ndarray, crc: int, sync: bool = True) -> Future
 
 def _write(file: str, x: np.ndarray, crc: int, sync: bool) -> None:
     folder = os.path.dirname(file)
-    if folder not in _DIRS:
+    tmp = f"{file}{TEMPORARY}{os.getpid()}.{threading.get_ident()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileNotFoundError:  # a slot never written yet: its folder is made now
         os.makedirs(folder, exist_ok=True)
-        with _DIRS_LOCK:
-            _DIRS.add(folder)
-    tmp = f"{file}.__write.{os.getpid()}.{threading.get_ident()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, flags, 0o644)
     try:
         data = memoryview(np.ascontiguousarray(x)).cast("B")
         tail = int(crc).to_bytes(4, "little")
@@ -77,3 +77,16 @@ def _remove(path: str) -> None:
         os.remove(path)
     except OSError:
         pass
+
+
+def remove_temporaries(folder: str) -> int:
+    """Removes the temporary files that writers killed mid-write left under ``folder`` (a
+    chunk directory tree); the number removed. Only for the writer holding the store's lock,
+    before its first write: no other write can be running."""
+    removed = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if TEMPORARY in name:
+                _remove(os.path.join(root, name))
+                removed += 1
+    return removed

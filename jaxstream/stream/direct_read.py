@@ -28,7 +28,7 @@ import crc32c
 import numpy as np
 import tensorstore as ts
 
-from jaxstream.stream.chunk_write import write_chunk
+from jaxstream.stream.chunk_write import remove_temporaries, write_chunk
 from jaxstream.stream.errors import StoreCorruptError, not_committed
 from jaxstream.stream.store_parts import ALIGN
 
@@ -137,6 +137,10 @@ class FileChunks:
         ``expect``: the crc32c the chunk must hold (the manifest's record of what was committed
         there), or None."""
         return ChunkRead(self.file(index), self._leaf_shape, self._dtype, what, expect)
+
+    def remove_temporaries(self) -> int:
+        """Removes the temporary files killed writers left among the chunks (the count)."""
+        return remove_temporaries(self._path)
 
     def write(self, index: tuple[int, ...], x: np.ndarray, crc: int, sync: bool = True) -> Future:
         """Writes ``x`` (the leaf's dtype and shape) and its crc32c ``crc`` as the chunk at

@@ -354,12 +354,14 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
         """Waits for the in-flight writes of ``key`` (writes are asynchronous): those of a
         commit still landing, which its reads see, and with ``staged`` this step's."""
         with self._lock:
-            futs = [f for k, f, _ in self._landing_writes if k == key]
-            futs += [f for k, f, _ in self._writes if k == key] if staged else []
+            landing = [f for k, f, _ in self._landing_writes if k == key]
+            futs = landing + ([f for k, f, _ in self._writes if k == key] if staged else [])
         for f in futs:
             try:
                 f.result()
             except Exception as err:
+                if f in landing:  # the landing's own error, raised here once (not kept for
+                    self.settle()  # the next write to raise again)
                 raise self._write_error(key, err) from err
 
     def _write_error(self, key: str, err: BaseException) -> StoreWriteError:
@@ -389,6 +391,12 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
         if m is None or int(m["generation"]) != int(self._m["generation"]):
             self._writer.release()
             raise StoreStaleError(self._other_writer(m))
+        if not self._swept:  # what writers killed mid-write left (once: none is writing now)
+            self._swept = True
+            for chunks in {d for d in self._direct.values() if d}:
+                chunks.remove_temporaries()
+
+    _swept = False  # the killed writers' temporary chunk files removed (first write)
 
     def abort(self) -> None:
         """Drops the staged writes of this step; the committed step stays as it was (a commit

@@ -82,3 +82,33 @@ def test_failed_commit_stops_the_next_step_before_it_writes(tmp_path, monkeypatc
     ex.step(_batch(1), jax.random.key(1), step=1)  # and training goes on from there
     store.settle()
     assert LayerStore.open(tmp_path / "s").step == 2
+
+
+def test_a_failed_chunk_write_on_the_landing_thread_is_raised_once(tmp_path, monkeypatch):
+    """A chunk write that fails while its commit lands (a full disk) fails the next step once,
+    naming the write; the store is back at the step before; the first retry after the disk
+    has room trains on (before, the same error was raised again by the retry)."""
+    from jaxstream.stream import chunk_write
+
+    store = LayerStore.create(tmp_path / "s", STACK.init(jax.random.key(0)), optimizer=SGD)
+    ex = StreamedExecutor(STACK, EST, SGD, store, StreamConfig(
+        compute_dtype="float32", update="eager", async_commit=True))
+    ex.step(_batch(0), jax.random.key(0))
+    store.settle()
+    real = chunk_write._write
+    full = {"on": True}
+
+    def write(file, x, crc, sync):
+        if full["on"] and "/blocks/" in file:
+            raise OSError(28, "No space left on device")
+        return real(file, x, crc, sync)
+
+    monkeypatch.setattr(chunk_write, "_write", write)
+    ex.step(_batch(1), jax.random.key(1))  # returns: its writes fail on the landing thread
+    with pytest.raises(StoreWriteError, match="No space left on device"):
+        ex.step(_batch(2), jax.random.key(2))
+    assert store.step == 1
+    full["on"] = False  # the disk has room again
+    ex.step(_batch(1), jax.random.key(1), step=1)  # the first retry trains on
+    store.settle()
+    assert LayerStore.open(tmp_path / "s").step == 2

@@ -105,3 +105,34 @@ def test_syncs_follow_file_io_sync(tmp_path, monkeypatch, sync):
     # manifest's own write is not here)
     assert sorted(synced) == (["fdatasync"] * 2 + ["fsync"] * 2 if sync else []), synced
     np.testing.assert_array_equal(_tensorstore_read(tmp_path / "s", 1)["w"], np.full((W, W), 3.0))
+
+
+def test_a_store_made_again_at_a_removed_path_trains(tmp_path):
+    """A notebook cell run twice (remove the store, create it again) wrote into folders the
+    first store had made and the process remembered: ENOENT on the first write."""
+    import shutil
+
+    path = tmp_path / "s"
+    for attempt in range(2):
+        shutil.rmtree(path, ignore_errors=True)
+        store = LayerStore.create(path, _params(), optimizer=optax.sgd(0.1))
+        store.write(1, _layer(float(attempt)))
+        store.commit(1)
+        np.testing.assert_array_equal(store.read(1).result()["w"], np.full((W, W), attempt))
+        store.close()
+
+
+def test_temporary_files_of_killed_writers_are_removed_by_the_next_writer(tmp_path):
+    path = tmp_path / "s"
+    store = LayerStore.create(path, _params(), optimizer=optax.sgd(0.1))
+    chunk = _chunk_files(path)[0]
+    left = [Path(f"{chunk}.__write.4242.{t}") for t in (1, 2)]  # a killed writer's two threads
+    for f in left:
+        f.write_bytes(b"partial")
+    store.close()
+    store = LayerStore.open(path, optimizer=optax.sgd(0.1))
+    assert all(f.exists() for f in left)  # a reader leaves them (a writer may be running)
+    store.write(1, _layer(1.0))  # the writer, holding the lock, removes them first
+    store.commit(1)
+    assert not any(f.exists() for f in left)
+    assert not [f for f in Path(path).rglob("*.__write.*")]
