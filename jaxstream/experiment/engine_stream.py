@@ -33,7 +33,9 @@ from jaxstream.experiment.engine_stream_checks import (
     check_optimizer,
     check_owner,
     check_store_paths,
+    damaged,
     data_bytes,
+    unreadable,
 )
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
 from jaxstream.experiment.rundir import read_run_id
@@ -213,14 +215,6 @@ class StreamState(NamedTuple):
     step: jax.Array
 
 
-def damaged(err: StoreCorruptError, store: LayerStore) -> StoreCorruptError:
-    """A damaged chunk a step (or its warm-up) read: the error with the ways on beside it."""
-    return type(err)(f"{err}; nothing of this step was committed (the store is at step "
-                     f"{store.step}). To go on, restore the store from a copy and --resume; "
-                     f"or, where the damaged chunk is one the last step wrote, return to the "
-                     f"step before it (LayerStore.open(path).rollback()) and train on from it "
-                     f"in a new run (engine.continue_store=true)")
-
 
 class StreamEngine:
     """Engine protocol over a :class:`StreamedExecutor` (see module docstring).
@@ -273,9 +267,8 @@ class StreamEngine:
                                    file_io_concurrency=self.cfg.file_io_concurrency)
         except StoreNotFoundError:
             return None
-        except (StoreCorruptError, StoreReadError) as err:  # the way on, beside what is wrong
-            raise type(err)(f"{err}; to go on, restore the store (or its manifest.json) from a "
-                            "copy, or start a new run with another engine.store") from err
+        except (StoreCorruptError, StoreReadError) as err:
+            raise unreadable(err) from err
         except StoreMismatchError:  # another optimizer's state: said so, naming both
             with contextlib.closing(LayerStore.open(self.location)) as plain:
                 check_optimizer(plain, self.location, self.optimizer_id)

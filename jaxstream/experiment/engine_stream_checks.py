@@ -108,3 +108,18 @@ def check_owner(store: Any, location: str | None, run_id: str | None,
             "engine.continue_store=true to train on from it deliberately")
     return [*store.extra.get("handovers", []),
             {"from_run": owner, "to_run": run_id, "step": store.step}]
+
+
+def damaged(err: StoreError, store: Any) -> StoreError:
+    """A damaged chunk a step (or its warm-up) read: the error with the ways on beside it."""
+    return type(err)(f"{err}; nothing of this step was committed (the store is at step "
+                     f"{store.step}). To go on, restore the store from a copy and --resume; "
+                     f"or, where the damaged chunk is one the last step wrote, return to the "
+                     f"step before it (LayerStore.open(path).rollback()) and train on from it "
+                     f"in a new run (engine.continue_store=true)")
+
+
+def unreadable(err: StoreError) -> StoreError:
+    """A store a resume cannot open (a damaged manifest): the error with the ways on."""
+    return type(err)(f"{err}; to go on, restore the store (or its manifest.json) from a copy, "
+                     "or start a new run with another engine.store")
