@@ -35,6 +35,7 @@ from jaxstream.experiment.engine_stream_checks import (
     check_store_paths,
     damaged,
     data_bytes,
+    identity,
     unreadable,
 )
 from jaxstream.experiment.engines import EngineConfig, register_engine, split_micro_batches
@@ -361,16 +362,7 @@ class StreamEngine:
             self._stamp = {**self._identity(), "handovers": handovers}
 
     def _identity(self) -> dict:
-        """What every commit records: the run (its identity and directory), and the optimizer
-        whose state the store holds."""
-        out: dict = {"run": self.run_id} if self.run_id else {}
-        if self.run_dir:
-            out["run_dir"] = self.run_dir
-        if self.optimizer_id is not None:
-            out["optimizer"] = self.optimizer_id
-        if self.rate is not None:
-            out["rate"] = self.rate
-        return out
+        return identity(self.run_id, self.run_dir, self.optimizer_id, self.rate)
 
     def _settle_pending(self, store: LayerStore) -> None:
         """Deferred (lazy) updates the store holds were made at the rate its last commit

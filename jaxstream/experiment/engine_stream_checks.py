@@ -123,3 +123,16 @@ def unreadable(err: StoreError) -> StoreError:
     """A store a resume cannot open (a damaged manifest): the error with the ways on."""
     return type(err)(f"{err}; to go on, restore the store (or its manifest.json) from a copy, "
                      "or start a new run with another engine.store")
+
+
+def identity(run_id: str | None, run_dir: str | None, optimizer_id: Any, rate: Any) -> dict:
+    """What every commit of a run records: the run (its identity and directory), the
+    optimizer whose state the store holds and its rate."""
+    out: dict = {"run": run_id} if run_id else {}
+    if run_dir:
+        out["run_dir"] = run_dir
+    if optimizer_id is not None:
+        out["optimizer"] = optimizer_id
+    if rate is not None:
+        out["rate"] = rate
+    return out
