@@ -53,7 +53,7 @@ def _write(file: str, x: np.ndarray, crc: int, sync: bool) -> None:
             else:
                 done += os.pwrite(fd, tail[done - data.nbytes:], done)
         if sync:
-            os.fdatasync(fd)
+            getattr(os, "fdatasync", os.fsync)(fd)  # (macOS has fsync only)
     except BaseException:
         os.close(fd)
         _remove(tmp)
