@@ -59,3 +59,9 @@ def not_committed(what: str, file: str = "") -> StoreNotCommittedError:
 class StoreDivergedError(StoreError, ArithmeticError):
     """The last commit failed the divergence guard (:mod:`jaxstream.stream.guard`): no step is
     staged past it, so the last sane commit stays whole for :meth:`LayerStore.rollback_to_sane`."""
+
+
+def write_failed(key: str, where: str, err: BaseException, step: int) -> StoreWriteError:
+    """A staged write of ``key`` that failed: the store stays at its committed ``step``."""
+    return StoreWriteError(f"writing {key} to the store at {where} failed ({err}); the store "
+                           f"is unchanged at its last committed step {step}")

@@ -49,6 +49,7 @@ from jaxstream.stream.errors import (
     StoreNotFoundError,
     StoreStaleError,
     StoreWriteError,
+    write_failed,
 )
 from jaxstream.stream.guard import leaf_sq
 from jaxstream.stream.io_bytes import IOBytes
@@ -366,8 +367,7 @@ class LayerStore(Reads, Spaces, Commits, Rollbacks):
 
     def _write_error(self, key: str, err: BaseException) -> StoreWriteError:
         self.abort()
-        return StoreWriteError(f"writing {key} to the store at {self._where} failed ({err}); the store "
-                               f"is unchanged at its last committed step {self.step}")
+        return write_failed(key, self._where, err, self.step)
 
     def _begin_write(self) -> None:
         """Takes the writer lock for this step (once) and checks no other writer committed

@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 
-from jaxstream.stream.errors import StoreError, StoreWriteError
+from jaxstream.stream.errors import StoreError, write_failed
 from jaxstream.stream.guard import guard_commit
 from jaxstream.stream.io_bytes import PART_OF_MANIFEST
 from jaxstream.stream.manifest import encode
@@ -134,9 +134,7 @@ class Commits:
                     try:
                         f.result()
                     except Exception as e:
-                        raise StoreWriteError(
-                            f"writing {key} to the store at {self._where} failed ({e}); the "
-                            f"store is unchanged at its last committed step {old['step']}") from e
+                        raise write_failed(key, self._where, e, old["step"]) from e
                 write_manifest(self._root, m, self._where)
             except BaseException as e:  # noqa: BLE001 - raised by settle() on the caller's thread
                 err.append(e)
